@@ -1,0 +1,1 @@
+"""Data sources: synthetic (tests/debug), Crafter (the embedded default) and VPT."""

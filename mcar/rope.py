@@ -1,0 +1,41 @@
+"""3D rotary position embedding: the head dimension is split across (time, row, col) axes."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_sections(head_dim: int) -> tuple[int, int, int]:
+    """Rotation pairs per axis (time, row, col), as even a split as possible, time first."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    pairs = head_dim // 2
+    if pairs < 3:
+        raise ValueError(f"head_dim must be >= 6 for 3D RoPE, got {head_dim}")
+    spatial = pairs // 3
+    return pairs - 2 * spatial, spatial, spatial
+
+
+class RoPE3D(nn.Module):
+    """cos/sin tables for integer (t, row, col) coordinates; each axis has its own frequency ladder."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        self.sections = rope_sections(head_dim)
+        inv = [base ** (-torch.arange(n, dtype=torch.float64) / n) for n in self.sections]
+        self.register_buffer("inv_freq", torch.cat(inv).float(), persistent=False)  # (D/2,)
+        self.register_buffer(
+            "axis", torch.repeat_interleave(torch.arange(3), torch.tensor(self.sections)), persistent=False
+        )  # (D/2,) which coordinate each pair rotates with
+
+    def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """coords (..., S, 3) long -> cos, sin (..., S, D/2) float32."""
+        angle = coords[..., self.axis].float() * self.inv_freq  # (..., S, D/2)
+        return angle.cos(), angle.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, D); cos/sin (B or 1, 1, S, D/2). Rotates the pairs (x[:D/2], x[D/2:])."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
