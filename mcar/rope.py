@@ -25,7 +25,7 @@ class RoPE3D(nn.Module):
         inv = [base ** (-torch.arange(n, dtype=torch.float64) / n) for n in self.sections]
         self.register_buffer("inv_freq", torch.cat(inv).float(), persistent=False)  # (D/2,)
         self.register_buffer(
-            "axis", torch.repeat_interleave(torch.arange(3), torch.tensor(self.sections)), persistent=False
+            "axis", torch.tensor([a for a, n in enumerate(self.sections) for _ in range(n)]), persistent=False
         )  # (D/2,) which coordinate each pair rotates with
 
     def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

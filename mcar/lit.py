@@ -1,0 +1,132 @@
+"""The LightningModule: wires the model, a mask factory and the optimiser. No model or schedule logic here."""
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from mcar.flops import peak_flops, train_flops_per_token
+from mcar.layout import Layout
+from mcar.masks import IGNORE, build_mask_factory
+from mcar.model import ModelConfig, Transformer
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """lr multiplier: linear warm-up to 1, then cosine down to min_ratio at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+class MCARModule(L.LightningModule):
+    def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
+                 action_loss: bool = False, compile: bool = False, peak_flops: float | None = None,
+                 model_name: str = "custom"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = Transformer(ModelConfig(**arch))
+        self.layout = Layout(**layout)
+        mask = dict(mask)
+        self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames,
+                                               action_loss=action_loss, **mask)
+        self.val_mask_factory = build_mask_factory("causal", self.layout, clip_frames, action_loss=action_loss,
+                                                   backend=mask.get("backend", "auto"))
+        self._t_last: float | None = None
+
+    def configure_model(self) -> None:
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.model.compile()  # in place: state_dict keys stay those of the plain model
+            self._compiled = True
+
+    # --- steps -------------------------------------------------------------------------------------------
+
+    def forward_loss(self, tokens: torch.Tensor, factory=None) -> torch.Tensor:
+        batch = (factory or self.mask_factory)(tokens)
+        logits = self.model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
+        return masked_loss(logits, batch.targets)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.forward_loss(batch["tokens"])
+        if not torch.isfinite(loss):
+            ckpt_dir = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+            raise FloatingPointError(
+                f"training loss is {loss.item()} at step {self.global_step}: stopping. "
+                f"The last good checkpoint is kept in {ckpt_dir}."
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss = self.forward_loss(batch["tokens"], self.val_mask_factory)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=len(batch["tokens"]))
+        if self.mask_factory.name != "causal":
+            tuned = self.forward_loss(batch["tokens"])
+            self.log(f"val/loss_{self.mask_factory.name}_mask", tuned, sync_dist=True,
+                     batch_size=len(batch["tokens"]))
+
+    # --- throughput, grad norm ---------------------------------------------------------------------------
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad.detach().norm() for p in self.parameters() if p.grad is not None]
+        if grads:  # before clipping (Lightning clips after this hook)
+            self.log("train/grad_norm", torch.linalg.vector_norm(torch.stack(grads)))
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        tokens = batch["tokens"].numel() * self.trainer.world_size
+        self.log("perf/tokens_per_s", tokens / dt)
+        self.log("perf/step_ms", 1000 * dt)
+        peak = peak_flops(self.device, self.hparams.peak_flops)
+        if peak:
+            cfg, S = self.model_config, batch["tokens"].shape[1]
+            fpt = train_flops_per_token(self.num_params(embeddings=False), cfg.n_layers, cfg.dim, S,
+                                        self.mask_density)
+            self.log("perf/mfu", fpt * tokens / dt / (peak * self.trainer.world_size))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.hparams.arch)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.model.parameters())
+        return n if embeddings else n - self.model_config.vocab_size * self.model_config.dim
+
+    @property
+    def mask_density(self) -> float:
+        """Fraction of (query, key) pairs the training mask keeps (attention FLOPs)."""
+        if not hasattr(self, "_mask_density"):
+            table = self.mask_factory.table()
+            self._mask_density = table.dense().float().mean().item()
+        return self._mask_density
+
+    # --- optimiser ---------------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        o = self.hparams.optim
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]  # norms
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, o["warmup_steps"], self.hparams.max_steps, o["min_lr_ratio"])
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,190 @@
+"""The task wrapper behind train.py and finetune.py: builds data, module, logger and trainer from the Hydra
+config, resolves checkpoints, and always closes the W&B run (so multirun jobs each get their own run)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+import mcar.config  # noqa: F401  (registers resolvers)
+from mcar.config import to_dict
+from mcar.lit import MCARModule
+
+log = logging.getLogger("mcar")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temporary file, then rename: a kill mid-save never corrupts the last good checkpoint."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, path)
+
+
+class SeenClips(Callback):
+    """Appends the clip indices each rank trained on to <output_dir>/seen_clips_rank<r>.txt (data audit)."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = Path(output_dir)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "clip_index" in batch:
+            with open(self.output_dir / f"seen_clips_rank{trainer.global_rank}.txt", "a") as f:
+                f.write(f"{trainer.global_step} {' '.join(map(str, batch['clip_index'].tolist()))}\n")
+
+
+def finish_wandb(fn):
+    """Task wrapper: whatever happens, close the W&B run so the next multirun job opens its own."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.finish()
+            except ImportError:
+                pass
+
+    return wrapped
+
+
+def hydra_job() -> tuple[bool, int, str]:
+    """(is multirun, job number, group name) of the current Hydra job; (False, 0, 'mcar') outside Hydra."""
+    if not HydraConfig.initialized():
+        return False, 0, "mcar"
+    hc = HydraConfig.get()
+    multi = hc.mode == RunMode.MULTIRUN
+    group = Path(hc.sweep.dir).name if multi else hc.job.name
+    return multi, hc.job.num if multi else 0, group
+
+
+def finalize_run_name(cfg: DictConfig) -> None:
+    multi, num, group = hydra_job()
+    with open_dict(cfg):
+        if multi:
+            cfg.run_name = f"{cfg.run_name}-j{num}"
+        if cfg.get("logger") and "group" in cfg.logger:
+            cfg.logger.group = group
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.checkpoint_root) / cfg.run_name
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt; else a file that must exist."""
+    p = cfg.get("ckpt_path")
+    if p is None:
+        return None
+    path = checkpoint_dir(cfg) / "last.ckpt" if p == "last" else Path(p)
+    if not path.is_file():
+        hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
+        raise FileNotFoundError(f"ckpt_path: checkpoint not found: {path}{hint}")
+    return str(path)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # truncated or not a checkpoint at all
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def check_state_shapes(module: torch.nn.Module, state: dict, source: str) -> None:
+    """Raise a clear error naming every tensor whose name or shape differs from the module's."""
+    own = module.state_dict()
+    wrong = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+             for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        lines = wrong + [f"{k}: missing in checkpoint" for k in missing] + \
+                [f"{k}: not in this model" for k in unexpected]
+        shown = "\n  ".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
+        raise ValueError(f"checkpoint {source} does not fit this model ({len(lines)} tensors differ):\n  {shown}")
+
+
+def build_module(cfg: DictConfig) -> MCARModule:
+    d = cfg.data
+    return MCARModule(
+        arch=to_dict(cfg.model.arch),
+        layout={"h": d.h, "w": d.w, "n_a": d.n_a},
+        clip_frames=d.clip_frames,
+        mask=to_dict(cfg.mask),
+        optim=to_dict(cfg.optim),
+        max_steps=cfg.trainer.max_steps,
+        action_loss=cfg.action_loss,
+        compile=cfg.compile,
+        peak_flops=cfg.get("peak_flops"),
+        model_name=cfg.model.name,
+    )
+
+
+def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
+    callbacks: list[Callback] = [
+        ModelCheckpoint(
+            dirpath=checkpoint_dir(cfg),
+            filename="step{step:07d}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=cfg.checkpoint.every_n_steps,
+            save_top_k=-1,
+            save_last=True,
+        )
+    ]
+    if cfg.get("record_seen_clips"):
+        callbacks.append(SeenClips(output_dir))
+    logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
+    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger,
+                                   plugins=[AtomicCheckpointIO()], _convert_="partial")
+
+
+@finish_wandb
+def run(cfg: DictConfig, init_from: str | None = None) -> dict:
+    """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning)."""
+    finalize_run_name(cfg)
+    output_dir = cfg.paths.output_dir
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+    ckpt_path = resolve_ckpt_path(cfg)
+
+    datamodule = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    with torch.device("cpu"):
+        module = build_module(cfg)
+    if ckpt_path:
+        check_state_shapes(module, load_checkpoint(ckpt_path)["state_dict"], ckpt_path)
+    if init_from:
+        state = load_checkpoint(init_from)["state_dict"]
+        check_state_shapes(module, state, init_from)
+        module.load_state_dict(state)
+    log.info("model %s: %.2fM parameters (%.2fM without embeddings)", cfg.model.name,
+             module.num_params() / 1e6, module.num_params(embeddings=False) / 1e6)
+
+    trainer = build_trainer(cfg, output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if trainer.logger:
+        trainer.logger.log_hyperparams({"config": resolved})
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    log.info("done: %s; checkpoints in %s", metrics, checkpoint_dir(cfg))
+    return metrics

@@ -1,0 +1,48 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# a small geometry keeps every end-to-end job to seconds on 2 CPU cores
+SMALL_DATA = ["data=synthetic", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.batch_size=2",
+              "data.codebook_size=32", "data.action_vocab_size=8", "data.train_clips=32", "data.val_clips=2"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def script_env() -> dict:
+    env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def job_overrides(tmp: Path, run_dir: str = "out") -> list[str]:
+    return [f"paths.checkpoint_root={tmp}/ckpt", f"hydra.run.dir={tmp}/{run_dir}", f"hydra.sweep.dir={tmp}/multi"]
+
+
+def run_script(script: str, *overrides: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run train.py / finetune.py / python -m ... as a user would; returns the finished process."""
+    cmd = [sys.executable, *(script.split() if script.startswith("-m") else [str(REPO / script)]), *overrides]
+    p = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def compose(config_name: str = "train", overrides: list[str] = ()):
+    """The real config, composed as Hydra would, with overrides (no output dir side effects)."""
+    import mcar.config  # noqa: F401
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))

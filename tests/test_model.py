@@ -1,0 +1,143 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mcar.layout import Layout
+from mcar.masks import CausalMask, SlotTable, causal_table
+from mcar.model import ModelConfig, Transformer
+from mcar.rope import RoPE3D, apply_rope, rope_sections
+
+from .conftest import compose
+
+
+def tiny(vocab=40, **kw):
+    cfg = dict(vocab_size=vocab, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96) | kw
+    return Transformer(ModelConfig(**cfg)).eval()
+
+
+def test_coords_follow_layout_and_are_never_zero():
+    lay = Layout(h=3, w=4, n_a=2)
+    c = lay.coords(frames=2)
+    assert c.shape == (2 * 14, 3)
+    assert (c > 0).all(), "a zero coordinate means an identity rotation on that axis"
+    assert c[lay.pos(1, 2, 3)].tolist() == [2, 3, 4]
+    assert c[lay.action_pos(0, 1)].tolist() == [1, 4, 2]  # actions on virtual row h (1-based h+1)
+    assert lay.is_image(2).sum() == 24
+
+
+def test_rope_rotates_every_slot():
+    lay, rope = Layout(3, 4, 2), RoPE3D(head_dim=12)
+    cos, sin = rope(lay.coords(2))
+    x = torch.randn(1, 1, 28, 12)
+    y = apply_rope(x, cos[None, None], sin[None, None])
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)  # a rotation
+    assert ((y - x).abs().amax(-1) > 1e-3).all(), "some slot got no rotation"
+    assert sum(rope_sections(12)) == 6
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=3, max_size=3), st.lists(st.integers(1, 30), min_size=3, max_size=3),
+       st.lists(st.integers(-5, 5), min_size=3, max_size=3))
+def test_rope_scores_depend_only_on_coordinate_difference(a, b, shift):
+    """q.k after 3D RoPE is a function of (coord_q - coord_k) on each axis."""
+    rope = RoPE3D(head_dim=12)
+    q, k = torch.randn(1, 1, 1, 12, dtype=torch.float64), torch.randn(1, 1, 1, 12, dtype=torch.float64)
+
+    def score(cq, ck):
+        cq_, sq_ = rope(torch.tensor([cq]))
+        ck_, sk_ = rope(torch.tensor([ck]))
+        return (apply_rope(q, cq_.double(), sq_.double()) * apply_rope(k, ck_.double(), sk_.double())).sum()
+
+    moved = ([x + s + 10 for x, s in zip(a, shift)], [x + s + 10 for x, s in zip(b, shift)])
+    assert torch.allclose(score(a, b), score(*moved), atol=1e-4)
+
+
+def test_llama_parts_no_bias_untied_gqa():
+    m = tiny()
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    assert m.output.weight.data_ptr() != m.tok_embeddings.weight.data_ptr()
+    assert m.layers[0].attention.wqkv.out_features == (4 + 2 * 2) * 12  # 4 query heads, 2 kv heads
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(vocab_size=8, dim=48, n_heads=4, n_kv_heads=3)
+
+
+@pytest.mark.parametrize("name,dim,mlp,heads", [("300m", 1024, 4096, 16), ("700m", 2048, 4096, 32),
+                                                ("1.2b", 2048, 8192, 32)])
+def test_paper_sizes(name, dim, mlp, heads):
+    cfg = compose("train", [f"model={name}", "data=synthetic", "data.codebook_size=8192"])
+    arch = cfg.model.arch
+    assert (arch.dim, arch.mlp_dim, arch.n_heads, arch.n_layers) == (dim, mlp, heads, 20)
+    assert cfg.model.warmup_steps == 10_000
+    with torch.device("meta"):
+        n = Transformer(ModelConfig(**arch)).num_params(embeddings=False)
+    per_layer = 4 * dim * dim + 3 * dim * mlp + 2 * dim
+    assert n == 20 * per_layer + dim + arch.vocab_size * dim  # + final norm + output head
+
+
+def random_table(n: int, gen: torch.Generator) -> SlotTable:
+    """A random schedule-like table: random feed passes, random proxies, positions a permutation."""
+    return SlotTable(feed_pass=torch.randint(0, 5, (n,), generator=gen), pos=torch.randperm(n, generator=gen),
+                     is_proxy=torch.rand(n, generator=gen) < 0.2)
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_dense_sdpa_and_flex_blockmask_agree(kind):
+    """The CPU path (SDPA + dense bool) and the GPU path (flex + BlockMask) from one mask function."""
+    lay, frames = Layout(3, 4, 2), 4
+    n = lay.n_slots(frames)
+    table = causal_table(n) if kind == "causal" else random_table(n, torch.Generator().manual_seed(1))
+    m, tokens, coords = tiny(), torch.randint(0, 40, (2, n)), lay.coords(frames)
+    with torch.no_grad():
+        dense = m(tokens, coords, table.dense())
+        flex = m(tokens, coords, table.block_mask(block_size=16))
+    torch.testing.assert_close(dense, flex, rtol=1e-4, atol=1e-4)
+    if kind == "causal":
+        torch.testing.assert_close(dense, m(tokens, coords, None), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_rule_on_a_handmade_table():
+    t = SlotTable(feed_pass=torch.tensor([0, 0, 1, 1]), pos=torch.tensor([0, 1, 3, 2]),
+                  is_proxy=torch.tensor([False, False, False, True]))
+    expected = torch.tensor([[1, 0, 0, 0],
+                             [1, 1, 0, 0],
+                             [1, 1, 1, 0],   # slot 3 is a proxy: only its own query sees it
+                             [1, 1, 0, 1]], dtype=torch.bool)  # pos 3 > pos 2: hidden from the proxy
+    assert torch.equal(t.dense(), expected)
+    full = SlotTable(t.feed_pass, t.pos, t.is_proxy, full=True).dense()
+    assert full[1, 0] and not full[0, 1]
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_cached_forward_matches_parallel_and_ignores_unwritten_nan(chunk):
+    lay, frames = Layout(3, 4, 2), 3
+    n = lay.n_slots(frames)
+    m, tokens, coords = tiny(), torch.randint(0, 40, (2, n)), lay.coords(frames)
+    with torch.no_grad():
+        ref = m(tokens, coords, None)
+        m.setup_cache(2, n)
+        for layer in m.layers:  # unwritten slots must never be read, not even as NaN * 0
+            layer.attention.cache.k.fill_(float("nan"))
+            layer.attention.cache.v.fill_(float("nan"))
+        outs = []
+        for s in range(0, n, chunk):
+            pos = torch.arange(s, min(s + chunk, n))
+            mask = torch.zeros(len(pos), n + len(pos), dtype=torch.bool)
+            mask[:, :s] = True  # all earlier slots are in the cache
+            mask[:, n:] = torch.ones(len(pos), len(pos), dtype=torch.bool).tril()
+            outs.append(m(tokens[:, pos], coords[pos], mask[None], pos))
+        m.clear_cache()
+    got = torch.cat(outs, 1)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_targets_only_image_tokens():
+    lay, frames = Layout(2, 2, 1), 2
+    clip = torch.arange(10)[None]
+    b = CausalMask(lay, frames)(clip)
+    # slots: [c c c c a | c c c c a]; slot p predicts clip[p+1] when p+1 is an image slot
+    assert b.targets[0].tolist() == [1, 2, 3, -100, 5, 6, 7, 8, -100, -100]
+    with_actions = CausalMask(lay, frames, action_loss=True)(clip)
+    assert with_actions.targets[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, -100]
+    with pytest.raises(ValueError, match="layout wants"):
+        CausalMask(lay, 3)(clip)
