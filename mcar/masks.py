@@ -82,6 +82,13 @@ def next_token_targets(clip: torch.Tensor, layout: Layout, frames: int, action_l
     return torch.where(keep, targets, torch.full_like(targets, IGNORE))
 
 
+def check_clip(clip: torch.Tensor, layout: Layout, frames: int) -> None:
+    n = layout.n_slots(frames)
+    if clip.dim() != 2 or clip.shape[1] != n:
+        raise ValueError(f"clip has shape {tuple(clip.shape)}, the layout wants (B, {frames} frames x "
+                         f"{layout.frame_len} = {n})")
+
+
 class CausalMask:
     """Pre-training: the plain causal mask over the flat clip."""
 
@@ -101,10 +108,7 @@ class CausalMask:
 
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         """clip (B, N) long, N = frames * frame_len."""
-        n = self.layout.n_slots(self.frames)
-        if clip.shape[1] != n:
-            raise ValueError(f"clip has {clip.shape[1]} slots, the layout wants {self.frames} frames x "
-                             f"{self.layout.frame_len} = {n}")
+        check_clip(clip, self.layout, self.frames)
         return MaskedBatch(
             tokens=clip,
             coords=self.coords.to(clip.device),
@@ -115,13 +119,9 @@ class CausalMask:
 
 def build_mask_factory(name: str, layout: Layout, frames: int, **kwargs):
     """mask=<name> from the config -> a mask factory."""
-    factories = {"causal": CausalMask}
-    try:
-        from mcar import diagd_mask  # noqa: F401  (registers diagd, diagd_full when present)
+    from mcar.diagd_mask import FACTORIES as DIAGD  # here, not at the top: diagd_mask imports this module
 
-        factories.update(diagd_mask.FACTORIES)
-    except ImportError:
-        pass
+    factories = {"causal": CausalMask, **DIAGD}
     if name not in factories:
         raise ValueError(f"mask.name={name!r} is unknown; choose one of {sorted(factories)}")
     return factories[name](layout, frames, **kwargs)

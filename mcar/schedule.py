@@ -1,0 +1,168 @@
+"""The ONE generation schedule: DiagD (../shared/DIAGD.md sections 3-5), and NTP as its raster special case.
+
+Generalised to P >= 1 prompt frames: image token c[t,i,j] of a generated frame t >= P is generated in pass
+
+    G(t,i,j) = (t-P)*d + i*k + j              passes = (T-P-1)*d + s_spa,   s_spa = (h-1)*k + w
+
+and every slot p has a feed pass F(p), the pass in which its key/value is computed and written:
+prompt frames and their actions -> 0; generated image tokens -> G+1; actions a[t-1,.] of frame t > P -> (t-P)*d.
+A generated token whose real predecessor is not fed by its generation pass (a row start when k < w; a frame
+start when n_a = 0 and d < s_spa) is predicted by an ephemeral proxy input instead, at the predecessor's
+position and coordinate. NTP is `Schedule.ntp` = k = w, d = h*w: no proxies, and the rule of section 5
+becomes the causal mask.
+
+The schedule is laid out as a sequence of input rows (every slot in layout order, each proxy right after
+the slot it stands in for). The mask factory feeds that sequence in one pass; the samplers feed the rows of
+pass s in forward pass s (`Schedule.plan`). Nothing else recomputes any of this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcar.layout import Layout
+from mcar.masks import SlotTable
+
+PROXIES = ("prev_frame", "above")
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass
+class PassPlan:
+    """What forward pass s feeds and samples; all tensors precomputed, on the sampler's device."""
+
+    src: torch.Tensor  # (Sq,) long: slot whose token each input row carries (a proxy: its content source)
+    coords: torch.Tensor  # (Sq, 3) long: RoPE coordinate of each input row
+    cache_pos: torch.Tensor  # (Sq,) long: cache slot written after attending (proxies: the scratch slot N)
+    mask: torch.Tensor  # (1, Sq, N+1+Sq) bool: [cache slots | scratch | this pass's inputs]
+    out_rows: torch.Tensor  # (n_out,) long: input rows whose output predicts a generated token
+    out_slots: torch.Tensor  # (n_out,) long: the slot each of those outputs predicts
+    out_index: torch.Tensor  # (n_out,) long: index of that slot in `Schedule.gen_slots`
+    n_out: int
+
+
+class Schedule:
+    def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, k: int = 2, d: int | None = None,
+                 proxy: str = "prev_frame"):
+        h, w = layout.h, layout.w
+        _check(frames >= 2, f"frames={frames} is invalid: a clip needs >= 2 frames (a prompt and a target)")
+        _check(prompt_frames >= 1, f"prompt_frames={prompt_frames} is invalid: it must be >= 1")
+        _check(prompt_frames < frames,
+               f"prompt_frames={prompt_frames} is invalid: it must be in [1, frames-1] = [1, {frames - 1}]")
+        _check(k >= 1, f"k={k} is invalid: k must be >= 1")
+        s_spa = (h - 1) * k + w
+        d = s_spa if d is None else d
+        _check(1 <= d <= s_spa, f"d={d} is invalid: d must be in [1, s_spa] = [1, {s_spa}] "
+                                f"(s_spa = (h-1)*k + w for h={h}, w={w}, k={k}); null means s_spa")
+        _check(proxy in PROXIES, f"proxy={proxy!r} is invalid: choose one of {', '.join(PROXIES)}")
+        self.layout, self.frames, self.prompt_frames = layout, frames, prompt_frames
+        self.k, self.d, self.proxy, self.s_spa = k, d, proxy, s_spa
+        self.passes = (frames - prompt_frames - 1) * d + s_spa
+        self.n_slots = layout.n_slots(frames)
+        self._slots()
+        self._proxies()
+        self._sequence()
+        self._plans: dict = {}
+
+    @classmethod
+    def ntp(cls, layout: Layout, frames: int, prompt_frames: int = 1) -> "Schedule":
+        """Raster order, one image token per pass: DiagD with k = w, d = s_spa = h*w (no proxies)."""
+        return cls(layout, frames, prompt_frames, k=layout.w, d=layout.h * layout.w)
+
+    # ---- per slot -------------------------------------------------------------------------------------
+    def _slots(self):
+        L, hw, w, P = self.layout.frame_len, self.layout.frame_tokens, self.layout.w, self.prompt_frames
+        slot = torch.arange(self.n_slots)
+        t, r = slot // L, slot % L
+        is_img = r < hw
+        self.generated = is_img & (t >= P)  # (N,) bool
+        # (N,) long, -1 where not generated
+        self.gen_pass = torch.where(self.generated, (t - P) * self.d + (r // w) * self.k + r % w, -1)
+        self.feed_pass = torch.where(t < P, 0, torch.where(is_img, self.gen_pass + 1, (t + 1 - P) * self.d))
+        self.coords = self.layout.coords(self.frames)  # (N, 3)
+        self.gen_slots = slot[self.generated]  # (n_gen,) generated slots in layout order
+
+    def _proxies(self):
+        """A generated x gets a proxy iff its real predecessor x-1 is fed after x's generation pass."""
+        L, w = self.layout.frame_len, self.layout.w
+        x = self.gen_slots
+        target = x[self.feed_pass[x - 1] > self.gen_pass[x]]  # (n_px,)
+        row = (target % L) // w
+        if self.proxy == "above":  # c[t,i-1,0]; a frame start (i = 0) has no row above: c[t-1,0,0]
+            source = torch.where(row >= 1, target - w, target - L)
+        else:  # prev_frame: c[t-1,i,0]
+            source = target - L
+        self.proxy_target, self.proxy_source, self.proxy_pred = target, source, target - 1
+        self.proxy_pass = self.gen_pass[target]  # (n_px,) fed in the pass that generates its target
+        # the content must be sampled before the proxy is fed (generated in an earlier pass, or a prompt token)
+        src_gen = self.gen_pass[source]
+        assert bool(((src_gen < 0) | (src_gen < self.proxy_pass)).all()), "proxy source not yet generated"
+
+    # ---- the input sequence: real slots + proxies -----------------------------------------------------
+    def _sequence(self):
+        N, n_px = self.n_slots, len(self.proxy_target)
+        slot = torch.arange(N)
+        proxied = torch.zeros(N + 1, dtype=torch.bool)
+        proxied[self.proxy_target] = True
+        real_target = torch.where(proxied[1:], -1, slot + 1)  # the row start's real predecessor predicts nothing
+        real_target[-1] = -1
+        order = torch.cat([2 * slot, 2 * self.proxy_pred + 1]).argsort()  # each proxy right after its pred
+        self.seq_pos = torch.cat([slot, self.proxy_pred])[order]  # (S,) layout position of each row
+        self.seq_src = torch.cat([slot, self.proxy_source])[order]  # (S,) slot whose token the row carries
+        self.seq_is_proxy = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(n_px, dtype=torch.bool)])[order]
+        self.seq_feed_pass = torch.cat([self.feed_pass, self.proxy_pass])[order]  # (S,)
+        self.seq_target = torch.cat([real_target, self.proxy_target])[order]  # (S,) slot predicted, -1 none
+        self.seq_coords = self.coords[self.seq_pos]  # (S, 3): a proxy has its predecessor's coordinate
+        rows = torch.arange(N + n_px)
+        self.row_of_slot = rows[~self.seq_is_proxy]  # (N,) row of each real slot
+        has = self.seq_target >= 0
+        self.predictor_row = torch.full((N,), -1, dtype=torch.long)  # (N,) row predicting each slot
+        self.predictor_row[self.seq_target[has]] = rows[has]
+        # pass in which each generated token is sampled: its predictor's feed pass (< G only when k > w)
+        self.out_pass = self.seq_feed_pass[self.predictor_row[self.gen_slots]]  # (n_gen,)
+
+    def table(self, full: bool = False, device=None) -> SlotTable:
+        """The sequence's visibility table (DIAGD.md section 5); `full` = the diagd_full variant."""
+        return SlotTable(self.seq_feed_pass.to(device), self.seq_pos.to(device), self.seq_is_proxy.to(device),
+                         full)
+
+    # ---- per pass, for the samplers -------------------------------------------------------------------
+    def plan(self, full: bool = False, device=None) -> list[PassPlan]:
+        """One PassPlan per non-empty pass (a pass is empty only when k > w), cached per (full, device)."""
+        key = (full, str(device))
+        if key not in self._plans:
+            self._plans[key] = list(self._build_plan(full, device))
+        return self._plans[key]
+
+    def _build_plan(self, full, device):
+        N, F = self.n_slots, self.seq_feed_pass
+        counts = torch.bincount(F, minlength=self.passes + 1)[: self.passes]
+        rows = F.argsort(stable=True)[: int(counts.sum())]  # (R,) the rows the sampler feeds, grouped by pass
+        visible = self.table(full).dense()[rows]  # (R, S): the one rule, evaluated once
+        written = self.feed_pass[None, :] < F[rows, None]  # (R, N) cache slots written by earlier passes
+        cache = (visible[:, self.row_of_slot] & written).to(device)  # (R, N): cache column c holds slot c
+        own = visible[:, rows].to(device)  # (R, R): a pass's own inputs are a diagonal block
+        target = self.seq_target[rows]
+        out = (target >= 0) & self.generated[target.clamp(min=0)]  # (R,) output predicts a generated token
+        gen_index = torch.full((N,), -1, dtype=torch.long)
+        gen_index[self.gen_slots] = torch.arange(len(self.gen_slots))
+        src, coords = self.seq_src[rows].to(device), self.seq_coords[rows].to(device)
+        cache_pos = torch.where(self.seq_is_proxy[rows], N, self.seq_pos[rows]).to(device)  # proxies: scratch N
+        scratch = torch.zeros(len(rows), 1, dtype=torch.bool, device=device)
+        ends = counts.cumsum(0).tolist()
+        for a, b in zip([0] + ends[:-1], ends):
+            if a == b:
+                continue
+            out_rows = out[a:b].nonzero().squeeze(1)
+            out_slots = target[a:b][out_rows]
+            yield PassPlan(
+                src=src[a:b], coords=coords[a:b], cache_pos=cache_pos[a:b],
+                mask=torch.cat([cache[a:b], scratch[a:b], own[a:b, a:b]], dim=1)[None],  # (1, Sq, N+1+Sq)
+                out_rows=out_rows.to(device), out_slots=out_slots.to(device),
+                out_index=gen_index[out_slots].to(device), n_out=len(out_rows),
+            )

@@ -1,0 +1,211 @@
+"""DIAGD.md section 6: the teacher-forced samplers compute exactly the one-pass masked forward's logits.
+
+Tiny random float32 models; every comparison is a max relative error against 1e-4.
+"""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mcar.diagd_mask import DiagDFullMask, DiagDMask
+from mcar.layout import Layout
+from mcar.masks import IGNORE, CausalMask, SlotTable, build_mask_factory, next_token_targets
+from mcar.model import ModelConfig, Transformer
+from mcar.sampler import DiagDSampler, NTPSampler, build_sampler, diagd_val_loss
+
+V, T, TOL = 32, 4, 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96, init_std=0.2)
+    return Transformer(cfg).eval()
+
+
+def clip_for(layout, frames=T, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (batch, layout.n_slots(frames)), generator=g)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def masked_logits(model, factory, clip):
+    """One parallel forward over the factory's sequence -> (B, N, V) logits indexed by the slot predicted."""
+    batch = factory(clip)
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
+    rows = getattr(factory, "predictor_row", torch.arange(clip.shape[1]) - 1)  # causal: slot p-1 predicts p
+    return logits[:, rows]
+
+
+@pytest.mark.parametrize("n_a", [0, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("d", [None, 3])  # spatial-only (s_spa) and overlapping
+@pytest.mark.parametrize("proxy", ["prev_frame", "above"])
+@pytest.mark.parametrize("factory", [DiagDMask, DiagDFullMask])
+def test_diagd_parity(model, n_a, k, d, proxy, factory):
+    layout, frames = Layout(3, 4, n_a), 3  # frames 1 and 2 overlap when d < s_spa
+    clip = clip_for(layout, frames)
+    mask = factory(layout, frames, k=k, d=d, proxy=proxy)
+    tf = DiagDSampler(layout, frames, 1, k=k, d=d, proxy=proxy, full=factory.full).teacher_forced(model, clip)
+    assert tf.logits.shape == (2, (frames - 1) * 12, V)
+    assert rel_err(tf.logits, masked_logits(model, mask, clip)[:, tf.slots]) < TOL
+
+
+@pytest.mark.parametrize("n_a", [0, 2])
+@pytest.mark.parametrize("prompt_frames", [1, 2])
+def test_ntp_parity_with_causal(model, n_a, prompt_frames):
+    layout = Layout(3, 4, n_a)
+    clip = clip_for(layout)
+    tf = NTPSampler(layout, T, prompt_frames).teacher_forced(model, clip)
+    assert rel_err(tf.logits, masked_logits(model, CausalMask(layout, T), clip)[:, tf.slots]) < TOL
+
+
+@pytest.mark.parametrize("k, d", [(2, None), (1, 2), (6, None)])  # k > w: idle passes, no proxies
+def test_diagd_parity_with_more_prompt_frames(model, k, d):
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    mask = DiagDMask(layout, T, k=k, d=d, prompt_frames=2)
+    tf = DiagDSampler(layout, T, 2, k=k, d=d).teacher_forced(model, clip)
+    assert len(tf.slots) == 2 * 12
+    assert rel_err(tf.logits, masked_logits(model, mask, clip)[:, tf.slots]) < TOL
+
+
+def test_parity_is_sensitive(model):
+    """The comparisons above can fail: other masks, proxies or an off-by-one feed pass give other logits."""
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    tf = DiagDSampler(layout, T, 1, k=2, d=3).teacher_forced(model, clip)
+    for other in [DiagDFullMask(layout, T, k=2, d=3), DiagDMask(layout, T, k=2, d=3, proxy="above"),
+                  CausalMask(layout, T)]:
+        assert rel_err(tf.logits, masked_logits(model, other, clip)[:, tf.slots]) > 1e-2
+    # F = G for generated image tokens (an input fed in the pass that samples it)
+    mask = DiagDMask(layout, T, k=2, d=3)
+    s = mask.schedule
+    gen_rows = ~s.seq_is_proxy & s.generated[s.seq_pos]
+    wrong = SlotTable(s.seq_feed_pass - gen_rows.long(), s.seq_pos, s.seq_is_proxy)
+    batch = mask(clip)
+    with torch.no_grad():
+        logits = model(batch.tokens, batch.coords, wrong.dense())[:, s.predictor_row[tf.slots]]
+    assert rel_err(tf.logits, logits) > 1e-2
+
+
+@pytest.mark.parametrize("n_a, d", [(2, None), (0, None), (2, 12)])  # d = s_spa = h*w, or null
+def test_diagd_with_k_equal_w_is_ntp(model, n_a, d):
+    layout = Layout(3, 4, n_a)
+    clip = clip_for(layout)
+    s_spa = layout.h * layout.w
+    diag = DiagDSampler(layout, T, 1, k=layout.w, d=d, top_k=1)
+    ntp = NTPSampler(layout, T, 1, top_k=1)
+    assert diag.schedule().passes == ntp.schedule().passes == (T - 1) * s_spa
+    tok_d, stats_d = diag.generate(model, clip)
+    tok_n, stats_n = ntp.generate(model, clip)
+    assert torch.equal(tok_d, tok_n) and stats_d.passes == stats_n.passes
+    assert rel_err(diag.teacher_forced(model, clip).logits, ntp.teacher_forced(model, clip).logits) < TOL
+
+
+def test_greedy_generation_is_teacher_forced_on_its_own_output(model):
+    """Greedy tokens are the argmax of the teacher-forced logits on the generated clip."""
+    layout = Layout(3, 4, 2)
+    sampler = DiagDSampler(layout, T, 1, k=2, d=3, temperature=0)
+    tokens, stats = sampler.generate(model, clip_for(layout))
+    tf = sampler.teacher_forced(model, tokens)
+    assert torch.equal(tf.logits.argmax(-1), tokens[:, tf.slots])
+    assert stats.passes == sampler.schedule().passes and stats.tokens == 2 * 3 * 12
+
+
+def test_generation_reads_only_the_prompt_and_actions(model):
+    layout = Layout(3, 4, 2)
+    a, b = clip_for(layout, seed=1), clip_for(layout, seed=2)
+    keep = ~DiagDSampler(layout, T, 2, k=2).schedule().generated
+    b[:, keep] = a[:, keep]  # same prompt frames and actions, other (ignored) image tokens
+    sampler = DiagDSampler(layout, T, 2, k=2, top_k=8, top_p=0.9, temperature=0.8, seed=3)
+    out_a, _ = sampler.generate(model, a)
+    out_b, _ = sampler.generate(model, b)
+    assert torch.equal(out_a, out_b)  # seeded, and blind to the non-prompt image tokens
+    assert torch.equal(out_a[:, keep], a[:, keep])
+    assert not torch.equal(out_a[:, ~keep], a[:, ~keep])
+
+
+@pytest.mark.parametrize("k, d", [(2, 3), (4, None)])
+def test_nan_poisoned_cache_never_reaches_logits(model, k, d):
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    sampler = DiagDSampler(layout, T, 1, k=k, d=d)
+    clean = sampler.teacher_forced(model, clip)
+    model.setup_cache(2, layout.n_slots(T) + 1)
+    for layer in model.layers:
+        layer.attention.cache.k.fill_(float("nan"))
+        layer.attention.cache.v.fill_(float("nan"))
+    poisoned = sampler.teacher_forced(model, clip, setup_cache=False)
+    assert torch.isfinite(poisoned.logits).all()
+    assert rel_err(poisoned.logits, clean.logits) < TOL
+    with pytest.raises(ValueError, match="setup_cache=False"):
+        sampler.teacher_forced(model, clip[:1], setup_cache=False)
+
+
+@pytest.mark.parametrize("factory", ["diagd", "diagd_full"])
+def test_dense_mask_equals_block_mask(model, factory):
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout, frames=3)
+    mask = build_mask_factory(factory, layout, 3, k=2, d=3, backend="flex")
+    batch = mask(clip)
+    table = mask.table()
+    with torch.no_grad():
+        dense = model(batch.tokens, batch.coords, table.dense())
+        assert rel_err(model(batch.tokens, batch.coords, batch.mask), dense) < TOL
+        assert rel_err(model(batch.tokens, batch.coords, table.block_mask(block_size=16)), dense) < TOL
+
+
+def test_mask_factory_targets_and_inputs():
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    mask = DiagDMask(layout, T, k=2)
+    s, batch = mask.schedule, mask(clip)
+    S = s.n_slots + (T - 1) * (layout.h - 1)
+    assert batch.tokens.shape == batch.targets.shape == (2, S) and batch.mask.shape == (S, S)
+    px = s.seq_is_proxy.nonzero().squeeze(1)
+    assert torch.equal(batch.targets[:, px], clip[:, s.proxy_target])  # a proxy carries its row start's loss
+    assert (batch.targets[:, px - 1] == IGNORE).all()  # the real predecessor carries none
+    assert torch.equal(batch.tokens[:, px], clip[:, s.proxy_target - layout.frame_len])  # prev_frame content
+    assert torch.equal(batch.coords[px], s.coords[s.proxy_target - 1])
+    n_loss = (batch.targets[0] != IGNORE).sum()
+    assert n_loss == (next_token_targets(clip, layout, T, False)[0] != IGNORE).sum()
+    assert mask(clip).mask is batch.mask  # built once per schedule
+
+
+def test_plain_variant_has_no_proxy_slots(model):
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    plain = DiagDMask(layout, T, k=2, proxy_slots=False)
+    batch = plain(clip)
+    assert batch.tokens.shape == clip.shape and torch.equal(batch.tokens, clip)
+    assert torch.equal(batch.targets, next_token_targets(clip, layout, T, False))
+    assert batch.mask.sum() < CausalMask(layout, T)(clip).mask.sum()  # a strict subset of causal
+    # with k = w no proxy is needed and the plain variant is parity-exact too
+    tf = DiagDSampler(layout, T, 1, k=4).teacher_forced(model, clip)
+    exact = DiagDMask(layout, T, k=4, proxy_slots=False)
+    assert rel_err(tf.logits, masked_logits(model, exact, clip)[:, tf.slots]) < TOL
+
+
+def test_configs_build_and_validation_loss(model):
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    for name in ("diagd", "diagd_full"):
+        cfg = OmegaConf.to_container(OmegaConf.load(f"conf/mask/{name}.yaml"))
+        assert build_mask_factory(cfg.pop("name"), layout, T, **cfg).name == name
+    ntp = build_sampler(OmegaConf.load("conf/sampler/ntp.yaml"), layout, T)
+    diag = build_sampler(OmegaConf.load("conf/sampler/diagd.yaml"), layout, T)
+    assert isinstance(ntp, NTPSampler) and type(diag) is DiagDSampler
+    loss = diagd_val_loss(model, diag, clip)
+    tf = diag.teacher_forced(model, clip)
+    ref = torch.nn.functional.cross_entropy(tf.logits.flatten(0, 1), clip[:, tf.slots].flatten())
+    assert abs(loss.item() - ref.item()) < 1e-5
+    with pytest.raises(ValueError, match="sampler.name"):
+        build_sampler({"name": "beam"}, layout, T)
+    with pytest.raises(ValueError, match="top_p"):
+        DiagDSampler(layout, T, top_p=1.5)
+    with pytest.raises(ValueError, match="k=0"):
+        build_mask_factory("diagd", layout, T, k=0)
