@@ -209,3 +209,24 @@ def test_configs_build_and_validation_loss(model):
         DiagDSampler(layout, T, top_p=1.5)
     with pytest.raises(ValueError, match="k=0"):
         build_mask_factory("diagd", layout, T, k=0)
+
+
+def test_sample_filters_and_seed():
+    from mcar.sampler import sample
+
+    logits = torch.randn(3, 5, V)
+    assert torch.equal(sample(logits, top_k=1), logits.argmax(-1))
+    assert torch.equal(sample(logits, temperature=0), logits.argmax(-1))
+    assert torch.equal(sample(logits, top_p=1e-6, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
+    top4 = logits.topk(4, dim=-1).indices
+    for seed in range(5):
+        tok = sample(logits, top_k=4, generator=torch.Generator().manual_seed(seed))
+        assert (top4 == tok[..., None]).any(-1).all()
+    a = sample(logits, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, sample(logits, generator=torch.Generator().manual_seed(7)))
+
+
+def test_batch_of_one(model):
+    layout = Layout(3, 4, 2)
+    tokens, stats = DiagDSampler(layout, 3, 1, k=1, seed=0).generate(model, clip_for(layout, 3, batch=1))
+    assert tokens.shape == (1, layout.n_slots(3)) and stats.tokens == 2 * 12 and stats.seconds > 0
