@@ -24,6 +24,13 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def diagd_settings(sampler: dict, mask: dict) -> dict:
+    """k, d, proxy, full of the DiagD schedule validation scores: the sampler's, else the mask's, else k=2."""
+    src = sampler if sampler.get("name") == "diagd" else mask if str(mask.get("name")).startswith("diagd") else {}
+    return {"k": src.get("k", 2), "d": src.get("d"), "proxy": src.get("proxy", "prev_frame"),
+            "full": bool(src.get("full", mask.get("name") == "diagd_full" if src is mask else False))}
+
+
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
@@ -32,7 +39,7 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  action_loss: bool = False, compile: bool = False, peak_flops: float | None = None,
-                 model_name: str = "custom"):
+                 model_name: str = "custom", sampler: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model = Transformer(ModelConfig(**arch))
@@ -40,8 +47,13 @@ class MCARModule(L.LightningModule):
         mask = dict(mask)
         self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames,
                                                action_loss=action_loss, **mask)
+        backend = mask.get("backend", "auto")
         self.val_mask_factory = build_mask_factory("causal", self.layout, clip_frames, action_loss=action_loss,
-                                                   backend=mask.get("backend", "auto"))
+                                                   backend=backend)
+        # by the parity property this one-pass loss equals the teacher-forced DiagD sampler's loss
+        diag = diagd_settings(sampler or {}, self.hparams.mask)
+        self.val_diagd_factory = build_mask_factory("diagd_full" if diag.pop("full") else "diagd", self.layout,
+                                                    clip_frames, action_loss=action_loss, backend=backend, **diag)
         self._t_last: float | None = None
 
     def configure_model(self) -> None:
@@ -70,11 +82,12 @@ class MCARModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self.forward_loss(batch["tokens"], self.val_mask_factory)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=len(batch["tokens"]))
-        if self.mask_factory.name != "causal":
-            tuned = self.forward_loss(batch["tokens"])
-            self.log(f"val/loss_{self.mask_factory.name}_mask", tuned, sync_dist=True,
-                     batch_size=len(batch["tokens"]))
+        n = len(batch["tokens"])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=n)
+        diagd = self.forward_loss(batch["tokens"], self.val_diagd_factory)
+        self.log("val/loss_diagd", diagd, prog_bar=True, sync_dist=True, batch_size=n)
+        if batch_idx == 0:
+            self.val_prompts = batch["tokens"]  # for the generation callback
 
     # --- throughput, grad norm ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
+from mcar.callbacks import ValGeneration
 from mcar.lit import MCARModule
 
 log = logging.getLogger("mcar")
@@ -136,6 +137,7 @@ def build_module(cfg: DictConfig) -> MCARModule:
         compile=cfg.compile,
         peak_flops=cfg.get("peak_flops"),
         model_name=cfg.model.name,
+        sampler=to_dict(cfg.get("sampler")),
     )
 
 
@@ -150,6 +152,8 @@ def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
             save_last=True,
         )
     ]
+    if cfg.get("val_generate") and cfg.val_generate.n_clips > 0:
+        callbacks.append(ValGeneration(to_dict(cfg.sampler), output_dir, **to_dict(cfg.val_generate)))
     if cfg.get("record_seen_clips"):
         callbacks.append(SeenClips(output_dir))
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False

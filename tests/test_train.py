@@ -55,6 +55,23 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
     assert moved, "fine-tuning did not start from the checkpoint or did not train"
 
 
+def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
+    run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
+               "val_generate.n_clips=0")
+    run_script("finetune.py", "mask=diagd", "steps=20", *SMALL_DATA, *job_overrides(tmp_path, "ft"),
+               "logger=csv", "trainer.val_check_interval=10", "sampler.k=1")
+    rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
+    val = [r for r in rows if r.get("val/loss")]
+    assert len(val) == 2 and all(r["val/loss_diagd"] for r in val)
+    s_spa = (3 - 1) * 1 + 4  # (h-1)*k + w with k=1
+    assert [float(r["val_gen/diagd_passes"]) for r in val] == [(3 - 1 - 1) * s_spa + s_spa] * 2
+    saved = torch.load(tmp_path / "ft" / "val_generations" / "step0000020_diagd.pt")
+    assert saved["generated"].shape == saved["ground_truth"].shape == (1, 3 * 14)
+    assert torch.equal(saved["generated"][:, :14], saved["ground_truth"][:, :14])  # the prompt frame is kept
+    ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-synthetic-diagd" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["mask"]["name"] == "diagd"
+
+
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     # a missing init_from names the path
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
