@@ -1,0 +1,105 @@
+"""Action tokenizers: one action dict per frame -> `n_a` token ids in [0, vocab_size).
+
+The data pipeline adds the image codebook size to these ids, so actions live after the codebook in one vocabulary.
+
+- `vpt`: MineWorld's layout, 11 tokens per frame
+      [bos, camera pitch, camera yaw, hotbar, forward|back, left|right, sprint|sneak, use|attack, jump,
+       drop|pickItem, eos]
+  Each slot owns a contiguous id range (`VPT_SLOTS`), so a token id alone says what it is. A pair with both
+  keys pressed is null. Camera degrees are mu-law quantised (maxval 90, binsize 9, mu 11.4887: 21 bins, 0° at
+  bin 10), as VPT's CameraQuantizer does.
+- `crafter`: one token per frame, the id of Crafter's action (17). Crafter's action is a single discrete choice,
+  so one token carries it exactly and keeps frames short (336 + 1 slots).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------------ camera
+CAM_MAXVAL, CAM_BINSIZE, CAM_MU = 90.0, 9.0, 11.4887
+CAM_BINS = int(2 * CAM_MAXVAL / CAM_BINSIZE) + 1  # 21
+CAM_ZERO_BIN = CAM_BINS // 2  # 10
+
+
+def camera_to_bin(deg: float) -> int:
+    """Mu-law quantisation of a camera angle in degrees -> bin in [0, 21)."""
+    x = np.clip(deg, -CAM_MAXVAL, CAM_MAXVAL) / CAM_MAXVAL
+    x = np.sign(x) * np.log1p(CAM_MU * abs(x)) / np.log1p(CAM_MU) * CAM_MAXVAL
+    return int(np.round((x + CAM_MAXVAL) / CAM_BINSIZE))
+
+
+def bin_to_camera(b: int) -> float:
+    """Bin centre in degrees (the inverse of the mu-law)."""
+    x = (b * CAM_BINSIZE - CAM_MAXVAL) / CAM_MAXVAL
+    return float(np.sign(x) * ((1 + CAM_MU) ** abs(x) - 1) / CAM_MU * CAM_MAXVAL)
+
+
+# ------------------------------------------------------------------------------------------------ vpt
+PAIRS = [("forward", "back"), ("left", "right"), ("sprint", "sneak"), ("use", "attack"), ("jump", None),
+         ("drop", "pickItem")]
+# (slot name, number of ids); ids of slot k start at the sum of the sizes before it
+VPT_SLOTS = [("bos", 1), ("pitch", CAM_BINS), ("yaw", CAM_BINS), ("hotbar", 10)] + \
+            [("|".join(p for p in pair if p), 1 + sum(p is not None for p in pair)) for pair in PAIRS] + [("eos", 1)]
+VPT_OFFSETS = np.cumsum([0] + [n for _, n in VPT_SLOTS])[:-1].tolist()
+VPT_VOCAB = sum(n for _, n in VPT_SLOTS)  # 71
+BUTTONS = [b for pair in PAIRS for b in pair if b]
+
+
+class VPTActions:
+    """Action dict {camera: (pitch, yaw) degrees, hotbar: 0..9 (0 = none), forward, back, ...: 0/1} <-> 11 ids."""
+
+    n_a, vocab_size = len(VPT_SLOTS), VPT_VOCAB
+
+    def encode(self, action: dict) -> list[int]:
+        pitch, yaw = action.get("camera", (0.0, 0.0))
+        local = [0, camera_to_bin(pitch), camera_to_bin(yaw), int(action.get("hotbar", 0))]
+        for a, b in PAIRS:
+            on_a, on_b = bool(action.get(a, 0)), bool(b and action.get(b, 0))
+            local.append(0 if on_a == on_b else (1 if on_a else 2))  # both pressed -> null
+        local.append(0)
+        return [off + v for off, v in zip(VPT_OFFSETS, local)]
+
+    def decode(self, ids) -> dict:
+        local = [int(i) - off for i, off in zip(ids, VPT_OFFSETS)]
+        for (name, n), v in zip(VPT_SLOTS, local):
+            if not 0 <= v < n:
+                raise ValueError(f"action token {v + VPT_OFFSETS[VPT_SLOTS.index((name, n))]} is not a {name} token")
+        out = {"camera": (bin_to_camera(local[1]), bin_to_camera(local[2])), "hotbar": local[3]}
+        for (a, b), v in zip(PAIRS, local[4:-1]):
+            out[a] = int(v == 1)
+            if b:
+                out[b] = int(v == 2)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ crafter
+CRAFTER_ACTIONS = ["noop", "move_left", "move_right", "move_up", "move_down", "do", "sleep", "place_stone",
+                   "place_table", "place_furnace", "place_plant", "make_wood_pickaxe", "make_stone_pickaxe",
+                   "make_iron_pickaxe", "make_wood_sword", "make_stone_sword", "make_iron_sword"]
+
+
+class CrafterActions:
+    """{"action": name} <-> one id, Crafter's own action index."""
+
+    n_a, vocab_size = 1, len(CRAFTER_ACTIONS)
+
+    def encode(self, action: dict) -> list[int]:
+        name = action["action"]
+        if name not in CRAFTER_ACTIONS:
+            raise ValueError(f"unknown Crafter action {name!r}")
+        return [CRAFTER_ACTIONS.index(name)]
+
+    def decode(self, ids) -> dict:
+        (i,) = ids
+        if not 0 <= int(i) < len(CRAFTER_ACTIONS):
+            raise ValueError(f"Crafter action id {int(i)} out of range")
+        return {"action": CRAFTER_ACTIONS[int(i)]}
+
+
+ACTION_SPACES = {"vpt": VPTActions, "crafter": CrafterActions}
+
+
+def action_space(name: str):
+    if name not in ACTION_SPACES:
+        raise ValueError(f"unknown action space {name!r}; choose one of {sorted(ACTION_SPACES)}")
+    return ACTION_SPACES[name]()

@@ -1,0 +1,155 @@
+"""Play Crafter episodes and write them as <name>.mp4 + <name>.jsonl (one record per frame), like VPT.
+
+Frame t is what the agent saw before taking the action of record t. Rendered directly at 224x384
+(`crafter.Env(size=(384, 224))`). Episodes are seeded: episode i of seed s is always the same.
+
+Episodes are kept to Crafter's first day by default (`frames <= 140`): from step ~148 the night overlays
+fresh per-pixel random noise on every frame, which neither the VQ nor the world model can predict.
+
+    python -m mcar.data.crafter_gen --out data/crafter/episodes --episodes 24 --frames 128 --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from mcar.actions import CRAFTER_ACTIONS
+from mcar.data.video import FRAME_H, FRAME_W, write_mp4
+
+ACTIONS = CRAFTER_ACTIONS  # crafter's own order: the action id is the token
+MOVES = [1, 2, 3, 4]
+DO = 5
+COLLECT = {"tree", "stone", "coal", "iron", "diamond", "water"}  # "do" on these changes the world
+CRAFT = [7, 8, 9, 10, 11, 12, 14, 15]  # place / make actions worth trying (no-ops when not possible)
+FPS = 20
+
+
+class RandomPolicy:
+    """Uniform over the 17 actions except sleep, which would darken most of the episode."""
+
+    name = "random"
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def __call__(self, env) -> int:
+        return int(self.rng.choice([a for a in range(len(ACTIONS)) if a != 6]))
+
+
+class ExplorerPolicy:
+    """Holds a direction for several steps, collects what it faces, sometimes places or crafts things."""
+
+    name = "explorer"
+
+    def __init__(self, rng: np.random.Generator, hold=(3, 10), p_craft: float = 0.08, p_noop: float = 0.05):
+        self.rng, self.hold_range, self.p_craft, self.p_noop = rng, hold, p_craft, p_noop
+        self.direction, self.hold, self.hits = int(rng.choice(MOVES)), 0, 0
+
+    def __call__(self, env) -> int:
+        player = env._player
+        target = (player.pos[0] + player.facing[0], player.pos[1] + player.facing[1])
+        material, obj = env._world[target]
+        if (material in COLLECT or obj is not None) and self.hits < 6 and self.rng.random() < 0.8:
+            self.hits += 1  # a few hits collect a tree / kill a cow; then move on
+            return DO
+        self.hits = 0
+        r = self.rng.random()
+        if r < self.p_craft:
+            return int(self.rng.choice(CRAFT))
+        if r < self.p_craft + self.p_noop:
+            return 0
+        blocked = material not in ("grass", "sand", "path") or obj is not None
+        if self.hold <= 0 or blocked:
+            self.direction = int(self.rng.choice(MOVES))
+            self.hold = int(self.rng.integers(*self.hold_range))
+        self.hold -= 1
+        return self.direction
+
+
+POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy}
+
+
+def episode_name(seed: int, index: int) -> str:
+    return f"crafter_s{seed}_e{index:05d}"
+
+
+def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float]):
+    """-> (frames (T, 224, 384, 3) uint8, records). T < frames when the player dies."""
+    import crafter  # imported here: worker processes
+
+    rng = np.random.default_rng([seed, index])
+    names = sorted(policy_mix)
+    p = np.array([policy_mix[n] for n in names], float)
+    policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
+    env = crafter.Env(size=(FRAME_W, FRAME_H), seed=int(rng.integers(2**31 - 1)))
+    obs, out, records = env.reset(), [], []
+    for t in range(frames):
+        action = policy(env)
+        out.append(obs)
+        next_obs, reward, done, info = env.step(action)
+        records.append({"frame": t, "action": ACTIONS[action], "action_id": action, "reward": float(reward),
+                        "policy": policy.name, "pos": [int(v) for v in info["player_pos"]],
+                        "daylight": round(float(env._world.daylight), 4)})
+        obs = next_obs
+        if done:
+            break
+    return np.stack(out), records
+
+
+def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float]) -> str:
+    name = episode_name(seed, index)
+    mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
+    if mp4.exists() and jsonl.exists():
+        return name  # cached
+    video, records = play_episode(seed, index, frames, policy_mix)
+    write_mp4(mp4, video, fps=FPS)
+    tmp = jsonl.with_suffix(".part")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(jsonl)  # the jsonl appears last: both present == episode complete
+    return name
+
+
+def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
+             policy_mix: dict[str, float] | None = None, workers: int = 1) -> list[str]:
+    """Write `episodes` episodes into out_dir (finished ones are skipped). Returns their names."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
+    if frames < 1 or episodes < 1:
+        raise ValueError(f"crafter generation needs episodes >= 1 and frames >= 1, got {episodes}, {frames}")
+    bar = tqdm(total=episodes, desc=f"crafter episodes -> {out_dir}", unit="ep")
+    names = []
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix) for i in range(episodes)]
+            for f in futures:
+                names.append(f.result())
+                bar.update()
+    else:
+        for i in range(episodes):
+            names.append(write_episode(out_dir, seed, i, frames, policy_mix))
+            bar.update()
+    bar.close()
+    return names
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--episodes", type=int, default=24)
+    ap.add_argument("--frames", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random", type=float, default=0.25, help="policy mix weight of the random policy")
+    ap.add_argument("--explorer", type=float, default=0.75, help="policy mix weight of the scripted explorer")
+    ap.add_argument("--workers", type=int, default=1)
+    a = ap.parse_args(argv)
+    generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Episodes on disk: <name>.mp4 + <name>.jsonl (one record per frame). Reading that tolerates damage.
+
+`read_episode_actions` parses a jsonl into per-frame action token ids and a keep mask; `iter_frames` streams an
+mp4's frames and remembers why it stopped. Problems become notes (warnings naming the file), not exceptions,
+unless nothing is left: `EpisodeError`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+
+from mcar.actions import CRAFTER_ACTIONS, action_space
+from mcar.data.video import FRAME_H, FRAME_W
+from mcar.data.vpt import parse_vpt
+
+
+class EpisodeError(Exception):
+    """An episode that cannot be used at all; the message is the reason."""
+
+
+def list_episodes(folder: str | Path) -> list[tuple[str, Path, Path]]:
+    """(name, mp4, jsonl) for every <name>.mp4 with a <name>.jsonl, sorted by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"episode folder {folder} does not exist")
+    out = []
+    for mp4 in sorted(folder.glob("*.mp4")):
+        if ".part" in mp4.name:
+            continue
+        out.append((mp4.stem, mp4, mp4.with_suffix(".jsonl")))
+    return out
+
+
+def read_jsonl(path: Path) -> tuple[list, list[str]]:
+    """-> (records, notes). A malformed or truncated line becomes None: it still belongs to its frame."""
+    if not path.exists():
+        raise EpisodeError(f"missing {path.name}")
+    records, bad = [], []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    if lines and lines[-1].strip() == b"":
+        lines = lines[:-1]  # the newline after the last record
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            records.append(None)
+            bad.append(i + 1)
+    notes = [f"{len(bad)} malformed jsonl lines (first: line {bad[0]}), their frames dropped"] if bad else []
+    return records, notes
+
+
+def parse_crafter(records: list):
+    """Crafter records {"action": name, ...} -> ({"action": name} or None, keep, notes)."""
+    actions, keep, unknown = [], [], set()
+    for r in records:
+        name = r.get("action") if isinstance(r, dict) else None
+        ok = name in CRAFTER_ACTIONS
+        if isinstance(r, dict) and not ok:
+            unknown.add(str(name))
+        actions.append({"action": name} if ok else None)
+        keep.append(ok)
+    return actions, keep, [f"dropped frames with unknown actions {sorted(unknown)}"] if unknown else []
+
+
+def read_episode_actions(jsonl: Path, source: str, drop_null: bool = True, drop_gui: bool = True
+                         ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """-> (action ids (R, n_a) int64 (zeros where dropped), keep (R,) bool, notes) for the R records."""
+    records, notes = read_jsonl(jsonl)
+    if source == "vpt":
+        actions, keep, more = parse_vpt(records, drop_null, drop_gui)
+    elif source == "crafter":
+        actions, keep, more = parse_crafter(records)
+    else:
+        raise ValueError(f"unknown episode source {source!r} (vpt or crafter)")
+    space = action_space(source)
+    ids = np.zeros((len(records), space.n_a), np.int64)
+    for i, a in enumerate(actions):
+        if a is not None and keep[i]:
+            ids[i] = space.encode(a)
+    return ids, np.array(keep, bool), notes + more
+
+
+class FrameStream:
+    """Iterates an mp4's frames as (224, 384, 3) uint8; afterwards `.count` and `.error` (None if it ended well)."""
+
+    def __init__(self, path: Path, size: tuple[int, int] = (FRAME_H, FRAME_W)):
+        self.path, self.size, self.count, self.error = path, size, 0, None
+
+    def __iter__(self):
+        h, w = self.size
+        try:
+            with av.open(str(self.path)) as container:
+                for frame in container.decode(video=0):
+                    self.count += 1
+                    yield frame.to_ndarray(format="rgb24", width=w, height=h)
+        except Exception as e:  # PyAV raises several error types for damaged files
+            self.error = f"{type(e).__name__}: {e}"
+        if self.count == 0 and self.error is None:
+            self.error = "no video frames"

@@ -1,0 +1,164 @@
+"""Tokenisation job: episodes (mp4 + jsonl) -> per-episode token shards + an index.
+
+For each episode <name>, in `out`:
+    <name>.actions.npy  (T, n_a) uint16  action ids (local: 0..action vocab; the dataset adds codebook_size)
+    <name>.frames.npy   (T, h, w) uint16 VQ token ids of the kept frames
+    index.json          {"meta": {...}, "episodes": [{"name", "frames"}, ...]}
+    skipped.json        {name: reason} of the last run
+
+Each shard is written to a temp name and renamed, frames last: a present frames file means a finished episode,
+which later runs skip (resumable), and a failing episode never touches shards already written. Ranks split the
+episodes by index (`rank`, `world`); each rank rebuilds index.json from the shards on disk when it finishes.
+
+    python -m mcar.data.tokenize --episodes data/crafter/episodes --out data/crafter/tokens --source crafter
+    python -m mcar.data.tokenize --episodes /vpt --out data/vpt/tokens --source vpt --vq /path/vq [--rank r --world w]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mcar.actions import action_space
+from mcar.data.episodes import EpisodeError, FrameStream, list_episodes, read_episode_actions
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+    os.replace(tmp, path)
+
+
+def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
+                     drop_gui: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """-> (frame tokens (T, h, w) uint16, action ids (T, n_a) uint16, notes). Raises EpisodeError if unusable."""
+    from mcar.vq import encode_tokens
+
+    ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui)
+    if len(ids) == 0:
+        raise EpisodeError("jsonl has no records")
+    stream, buf, tokens, kept = FrameStream(mp4), [], [], []
+
+    def flush():
+        if buf:
+            tokens.append(encode_tokens(vq, torch.from_numpy(np.stack(buf))).numpy().astype(np.uint16))
+            buf.clear()
+
+    for i, frame in enumerate(stream):
+        if i < len(keep) and keep[i]:
+            buf.append(frame)
+            kept.append(i)
+            if len(buf) == batch:
+                flush()
+    flush()
+    if stream.error and stream.count == 0:
+        raise EpisodeError(f"unreadable mp4 ({stream.error})")
+    if stream.error:
+        notes.append(f"mp4 decoding stopped after {stream.count} frames ({stream.error}); trimmed")
+    if stream.count != len(ids):
+        notes.append(f"frame/record count mismatch: {stream.count} frames, {len(ids)} records; "
+                     f"trimmed to {min(stream.count, len(ids))}")
+    if not kept:
+        raise EpisodeError("no usable frames (all filtered or unreadable)")
+    return np.concatenate(tokens), ids[kept].astype(np.uint16), notes
+
+
+def build_index(out: Path, meta: dict) -> dict:
+    """index.json from the finished shards on disk."""
+    episodes = []
+    for f in sorted(out.glob("*.frames.npy")):
+        name = f.name[: -len(".frames.npy")]
+        n = np.load(f, mmap_mode="r").shape[0]
+        episodes.append({"name": name, "frames": int(n)})
+    index = {"meta": meta, "episodes": episodes}
+    tmp = out / "index.json.part"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / "index.json")
+    return index
+
+
+def check_meta(out: Path, meta: dict) -> None:
+    """Refuse to mix shards made with another VQ or action space in one folder."""
+    f = out / "meta.json"
+    if f.exists():
+        old = json.loads(f.read_text())
+        if old != meta:
+            raise ValueError(f"{out} holds tokens made with {old}, not {meta}; use another tokens folder "
+                             f"or delete this one")
+    else:
+        f.write_text(json.dumps(meta, indent=1))
+
+
+def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
+                 min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
+                 world: int = 1) -> dict:
+    """Tokenise every episode (this rank's share) not already done. Returns the index."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    space = action_space(source)
+    meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": space.n_a,
+            "action_vocab_size": space.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
+    check_meta(out, meta)
+    todo = list_episodes(episodes)[rank::world]
+    if not todo and rank == 0:
+        raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
+    skipped, done = {}, 0
+    for name, mp4, jsonl in tqdm(todo, desc=f"tokenising {Path(episodes).name} (rank {rank})", unit="ep"):
+        if (out / f"{name}.frames.npy").exists():
+            done += 1
+            continue
+        try:
+            frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui)
+            if len(frames) < min_frames:
+                raise EpisodeError(f"only {len(frames)} usable frames, a clip needs {min_frames}")
+        except EpisodeError as e:
+            skipped[name] = str(e)
+            warnings.warn(f"skipping episode {mp4}: {e}")
+            continue
+        except Exception as e:  # never lose the other episodes to one bad file
+            skipped[name] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"skipping episode {mp4}: unexpected {type(e).__name__}: {e}")
+            continue
+        for note in notes:
+            warnings.warn(f"{mp4}: {note}")
+        _save_npy(out / f"{name}.actions.npy", actions)
+        _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
+        done += 1
+    (out / ("skipped.json" if world == 1 else f"skipped.rank{rank}.json")).write_text(json.dumps(skipped, indent=1))
+    index = build_index(out, meta)
+    print(f"tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in index['episodes'])} frames in "
+          f"{out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))
+    if not index["episodes"]:
+        raise ValueError(f"nothing usable in {episodes}: all {len(skipped)} episodes skipped ({skipped})")
+    return index
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--source", choices=["crafter", "vpt"], required=True)
+    ap.add_argument("--vq", default=None, help="diffusers VQModel folder (default: the committed small VQ)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--min-frames", type=int, default=16)
+    ap.add_argument("--keep-null", action="store_true")
+    ap.add_argument("--keep-gui", action="store_true")
+    ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
+    ap.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    a = ap.parse_args(argv)
+    from mcar.vq import load_vq, vq_id
+
+    vq = load_vq(a.vq)
+    tokenize_dir(a.episodes, a.out, a.source, vq, vq_id(a.vq), a.batch, a.min_frames, not a.keep_null,
+                 not a.keep_gui, a.rank, a.world)
+
+
+if __name__ == "__main__":
+    main()

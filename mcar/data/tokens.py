@@ -1,0 +1,93 @@
+"""Clips from token shards (mcar.data.tokenize): the DIAGD.md layout, split by episode.
+
+A clip is `frames` consecutive kept frames of one episode; clip starts step by `clip_stride`. Clip slot layout:
+per frame its h*w image ids (raster order), then its n_a action ids + codebook_size.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mcar.data.common import ClipDataModule
+from mcar.layout import Layout
+
+
+def read_index(folder: str | Path) -> dict:
+    f = Path(folder) / "index.json"
+    if not f.exists():
+        raise FileNotFoundError(f"{f} not found: run the tokenisation job first (python -m mcar.data.tokenize)")
+    return json.loads(f.read_text())
+
+
+def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], list[str]]:
+    """The last `val_episodes` episodes (sorted by name) are validation, the rest training."""
+    names = sorted(names)
+    if len(names) <= val_episodes or val_episodes < 1:
+        raise ValueError(f"data.val_episodes={val_episodes} needs more episodes than that and at least 1 "
+                         f"(found {len(names)} usable episodes)")
+    return names[:-val_episodes], names[-val_episodes:]
+
+
+class TokenClips:
+    """ClipSource over token shards of the given episodes."""
+
+    def __init__(self, folder: str | Path, names: list[str], layout: Layout, frames: int, codebook_size: int,
+                 clip_stride: int = 1):
+        self.layout, self.frames, self.codebook_size = layout, frames, codebook_size
+        folder = Path(folder)
+        self.episodes, self.starts = [], []  # starts: (episode index, first frame)
+        for name in names:
+            toks = np.load(folder / f"{name}.frames.npy", mmap_mode="r")  # (T, h, w) uint16
+            acts = np.load(folder / f"{name}.actions.npy", mmap_mode="r")  # (T, n_a) uint16
+            if toks.shape[1:] != (layout.h, layout.w) or acts.shape[1] != layout.n_a:
+                raise ValueError(f"{folder}/{name}: tokens {toks.shape[1:]} x {acts.shape[1]} actions per frame, "
+                                 f"but data.h, data.w, data.n_a = {layout.h}, {layout.w}, {layout.n_a}")
+            e = len(self.episodes)
+            self.episodes.append((toks, acts))
+            self.starts += [(e, t) for t in range(0, len(toks) - frames + 1, clip_stride)]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def clip(self, i: int) -> torch.Tensor:
+        e, t = self.starts[i]
+        toks, acts = self.episodes[e]
+        img = np.asarray(toks[t:t + self.frames], np.int64).reshape(self.frames, -1)  # (F, h*w)
+        act = np.asarray(acts[t:t + self.frames], np.int64) + self.codebook_size  # (F, n_a), after the codebook
+        return torch.from_numpy(np.concatenate([img, act], 1).reshape(-1))  # (F * frame_len,)
+
+
+class TokenDataModule(ClipDataModule):
+    """Train/val clips from a tokens folder; subclasses make the folder in prepare_data()."""
+
+    def __init__(self, h: int, w: int, n_a: int, codebook_size: int, action_vocab_size: int, clip_frames: int,
+                 batch_size: int, seed: int = 0, num_workers: int = 0, val_clips: int = 8, val_episodes: int = 1,
+                 clip_stride: int = 1, **_):
+        super().__init__(Layout(h, w, n_a), clip_frames, batch_size, seed, num_workers, val_clips)
+        self.codebook_size, self.action_vocab_size = codebook_size, action_vocab_size
+        self.val_episodes, self.clip_stride = val_episodes, clip_stride
+
+    @property
+    def tokens_dir(self) -> Path:
+        raise NotImplementedError
+
+    def check_meta(self, meta: dict) -> None:
+        for key, want in [("codebook_size", self.codebook_size), ("n_a", self.layout.n_a),
+                          ("action_vocab_size", self.action_vocab_size)]:
+            if key in meta and meta[key] != want:
+                raise ValueError(f"{self.tokens_dir}: tokens have {key}={meta[key]} but data.{key}={want}")
+
+    def make_sources(self):
+        index = read_index(self.tokens_dir)
+        self.check_meta(index.get("meta", {}))
+        usable = [e["name"] for e in index["episodes"] if e["frames"] >= self.clip_frames]
+        if not usable:
+            raise ValueError(f"{self.tokens_dir}: no episode has data.clip_frames={self.clip_frames} frames "
+                             f"({len(index['episodes'])} episodes)")
+        train, val = split_by_episode(usable, self.val_episodes)
+        make = lambda names: TokenClips(self.tokens_dir, names, self.layout, self.clip_frames, self.codebook_size,
+                                        self.clip_stride)
+        return make(train), make(val)

@@ -1,0 +1,91 @@
+"""VPT (OpenAI Video-Pre-Training) recordings: <name>.mp4 (640x360, 20 Hz) + <name>.jsonl, one record per frame.
+
+A record has mouse{x, y, dx, dy, buttons, newButtons, dwheel, ...}, keyboard{keys, newKeys, chars}, isGuiOpen,
+hotbar (0..8), yaw, pitch, ... `parse_vpt` turns a file's records into the action dicts of mcar.actions.VPTActions
+and a keep mask, following VPT's own loader (data_loader.py, run_inverse_dynamics_model.py) except where noted:
+
+- camera degrees = (dy, dx) * 360 / 2400 (pitch, yaw), kept as floats. VPT's loader writes them into an int64
+  array and truncates them to whole degrees; we do not. While a GUI is open the mouse moves a cursor, not the
+  camera: camera is 0 there.
+- "stuck attack": when the first record's newButtons is [0], attack is held from before the recording started;
+  button 0 is removed until attack is pressed again.
+- the scroll wheel changes `hotbar` without a key press: a change of `hotbar` becomes the key hotbar.N. The first
+  record sets the reference (VPT starts from slot 0 and invents a hotbar key on frame 0 when the recording
+  starts elsewhere), and a scroll is an action, so such a frame is not null.
+- null frames (no known key, no mouse motion, no button, no hotbar change) and GUI-open frames are dropped by
+  default, as VPT and MineWorld do (`drop_null`, `drop_gui`).
+- key names not in KEY_MAP are ignored and reported (one warning per file, naming the keys).
+"""
+from __future__ import annotations
+
+CAMERA_SCALE = 360.0 / 2400.0  # degrees per mouse count (MineRL's sensitivity)
+
+KEY_MAP = {
+    "key.keyboard.w": "forward", "key.keyboard.s": "back", "key.keyboard.a": "left", "key.keyboard.d": "right",
+    "key.keyboard.space": "jump", "key.keyboard.left.shift": "sneak", "key.keyboard.left.control": "sprint",
+    "key.keyboard.q": "drop", "key.keyboard.e": "inventory", "key.keyboard.escape": "ESC",
+    "key.keyboard.f": "swapHands", **{f"key.keyboard.{i}": f"hotbar.{i}" for i in range(1, 10)},
+}
+MOUSE_BUTTONS = {0: "attack", 1: "use", 2: "pickItem"}
+
+
+def _valid(r) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("mouse"), dict) and isinstance(r.get("keyboard"), dict)
+            and isinstance(r["keyboard"].get("keys", []), list) and isinstance(r["mouse"].get("buttons", []), list))
+
+
+def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
+    """records: parsed jsonl lines (None for a malformed line).
+
+    -> (actions: list of action dicts or None, keep: list[bool], notes: list[str]). `actions[i]` belongs to frame i.
+    """
+    actions, keep, unknown, invalid = [], [], set(), 0
+    stuck_attack, last_hotbar = False, None
+    for i, r in enumerate(records):
+        if not _valid(r):
+            invalid += r is not None  # malformed json lines are counted by the jsonl reader
+            actions.append(None)
+            keep.append(False)
+            continue
+        mouse, keys = r["mouse"], r["keyboard"].get("keys", [])
+        new_buttons = mouse.get("newButtons", [])
+        if last_hotbar is None:  # the first valid record of the file
+            stuck_attack = new_buttons == [0]
+        elif stuck_attack and 0 in new_buttons:
+            stuck_attack = False  # attack pressed for real
+        buttons = [b for b in mouse.get("buttons", []) if not (stuck_attack and b == 0)]
+
+        act = {name: 0 for name in KEY_MAP.values()}
+        act.update({name: 0 for name in MOUSE_BUTTONS.values()})
+        pressed = False
+        for k in keys:
+            if k in KEY_MAP:
+                act[KEY_MAP[k]], pressed = 1, True
+            else:
+                unknown.add(k)
+        for b in buttons:
+            if b in MOUSE_BUTTONS:
+                act[MOUSE_BUTTONS[b]], pressed = 1, True
+        gui = bool(r.get("isGuiOpen", False))
+        dx, dy = float(mouse.get("dx", 0) or 0), float(mouse.get("dy", 0) or 0)
+        act["camera"] = (0.0, 0.0) if gui else (dy * CAMERA_SCALE, dx * CAMERA_SCALE)
+
+        hotbar = r.get("hotbar")
+        scrolled = last_hotbar is not None and hotbar is not None and hotbar != last_hotbar
+        keyed = [n for n in range(1, 10) if act[f"hotbar.{n}"]]
+        act["hotbar"] = hotbar + 1 if scrolled else (keyed[-1] if keyed else 0)
+        if hotbar is not None:
+            last_hotbar = hotbar
+        elif last_hotbar is None:
+            last_hotbar = -1  # no hotbar field: only keys count
+
+        null = not pressed and dx == 0 and dy == 0 and not scrolled
+        actions.append(act)
+        keep.append(not (drop_null and null) and not (drop_gui and gui))
+    notes = []
+    if unknown:
+        notes.append(f"ignored unknown key names {sorted(unknown)}")
+    if invalid:
+        notes.append(f"{invalid} records without mouse/keyboard dicts dropped")
+    return actions, keep, notes
+

@@ -1,0 +1,112 @@
+"""The image tokenizer: a diffusers `VQModel`, x16 downsampling (224x384 frames -> 14x24 token ids).
+
+Token ids are always `vq.quantize(vq.encode(x).latents)[2][2]` with x in [-1, 1], (B, 3, H, W).
+
+Training uses `L2Quantizer` (a drop-in subclass of diffusers' VectorQuantizer with the same parameters): lookup by
+cosine similarity on l2-normalised low-dimensional codes (ViT-VQGAN, LlamaGen). Saved weights hold the
+normalised codebook, so diffusers' own Euclidean lookup on the raw latent picks the same code (argmin |z - e|
+= argmax z.e when |e| = 1) and returns the same vector: the saved folder is a plain VQModel that
+`VQModel.from_pretrained` loads with no mcar code.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import VQModel
+from diffusers.models.autoencoders.vae import VectorQuantizer
+
+ASSETS = Path(__file__).parent / "assets"
+SMALL_WEIGHTS = ASSETS / "vq_crafter_small"  # the committed small Crafter VQ (a diffusers folder)
+
+
+class L2Quantizer(VectorQuantizer):
+    """Nearest code by cosine similarity; keeps the last batch's inputs and ids for dead-code restarts."""
+
+    def forward(self, z: torch.Tensor):
+        B, D, H, W = z.shape
+        z = F.normalize(z.permute(0, 2, 3, 1).reshape(-1, D), dim=-1)  # (B*H*W, D) on the unit sphere
+        codes = F.normalize(self.embedding.weight, dim=-1)  # (K, D)
+        idx = (z @ codes.t()).argmax(1)  # (B*H*W,)
+        z_q = codes[idx]
+        loss = F.mse_loss(z_q, z.detach()) + self.beta * F.mse_loss(z, z_q.detach())  # codebook + commitment
+        self.last_z, self.last_idx = z.detach(), idx.detach()
+        z_q = z + (z_q - z).detach()  # straight-through
+        return z_q.view(B, H, W, D).permute(0, 3, 1, 2), loss, (None, None, idx)
+
+
+def build_vq(arch: dict, l2_codes: bool = True) -> VQModel:
+    """A fresh VQModel from diffusers kwargs (conf/vq/*.yaml `arch`), with the training quantizer."""
+    vq = VQModel(**dict(arch))
+    if l2_codes:
+        use_l2_quantizer(vq)
+    return vq
+
+
+def use_l2_quantizer(vq: VQModel) -> VQModel:
+    q = vq.quantize
+    l2 = L2Quantizer(q.n_e, q.vq_embed_dim, beta=q.beta)
+    l2.embedding.weight.data.copy_(q.embedding.weight.data)
+    vq.quantize = l2
+    return vq
+
+
+def save_vq(vq: VQModel, path: str | Path) -> None:
+    """A plain diffusers folder (config.json + safetensors) with the codebook l2-normalised."""
+    out = copy.deepcopy(vq).cpu()
+    if isinstance(out.quantize, L2Quantizer):
+        w = out.quantize.embedding.weight.data
+        w.copy_(F.normalize(w, dim=-1))
+    out.save_pretrained(str(path), safe_serialization=True)
+
+
+def load_vq(path: str | Path | None = None) -> VQModel:
+    """A VQModel from a diffusers folder; None -> the committed small Crafter VQ."""
+    path = Path(path) if path else SMALL_WEIGHTS
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no diffusers VQModel at {path} (expected {path}/config.json and weights); "
+                                f"set vq.path to a folder saved by save_pretrained / python -m mcar.vq_train")
+    return VQModel.from_pretrained(str(path)).eval()
+
+
+def to_input(frames_u8: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, 3) uint8 -> (B, 3, H, W) float in [-1, 1]."""
+    return frames_u8.permute(0, 3, 1, 2).float().div(127.5).sub(1)
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) in [-1, 1] -> (B, H, W, 3) uint8."""
+    return x.clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+@torch.no_grad()
+def encode_tokens(vq: VQModel, frames_u8: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, 3) uint8 -> (B, H/16, W/16) long token ids."""
+    x = to_input(frames_u8)
+    ids = vq.quantize(vq.encode(x).latents)[2][2]  # (B*h*w,)
+    return ids.view(x.shape[0], x.shape[2] // 16, x.shape[3] // 16)
+
+
+@torch.no_grad()
+def decode_tokens(vq: VQModel, ids: torch.Tensor) -> torch.Tensor:
+    """(B, h, w) token ids -> (B, 3, 16h, 16w) in [-1, 1]."""
+    B, h, w = ids.shape
+    shape = (B, h, w, vq.quantize.vq_embed_dim)
+    if vq.config.lookup_from_codebook:  # aMUSEd: decode() looks the ids up itself
+        return vq.decode(ids.reshape(-1), force_not_quantize=True, shape=shape).sample
+    z = vq.quantize.get_codebook_entry(ids.reshape(-1), shape)
+    return vq.decode(z, force_not_quantize=True).sample
+
+
+def vq_id(path: str | Path | None = None) -> str:
+    """A short identity of a VQ's weights (file name + sha256 prefix): token folders made with it record it."""
+    import hashlib
+
+    path = Path(path) if path else SMALL_WEIGHTS
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    if not weights:
+        raise FileNotFoundError(f"no VQ weights (*.safetensors) in {path}")
+    digest = hashlib.sha256(weights[0].read_bytes()).hexdigest()[:12]
+    return f"{path.name}@{digest}"

@@ -1,0 +1,52 @@
+"""Action tokenizers: MineWorld's VPT layout (mu-law camera, key pairs) and Crafter's one token per frame."""
+import numpy as np
+import pytest
+
+from mcar.actions import (CAM_BINS, CAM_ZERO_BIN, CRAFTER_ACTIONS, VPT_OFFSETS, VPT_SLOTS, VPT_VOCAB, CrafterActions,
+                          VPTActions, action_space, bin_to_camera, camera_to_bin)
+
+
+def test_camera_mu_law_bins():
+    assert CAM_BINS == 21 and CAM_ZERO_BIN == 10
+    assert camera_to_bin(0.0) == 10 and camera_to_bin(-90) == 0 and camera_to_bin(90) == 20
+    assert camera_to_bin(500) == 20 and camera_to_bin(-500) == 0  # clipped at maxval 90
+    # mu-law: fine near zero, coarse far out (VPT's CameraQuantizer with mu 11.4887)
+    assert camera_to_bin(1.95) == 11 and camera_to_bin(1.0) == 10 and camera_to_bin(-1.95) == 9
+    centres = [bin_to_camera(b) for b in range(CAM_BINS)]
+    assert centres[10] == 0.0 and np.allclose(centres, [-c for c in centres[::-1]])
+    assert all(camera_to_bin(c) == b for b, c in enumerate(centres))  # bin -> centre -> same bin
+    assert np.all(np.diff(centres) > 0) and np.diff(centres)[10] < np.diff(centres)[0]
+
+
+def test_vpt_layout_and_pairs():
+    space = VPTActions()
+    assert space.n_a == 11 and space.vocab_size == VPT_VOCAB == 71
+    assert VPT_OFFSETS == [0, 1, 22, 43, 53, 56, 59, 62, 65, 67, 70]
+    null = space.encode({})
+    assert null == [0, 1 + 10, 22 + 10, 43, 53, 56, 59, 62, 65, 67, 70]  # bos, zero camera, nothing, eos
+    both = space.encode({"forward": 1, "back": 1, "left": 1, "use": 1, "attack": 1, "drop": 1, "pickItem": 1})
+    assert both[4:8] == [53, 56 + 1, 59, 62] and both[9] == 67  # pressed pairs -> null; a lone key -> its id
+    ids = space.encode({"camera": (-1.95, 90.0), "hotbar": 7, "back": 1, "right": 1, "sneak": 1, "attack": 1,
+                        "jump": 1, "pickItem": 1})
+    assert ids == [0, 1 + 9, 22 + 20, 43 + 7, 53 + 2, 56 + 2, 59 + 2, 62 + 2, 65 + 1, 67 + 2, 70]
+
+
+def test_vpt_round_trip():
+    space, rng = VPTActions(), np.random.default_rng(0)
+    for _ in range(200):
+        ids = [off + int(rng.integers(0, n)) for off, (_, n) in zip(VPT_OFFSETS, VPT_SLOTS)]
+        ids[0], ids[-1] = 0, 70
+        assert space.encode(space.decode(ids)) == ids
+    with pytest.raises(ValueError, match="pitch"):
+        space.decode([0, 30] + [0] * 9)
+
+
+def test_crafter_round_trip():
+    space = action_space("crafter")
+    assert isinstance(space, CrafterActions) and space.n_a == 1 and space.vocab_size == 17
+    for i, name in enumerate(CRAFTER_ACTIONS):
+        assert space.encode({"action": name}) == [i] and space.decode([i]) == {"action": name}
+    with pytest.raises(ValueError, match="fly"):
+        space.encode({"action": "fly"})
+    with pytest.raises(ValueError, match="unknown action space"):
+        action_space("doom")

@@ -1,0 +1,101 @@
+"""Crafter episodes (seeded generator, policy mix) -> tokens -> clips in the DIAGD.md layout, split by episode."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mcar.data.common import StepBatches
+from mcar.data.crafter import CrafterDataModule
+from mcar.data.crafter_gen import ACTIONS, generate, play_episode
+from mcar.data.video import read_mp4
+from mcar.vq import save_vq
+from tests.test_data_vpt import tiny_vq
+
+
+def test_generator_is_seeded_and_cached(tmp_path):
+    names = generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1)
+    assert names == ["crafter_s3_e00000", "crafter_s3_e00001"]
+    mp4, jsonl = tmp_path / "a" / f"{names[0]}.mp4", tmp_path / "a" / f"{names[0]}.jsonl"
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    frames, err = read_mp4(mp4)
+    assert err is None and frames.shape == (len(records), 224, 384, 3)
+    assert [r["frame"] for r in records] == list(range(len(records)))
+    assert all(ACTIONS[r["action_id"]] == r["action"] for r in records)
+    stamp = mp4.stat().st_mtime_ns
+    generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1)  # cached: not rewritten
+    assert mp4.stat().st_mtime_ns == stamp
+    raw1, rec1 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75})
+    raw2, rec2 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75})
+    assert rec1 == rec2 == records and np.array_equal(raw1, raw2)
+    assert np.abs(frames.astype(int) - raw1.astype(int)).mean() < 3  # near-lossless mp4
+
+
+def test_explorer_holds_directions_and_acts():
+    _, records = play_episode(0, 1, 120, {"explorer": 1.0})
+    acts = [r["action"] for r in records]
+    assert records[0]["policy"] == "explorer"
+    runs = [len(list(g)) for k, g in __import__("itertools").groupby(acts) if k.startswith("move")]
+    assert max(runs) >= 3  # holds a direction for several steps
+    assert "do" in acts and len(set(acts)) >= 5
+
+
+@pytest.fixture(scope="module")
+def crafter_dm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("crafter")
+    save_vq(tiny_vq(), tmp / "vq")
+    dm = CrafterDataModule(root=str(tmp / "data"), episodes=3, frames_per_episode=24, gen_seed=0, workers=1,
+                           policy_mix={"explorer": 1.0}, vq_path=str(tmp / "vq"), h=14, w=24, n_a=1,
+                           codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2, seed=0,
+                           val_clips=2, val_episodes=1)
+    dm.prepare_data()
+    dm.setup()
+    return dm
+
+
+def test_clips_layout_and_split(crafter_dm):
+    dm = crafter_dm
+    train, val = dm.train_source, dm.val_source
+    assert len(train) > 0 and len(val) > 0
+    clip = train.clip(0)
+    L = 14 * 24 + 1
+    assert clip.shape == (4 * L,) and clip.dtype == torch.long
+    per_frame = clip.view(4, L)
+    assert (per_frame[:, :336] < 16).all() and (per_frame[:, 336:] >= 16).all() and (per_frame[:, 336:] < 33).all()
+    # action slots are the jsonl actions of those frames, offset by the codebook size
+    index = json.loads((dm.tokens_dir / "index.json").read_text())
+    names = [e["name"] for e in index["episodes"]]
+    assert len(names) == 3
+    records = [json.loads(line) for line in (dm.episodes_dir / f"{names[0]}.jsonl").read_text().splitlines()]
+    assert per_frame[:, 336].tolist() == [16 + r["action_id"] for r in records[:4]]
+    # split by episode: the last episode is validation, never seen in training
+    assert len(train.episodes) == 2 and len(val.episodes) == 1
+    assert len(val) == index["episodes"][2]["frames"] - 4 + 1
+
+
+def test_batches_pure_function_of_seed_and_step(crafter_dm):
+    a = StepBatches(crafter_dm.train_source, 2, seed=0)
+    b = StepBatches(crafter_dm.train_source, 2, seed=0)
+    assert torch.equal(a[7]["tokens"], b[7]["tokens"]) and a[7]["tokens"].shape == (2, 4 * 337)
+    assert not torch.equal(a[7]["clip_index"], StepBatches(crafter_dm.train_source, 2, seed=1)[7]["clip_index"]) \
+        or len(crafter_dm.train_source) < 4
+
+
+def test_prepare_is_cached(crafter_dm, capsys):
+    stamp = (crafter_dm.tokens_dir / "index.json").stat().st_mtime_ns
+    crafter_dm.prepare_data()
+    assert "cached" in capsys.readouterr().out
+    assert (crafter_dm.tokens_dir / "index.json").stat().st_mtime_ns == stamp
+
+
+def test_mismatched_config_is_a_clear_error(crafter_dm):
+    dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
+                           vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=1024,
+                           action_vocab_size=17, clip_frames=4, batch_size=2)
+    with pytest.raises(ValueError, match="codebook_size=16 but data.codebook_size=1024"):
+        dm.setup()
+    dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
+                           vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=16,
+                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=3)
+    with pytest.raises(ValueError, match="data.val_episodes=3"):
+        dm.setup()
