@@ -138,6 +138,7 @@ class MCARModule(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+            fused=True,  # one kernel, no foreach temporaries (a 700M model fits in 20 GiB on CPU)
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, o["warmup_steps"], self.hparams.max_steps, o["min_lr_ratio"])

@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
 from mcar.callbacks import ValGeneration
+from mcar.layout import Layout
 from mcar.lit import MCARModule
+from mcar.sampler import build_sampler
 
 log = logging.getLogger("mcar")
 
@@ -44,6 +46,17 @@ class SeenClips(Callback):
         if "clip_index" in batch:
             with open(self.output_dir / f"seen_clips_rank{trainer.global_rank}.txt", "a") as f:
                 f.write(f"{trainer.global_step} {' '.join(map(str, batch['clip_index'].tolist()))}\n")
+
+
+class Checkpoints(ModelCheckpoint):
+    """Every N steps + last.ckpt, and also the final state when max_steps is not a multiple of N."""
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        last = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+            trainer.save_checkpoint(last)
+            self._last_global_step_saved = trainer.global_step
 
 
 def finish_wandb(fn):
@@ -143,7 +156,7 @@ def build_module(cfg: DictConfig) -> MCARModule:
 
 def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
     callbacks: list[Callback] = [
-        ModelCheckpoint(
+        Checkpoints(
             dirpath=checkpoint_dir(cfg),
             filename="step{step:07d}",
             auto_insert_metric_name=False,
@@ -170,6 +183,8 @@ def run(cfg: DictConfig, init_from: str | None = None) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_ckpt_path(cfg)
 
+    layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
+    build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames)  # bad sampler values fail now, not later
     datamodule = hydra.utils.instantiate(cfg.data, _recursive_=False)
     with torch.device("cpu"):
         module = build_module(cfg)

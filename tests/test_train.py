@@ -83,6 +83,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
     # resuming a checkpoint of another model shape names the tensors that differ
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=1")
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 1, "the final state was not saved"
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "model=small",
                    f"ckpt_path={ckpt}", check=False)
     assert p.returncode != 0 and "does not fit this model" in p.stderr
@@ -98,6 +99,16 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
     assert "training loss is nan at step" in p.stderr or "training loss is inf at step" in p.stderr
     last = torch.load(tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+@pytest.mark.parametrize("override,field", [("sampler.k=0", "k=0"), ("mask=diagd mask.d=999", "d=999"),
+                                            ("mask=diagd mask.proxy=left", "proxy='left'"),
+                                            ("data.clip_frames=1", "clip_frames")])
+def test_bad_schedule_values_fail_before_training(tmp_path, override, field):
+    p = run_script("train.py", *SMALL_DATA, *override.split(), *job_overrides(tmp_path), "logger=none",
+                   check=False)
+    assert p.returncode != 0 and field in p.stderr
+    assert not (tmp_path / "ckpt").exists(), "work started before the config was checked"
 
 
 def test_multirun_gives_one_run_dir_checkpoint_dir_and_wandb_run_per_job(tmp_path):
