@@ -27,12 +27,15 @@ log = logging.getLogger("mcar")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file, then rename: a kill mid-save never corrupts the last good checkpoint."""
+    """Stream to a temporary file, then rename: a kill mid-save never corrupts the last good checkpoint, and
+    the checkpoint is never held in memory as one byte string (Lightning's default does; a 700M model's
+    10 GB checkpoint then runs a 24 GiB machine out of memory)."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
+        torch.save(checkpoint, tmp)
         os.replace(tmp, path)
 
 
