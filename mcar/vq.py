@@ -53,13 +53,16 @@ def use_l2_quantizer(vq: VQModel) -> VQModel:
     return vq
 
 
-def save_vq(vq: VQModel, path: str | Path) -> None:
-    """A plain diffusers folder (config.json + safetensors) with the codebook l2-normalised."""
+def save_vq(vq: VQModel, path: str | Path, half: bool = False) -> None:
+    """A plain diffusers folder (config.json + safetensors) with the codebook l2-normalised.
+
+    half: store fp16 weights (half the file; from_pretrained loads them back as fp32).
+    """
     out = copy.deepcopy(vq).cpu()
     if isinstance(out.quantize, L2Quantizer):
         w = out.quantize.embedding.weight.data
         w.copy_(F.normalize(w, dim=-1))
-    out.save_pretrained(str(path), safe_serialization=True)
+    (out.half() if half else out).save_pretrained(str(path), safe_serialization=True)
 
 
 def load_vq(path: str | Path | None = None) -> VQModel:
@@ -68,7 +71,7 @@ def load_vq(path: str | Path | None = None) -> VQModel:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no diffusers VQModel at {path} (expected {path}/config.json and weights); "
                                 f"set vq.path to a folder saved by save_pretrained / python -m mcar.vq_train")
-    return VQModel.from_pretrained(str(path)).eval()
+    return VQModel.from_pretrained(str(path), low_cpu_mem_usage=False).eval()  # no `accelerate` needed
 
 
 def to_input(frames_u8: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,8 @@ class CropBatches(Dataset):
             # offsets on the 16-pixel token grid: crops look like whole-frame token cells
             y = int(rng.integers(0, (H - ch) // self.align + 1)) * self.align
             x = int(rng.integers(0, (W - cw) // self.align + 1)) * self.align
-            crop = self.frames[i, y:y + ch, x:x + cw]
-            out.append(crop.flip(1) if rng.random() < 0.5 and self.flip else crop)
+            out.append(self.frames[i, y:y + ch, x:x + cw])
         return to_input(torch.stack(out))
-
-    flip = False  # Crafter's HUD and sprites are not mirror-symmetric; off by default
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -176,10 +173,9 @@ class VQLit(L.LightningModule):
     def validation_step(self, x, i):
         x = x.to(self.device)
         rec, _, ids = self(x)
-        a, b = (x + 1) / 2, (rec.clamp(-1, 1) + 1) / 2
-        mse = (a - b).pow(2).flatten(1).mean(1)
-        self.val_psnr.append(10 * torch.log10(1 / mse.clamp_min(1e-10)))
-        self.val_ssim.append(ssim_fn(b, a, data_range=1.0, reduction="none"))
+        psnr, ssim = frame_scores(x, rec)
+        self.val_psnr.append(psnr)
+        self.val_ssim.append(ssim)
         self.val_ids.append(ids)
         if i == 0:
             self.val_shown = (x[:4].cpu(), rec[:4].cpu())
@@ -202,6 +198,13 @@ class VQLit(L.LightningModule):
             save_vq(self.vq, out / "best")
             (out / "best" / "metrics.txt").write_text(
                 f"step {self.global_step}\npsnr {psnr:.3f}\nssim {ssim:.4f}\nusage {usage:.4f}\n")
+
+
+def frame_scores(x: torch.Tensor, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) PSNR in dB and (B,) SSIM of whole frames, images in [-1, 1] compared on [0, 1]."""
+    a, b = (x + 1) / 2, (rec.clamp(-1, 1) + 1) / 2
+    mse = (a - b).pow(2).flatten(1).mean(1)
+    return 10 * torch.log10(1 / mse.clamp_min(1e-10)), ssim_fn(b, a, data_range=1.0, reduction="none")
 
 
 def previous_best(out: Path) -> float:

@@ -85,6 +85,7 @@ def test_committed_small_vq_loads():
     assert encode_tokens(vq, torch.zeros(1, 224, 384, 3, dtype=torch.uint8)).shape == (1, 14, 24)
 
 
+@pytest.mark.slow
 def test_vq_train_command_tiny(tmp_path):
     """`python -m mcar.vq_train` on generated Crafter episodes, tiny: best/ + last/ folders, metrics, PNG, resume."""
     base = [sys.executable, "-m", "mcar.vq_train", f"episodes={tmp_path}/eps", f"out={tmp_path}/out",

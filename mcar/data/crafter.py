@@ -14,7 +14,7 @@ from mcar.data.tokens import TokenDataModule
 
 
 class CrafterDataModule(TokenDataModule):
-    def __init__(self, root: str, episodes: int = 16, frames_per_episode: int = 128, gen_seed: int = 0,
+    def __init__(self, root: str, episodes: int = 12, frames_per_episode: int = 128, gen_seed: int = 0,
                  policy_mix: dict | None = None, workers: int = 2, vq_path: str | None = None,
                  vq_train: bool = False, vq_train_overrides: list | None = None, tokenize_batch: int = 16, **kw):
         super().__init__(**kw)
