@@ -120,28 +120,27 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
     def _cached(self, q, k, v, mask, cache_pos):
-        """Attend to [cache slots | this pass's inputs] under `mask` (B or 1, S, n_slots + S), then write.
+        """Attend to [the first n cache slots | this pass's inputs] under `mask` (B|1, S, n + S), then write.
 
-        Written after attending, so the cache columns only ever show slots of earlier passes. Masked cache
-        columns are zeroed in V too: an unwritten slot must not leak even NaN (0 * NaN = NaN).
+        n = mask width - S <= n_slots: a caller may pass only the cache prefix its queries can see (a view of
+        the cache, no copy). Written after attending, so the cache columns only ever show slots of earlier
+        passes. Unwritten slots hold zeros (the cache is zeroed before its first cached forward, see
+        `Transformer.reset_cache`), so a masked column adds exactly 0 to the output: no per-pass V hygiene copy.
         """
         if self.cache is None:
             raise RuntimeError("cached forward needs model.setup_cache(batch, n_slots) first")
         B, H, S, D = q.shape
-        g = H // self.n_kv
-        qg = q.view(B, self.n_kv, g, S, D).float()  # (B, Hkv, g, S, D)
-        ck, cv = self.cache.k.float(), self.cache.v.float()  # (B, Hkv, N, D)
-        n = ck.shape[2]
-        m = mask.view(mask.shape[0], 1, 1, S, n + S)  # (B|1, 1, 1, S, N+S)
-        scores = torch.cat(
-            [qg @ ck.unsqueeze(2).transpose(-1, -2), qg @ k.float().unsqueeze(2).transpose(-1, -2)], dim=-1
-        ) / math.sqrt(D)  # (B, Hkv, g, S, N+S)
-        p = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1)
-        seen = m[..., :n].any(dim=-2).squeeze(1).squeeze(1).unsqueeze(-1)  # (B|1, 1, N, 1) cache cols in use
-        cv = torch.where(seen, cv, 0.0)
-        y = p[..., :n] @ cv.unsqueeze(2) + p[..., n:] @ v.float().unsqueeze(2)  # (B, Hkv, g, S, D)
+        g, n = H // self.n_kv, mask.shape[-1] - S
+        ck, cv = self.cache.k[:, :, :n], self.cache.v[:, :, :n]  # (B, Hkv, n, D) views
+        qg = (q * (1.0 / math.sqrt(D))).reshape(B, self.n_kv, g * S, D).to(ck.dtype)  # GQA group folded into rows
+        k, v = k.to(ck.dtype), v.to(ck.dtype)
+        scores = torch.cat([qg @ ck.transpose(-1, -2), qg @ k.transpose(-1, -2)], dim=-1)  # (B, Hkv, g*S, n+S)
+        m = mask.reshape(-1, 1, 1, S, n + S)  # (B|1, 1, 1, S, n+S)
+        scores = scores.view(B, self.n_kv, g, S, n + S).float().masked_fill(~m, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(ck.dtype).view(B, self.n_kv, g * S, n + S)
+        y = p[..., :n] @ cv + p[..., n:] @ v  # (B, Hkv, g*S, D)
         self.cache.write(cache_pos, k, v)
-        return y.reshape(B, H, S, D).type_as(q)
+        return y.view(B, H, S, D).type_as(q)
 
 
 class FeedForward(nn.Module):
@@ -177,6 +176,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope = RoPE3D(cfg.head_dim, cfg.rope_base)
+        self._cache_unused = False  # True from setup_cache until the first cached forward zeroes the cache
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -199,6 +199,15 @@ class Transformer(nn.Module):
             layer.attention.cache = KVCache(
                 batch, self.cfg.n_kv_heads, n_slots, self.cfg.head_dim, dtype or p.dtype, device or p.device
             )
+        self._cache_unused = True  # zeroed again at the first cached forward (see reset_cache)
+
+    def reset_cache(self) -> None:
+        """Zero every slot in place (one memset per sequence, before the loop): an unwritten slot then holds 0
+        and a masked column adds exactly 0, even where earlier code left NaN or inf in the cache."""
+        for layer in self.layers:
+            layer.attention.cache.k.zero_()
+            layer.attention.cache.v.zero_()
+        self._cache_unused = False
 
     def clear_cache(self) -> None:
         for layer in self.layers:
@@ -214,8 +223,11 @@ class Transformer(nn.Module):
         """tokens (B, S) long; coords (S, 3) or (B, S, 3) long; returns logits (B, S, vocab) float32.
 
         mask: None (plain causal), dense bool (S, S) / (B, 1, S, S), or a BlockMask; in cached mode
-        (cache_pos (S,) given) a bool (S, n_slots + S) or (B, S, n_slots + S).
+        (cache_pos (S,) given) a bool (S, n + S) or (B|1, S, n + S) over [the first n <= n_slots cache slots |
+        this pass's inputs].
         """
+        if cache_pos is not None and self._cache_unused:
+            self.reset_cache()  # first cached forward since setup_cache: anything written meanwhile is not ours
         cos, sin = self.rope(coords)  # (S, D/2) or (B, S, D/2)
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]

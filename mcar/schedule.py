@@ -39,11 +39,12 @@ class PassPlan:
     src: torch.Tensor  # (Sq,) long: slot whose token each input row carries (a proxy: its content source)
     coords: torch.Tensor  # (Sq, 3) long: RoPE coordinate of each input row
     cache_pos: torch.Tensor  # (Sq,) long: cache slot written after attending (proxies: the scratch slot N)
-    mask: torch.Tensor  # (1, Sq, N+1+Sq) bool: [cache slots | scratch | this pass's inputs]
+    mask: torch.Tensor  # (1, Sq, n_vis+Sq) bool: [cache slots 0..n_vis-1 | this pass's inputs]
     out_rows: torch.Tensor  # (n_out,) long: input rows whose output predicts a generated token
     out_slots: torch.Tensor  # (n_out,) long: the slot each of those outputs predicts
     out_index: torch.Tensor  # (n_out,) long: index of that slot in `Schedule.gen_slots`
     n_out: int
+    n_vis: int  # 1 + the last cache slot any input of the pass sees (0: none); the scratch slot N never is
 
 
 class Schedule:
@@ -145,7 +146,9 @@ class Schedule:
         rows = F.argsort(stable=True)[: int(counts.sum())]  # (R,) the rows the sampler feeds, grouped by pass
         visible = self.table(full).dense()[rows]  # (R, S): the one rule, evaluated once
         written = self.feed_pass[None, :] < F[rows, None]  # (R, N) cache slots written by earlier passes
-        cache = (visible[:, self.row_of_slot] & written).to(device)  # (R, N): cache column c holds slot c
+        cache = visible[:, self.row_of_slot] & written  # (R, N): cache column c holds slot c
+        reach = torch.where(cache, torch.arange(1, N + 1), 0).amax(1)  # (R,) 1 + last cache column seen
+        cache = cache.to(device)
         own = visible[:, rows].to(device)  # (R, R): a pass's own inputs are a diagonal block
         target = self.seq_target[rows]
         out = (target >= 0) & self.generated[target.clamp(min=0)]  # (R,) output predicts a generated token
@@ -153,16 +156,16 @@ class Schedule:
         gen_index[self.gen_slots] = torch.arange(len(self.gen_slots))
         src, coords = self.seq_src[rows].to(device), self.seq_coords[rows].to(device)
         cache_pos = torch.where(self.seq_is_proxy[rows], N, self.seq_pos[rows]).to(device)  # proxies: scratch N
-        scratch = torch.zeros(len(rows), 1, dtype=torch.bool, device=device)
         ends = counts.cumsum(0).tolist()
         for a, b in zip([0] + ends[:-1], ends):
             if a == b:
                 continue
             out_rows = out[a:b].nonzero().squeeze(1)
             out_slots = target[a:b][out_rows]
+            n_vis = int(reach[a:b].max())
             yield PassPlan(
                 src=src[a:b], coords=coords[a:b], cache_pos=cache_pos[a:b],
-                mask=torch.cat([cache[a:b], scratch[a:b], own[a:b, a:b]], dim=1)[None],  # (1, Sq, N+1+Sq)
+                mask=torch.cat([cache[a:b, :n_vis], own[a:b, a:b]], dim=1)[None],  # (1, Sq, n_vis+Sq)
                 out_rows=out_rows.to(device), out_slots=out_slots.to(device),
-                out_index=gen_index[out_slots].to(device), n_out=len(out_rows),
+                out_index=gen_index[out_slots].to(device), n_out=len(out_rows), n_vis=n_vis,
             )
