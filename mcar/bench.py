@@ -1,0 +1,190 @@
+"""Speed benchmarks (issue 6): `python -m mcar.bench sampler|train [hydra overrides]`, random weights.
+
+sampler: generate frames prompt_frames..T-1 of a random clip with the configured sampler (batch
+bench.batch_size), median over bench.repeats after bench.warmup runs; also times the bare model forwards of the
+same passes (same inputs, same cache, no gathering or sampling) to measure the sampler's own overhead.
+bench.compare=true runs NTP and the configured DiagD in one process and adds speedup and pass_ratio.
+train: forward + backward + AdamW steps on random clips under the configured mask; tokens/s, ms/step, peak
+memory and (GPU) MFU.
+
+The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+import mcar.config  # noqa: F401  (registers resolvers)
+from mcar.config import to_dict
+from mcar.flops import peak_flops, train_flops_per_token
+from mcar.layout import Layout
+from mcar.masks import build_mask_factory
+from mcar.model import ModelConfig, Transformer
+from mcar.sampler import build_sampler
+
+MODES = ("sampler", "train")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def setup(cfg: DictConfig):
+    b = cfg.bench
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if b.device == "auto" else b.device)
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if b.dtype == "auto" else getattr(torch, b.dtype)
+    if b.threads:
+        torch.set_num_threads(int(b.threads))
+    torch.manual_seed(cfg.seed)
+    layout = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a))
+    model = Transformer(ModelConfig(**to_dict(cfg.model.arch))).to(device)
+    return device, dtype, layout, model
+
+
+def common_fields(cfg, device, dtype, model) -> dict:
+    return dict(model=cfg.model.name, params=model.num_params(), device=str(device),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
+                batch_size=int(cfg.bench.batch_size), load_avg_1m=round(os.getloadavg()[0], 2))
+
+
+# ---- sampler ----------------------------------------------------------------------------------------------
+def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, device) -> dict:
+    """Time one sampler on `clip` (B, N); the bare forwards run the same passes' inputs through the model."""
+    b, sched = cfg.bench, sampler.schedule(prompt_frames)
+    t0 = time.perf_counter()
+    plans = sched.plan(sampler.full, device)  # built once, cached by the schedule
+    plan_seconds = time.perf_counter() - t0
+    sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
+    seconds = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
+                    b.warmup, b.repeats)
+    _, stats = sampler.generate(model, clip, prompt_frames, setup_cache=False)
+    inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in plans]  # gathered before the loop
+
+    def bare():
+        model.reset_cache()
+        for x in inputs:
+            model(*x)
+
+    bare_seconds = timed(bare, device, b.warmup, b.repeats)
+    B, frames = clip.shape[0], sampler.frames - prompt_frames
+    rows = sum(len(p.src) for p in plans)
+    return dict(sampler=sampler.name, k=sched.k, d=sched.d, proxy=sched.proxy,
+                static=sampler.static, compile=sampler.compile,
+                h=sampler.layout.h, w=sampler.layout.w, n_a=sampler.layout.n_a, clip_frames=sampler.frames,
+                prompt_frames=prompt_frames, frames_generated=frames, passes=stats.passes,
+                schedule_passes=sched.passes, rows_per_pass=round(rows / len(plans), 2),
+                tokens_generated=stats.tokens, seconds=round(seconds, 4), fps=round(B * frames / seconds, 3),
+                tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * seconds / stats.passes, 3),
+                bare_forward_ms_per_pass=round(1000 * bare_seconds / len(plans), 3),
+                overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3))
+
+
+def run_sampler(cfg: DictConfig) -> dict:
+    device, dtype, layout, model = setup(cfg)
+    model = model.to(dtype).eval()
+    frames, b = int(cfg.data.clip_frames), cfg.bench
+    scfg = to_dict(cfg.sampler)
+    P = int(b.prompt_frames or scfg.get("prompt_frames", 1))
+    scfg["prompt_frames"] = P
+    clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
+    out = common_fields(cfg, device, dtype, model)
+    if not b.compare:
+        return out | bench_sampler(model, build_sampler(scfg, layout, frames), clip, P, cfg, device)
+    if scfg["name"] != "diagd":
+        raise ValueError(f"bench.compare=true compares NTP with DiagD: use sampler=diagd, not {scfg['name']!r}")
+    ntp_cfg = {k: v for k, v in scfg.items() if k not in ("k", "d", "proxy", "full")} | {"name": "ntp"}
+    ntp = out | bench_sampler(model, build_sampler(ntp_cfg, layout, frames), clip, P, cfg, device)
+    diag = bench_sampler(model, build_sampler(scfg, layout, frames), clip, P, cfg, device)
+    speedup, pass_ratio = ntp["seconds"] / diag["seconds"], ntp["passes"] / diag["passes"]
+    return out | diag | dict(ntp=ntp, ntp_seconds=ntp["seconds"], diagd_seconds=diag["seconds"],
+                             speedup=round(speedup, 3), pass_ratio=round(pass_ratio, 3),
+                             speedup_over_pass_ratio=round(speedup / pass_ratio, 3))
+
+
+# ---- train ------------------------------------------------------------------------------------------------
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # the process's peak RSS (Linux: KiB)
+
+
+def run_train(cfg: DictConfig) -> dict:
+    device, dtype, layout, model = setup(cfg)
+    frames, b = int(cfg.data.clip_frames), cfg.bench
+    mcfg = to_dict(cfg.mask)
+    factory = build_mask_factory(mcfg.pop("name"), layout, frames, **mcfg)
+    clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
+    batch = factory(clip)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step():
+        with autocast:
+            logits = model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(step, device, b.warmup, b.repeats)
+    S = batch.tokens.shape[1]
+    tokens = clip.numel()  # clip tokens per step (proxy rows are extra inputs, not extra data)
+    density = factory.table().dense().float().mean().item()
+    cfg_m = model.cfg
+    flops = train_flops_per_token(model.num_params(embeddings=False), cfg_m.n_layers, cfg_m.dim, S, density)
+    peak = peak_flops(device, b.peak_flops)
+    return common_fields(cfg, device, dtype, model) | dict(
+        mask=factory.name, h=layout.h, w=layout.w, n_a=layout.n_a, clip_frames=frames, seq_len=S,
+        mask_density=round(density, 4), ms_per_step=round(1000 * seconds, 2), tokens_per_s=round(tokens / seconds, 1),
+        peak_memory_mb=round(peak_memory_mb(device), 1),
+        mfu=round(flops * S * clip.shape[0] / seconds / peak, 4) if peak else None)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    if cfg.bench.mode not in MODES:
+        raise ValueError(f"bench.mode={cfg.bench.mode!r}: run `python -m mcar.bench {'|'.join(MODES)} ...`")
+    result = (run_sampler if cfg.bench.mode == "sampler" else run_train)(cfg)
+    line = json.dumps(result)
+    Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.bench.out).write_text(line + "\n")
+    print(line, flush=True)
+
+
+def cli(argv: list[str]) -> list[str]:
+    """`sampler|train` as the first word -> the bench.mode override Hydra understands."""
+    if len(argv) > 1 and argv[1] in MODES:
+        return [argv[0], f"bench.mode={argv[1]}", *argv[2:]]
+    return argv
+
+
+if __name__ == "__main__":
+    sys.argv = cli(sys.argv)
+    main()

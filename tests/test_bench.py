@@ -1,0 +1,55 @@
+"""`python -m mcar.bench` prints one JSON line with consistent fields (values only, no timing assertions)."""
+import json
+
+import torch
+
+from mcar.layout import Layout
+from mcar.model import ModelConfig, Transformer
+from mcar.sampler import DiagDSampler
+from tests.conftest import run_script
+
+TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
+        "data.action_vocab_size=8", "bench.repeats=1", "bench.warmup=0"]
+SAMPLER_FIELDS = {"model", "params", "device", "dtype", "sampler", "k", "d", "batch_size", "frames_generated",
+                  "passes", "tokens_generated", "seconds", "fps", "tokens_per_s", "ms_per_pass",
+                  "bare_forward_ms_per_pass"}
+
+
+def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
+    p = run_script("-m mcar.bench", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    return printed, json.loads(next(tmp_path.glob("bench_*.json")).read_text())
+
+
+def test_bench_sampler_compare(tmp_path):
+    out, saved = last_json(tmp_path, "sampler", "sampler=diagd", "sampler.k=2", "bench.compare=true",
+                           "bench.batch_size=2")
+    assert out == saved and SAMPLER_FIELDS <= out.keys() and SAMPLER_FIELDS <= out["ntp"].keys()
+    h, w, T, P, k = 3, 4, 3, 1, 2
+    s_spa = (h - 1) * k + w
+    assert out["passes"] == (T - P - 1) * s_spa + s_spa and out["ntp"]["passes"] == (T - P) * h * w
+    assert out["tokens_generated"] == out["ntp"]["tokens_generated"] == (T - P) * h * w * 2
+    assert out["speedup"] == round(out["ntp_seconds"] / out["diagd_seconds"], 3)
+    assert out["pass_ratio"] == round(out["ntp"]["passes"] / out["passes"], 3)
+    assert out["ms_per_pass"] == round(1000 * out["seconds"] / out["passes"], 3)
+    assert out["frames_generated"] == T - P and out["batch_size"] == 2 and out["sampler"] == "diagd"
+
+
+def test_bench_train(tmp_path):
+    out, _ = last_json(tmp_path, "train", "mask=diagd")
+    assert out["mask"] == "diagd" and out["seq_len"] == 3 * 14 + 2 * 2  # + (h-1) proxy rows per generated frame
+    assert out["ms_per_step"] > 0 and out["tokens_per_s"] > 0 and out["peak_memory_mb"] > 0
+    assert out["mfu"] is None  # no peak FLOP/s known for a CPU
+
+
+def test_static_padded_sampler_generates_the_same_tokens():
+    """The GPU path's padded passes (one shape for all) change nothing: same greedy tokens, same pass count."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64,
+                                    init_std=0.2)).eval()
+    for layout, k, d in [(Layout(3, 4, 2), 2, 3), (Layout(3, 4, 0), 1, None), (Layout(3, 4, 2), 6, None)]:
+        clip = torch.randint(0, 32, (2, layout.n_slots(4)))
+        eager, static = (DiagDSampler(layout, 4, 1, k=k, d=d, temperature=0, static=s) for s in (False, True))
+        (a, sa), (b, sb) = eager.generate(model, clip), static.generate(model, clip)
+        assert torch.equal(a, b) and sa.passes == sb.passes
+        assert torch.equal(static.generate(model, clip, setup_cache=False)[0], a)  # reused cache, zeroed
