@@ -39,18 +39,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs after `warmup` untimed ones."""
+def timed(fn, device: torch.device, warmup: int, repeats: int):
+    """(median seconds of fn() over `repeats` runs after `warmup` untimed ones, the last run's result)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), result
 
 
 def setup(cfg: DictConfig):
@@ -80,17 +80,9 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     plans = sched.plan(sampler.full, device)  # built once, cached by the schedule
     plan_seconds = time.perf_counter() - t0
     sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
-    seconds = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
-                    b.warmup, b.repeats)
-    _, stats = sampler.generate(model, clip, prompt_frames, setup_cache=False)
-    inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in plans]  # gathered before the loop
-
-    def bare():
-        model.reset_cache()
-        for x in inputs:
-            model(*x)
-
-    bare_seconds = timed(bare, device, b.warmup, b.repeats)
+    seconds, (_, stats) = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
+                                b.warmup, b.repeats)
+    bare_seconds, _ = timed(bare_forwards(model, sampler, sched, clip, plans), device, b.warmup, b.repeats)
     B, frames = clip.shape[0], sampler.frames - prompt_frames
     rows = sum(len(p.src) for p in plans)
     return dict(sampler=sampler.name, k=sched.k, d=sched.d, proxy=sched.proxy,
@@ -98,10 +90,33 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
                 h=sampler.layout.h, w=sampler.layout.w, n_a=sampler.layout.n_a, clip_frames=sampler.frames,
                 prompt_frames=prompt_frames, frames_generated=frames, passes=stats.passes,
                 schedule_passes=sched.passes, rows_per_pass=round(rows / len(plans), 2),
-                tokens_generated=stats.tokens, seconds=round(seconds, 4), fps=round(B * frames / seconds, 3),
+                tokens_generated=stats.tokens, seconds=round(seconds, 6), fps=round(B * frames / seconds, 3),
                 tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * seconds / stats.passes, 3),
                 bare_forward_ms_per_pass=round(1000 * bare_seconds / len(plans), 3),
                 overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3))
+
+
+def bare_forwards(model, sampler, sched, clip, plans):
+    """The model forwards of the sampler's passes alone: inputs gathered before the loop, nothing sampled.
+    A static sampler's passes run through its own (compiled) padded step, at the same padded width."""
+    if not sampler.static:
+        inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in plans]
+    else:
+        st = sampler.static_plan(sched, clip.device)
+        tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1) as the static sampler has it
+        p = plans[0]
+        inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos)]  # the prefill, eager as in the sampler
+        rest = [(tokens, st.src[s], st.coords[s], st.mask[s], st.cache_pos[s], st.out_rows[s]) for s in range(len(st.src))]
+
+    def run():
+        model.reset_cache()
+        for x in inputs:
+            model(*x)
+        if sampler.static:
+            for x in rest:
+                sampler._step(model, *x)
+
+    return run
 
 
 def run_sampler(cfg: DictConfig) -> dict:
@@ -153,7 +168,7 @@ def run_train(cfg: DictConfig) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed(step, device, b.warmup, b.repeats)
+    seconds, _ = timed(step, device, b.warmup, b.repeats)
     S = batch.tokens.shape[1]
     tokens = clip.numel()  # clip tokens per step (proxy rows are extra inputs, not extra data)
     density = factory.table().dense().float().mean().item()

@@ -1,6 +1,7 @@
 """`python -m mcar.bench` prints one JSON line with consistent fields (values only, no timing assertions)."""
 import json
 
+import pytest
 import torch
 
 from mcar.layout import Layout
@@ -29,9 +30,9 @@ def test_bench_sampler_compare(tmp_path):
     s_spa = (h - 1) * k + w
     assert out["passes"] == (T - P - 1) * s_spa + s_spa and out["ntp"]["passes"] == (T - P) * h * w
     assert out["tokens_generated"] == out["ntp"]["tokens_generated"] == (T - P) * h * w * 2
-    assert out["speedup"] == round(out["ntp_seconds"] / out["diagd_seconds"], 3)
+    assert out["speedup"] == pytest.approx(out["ntp_seconds"] / out["diagd_seconds"], rel=2e-3, abs=1e-3)
     assert out["pass_ratio"] == round(out["ntp"]["passes"] / out["passes"], 3)
-    assert out["ms_per_pass"] == round(1000 * out["seconds"] / out["passes"], 3)
+    assert out["ms_per_pass"] == pytest.approx(1000 * out["seconds"] / out["passes"], rel=2e-3, abs=1e-3)
     assert out["frames_generated"] == T - P and out["batch_size"] == 2 and out["sampler"] == "diagd"
 
 
