@@ -38,7 +38,8 @@ def main(argv=None):
     ap.add_argument("--episodes", required=True)
     ap.add_argument("--vq", default=None, help="diffusers VQModel folder (default: the committed small VQ)")
     ap.add_argument("--stride", type=int, default=4)
-    ap.add_argument("--png", default=None, help="write 4 originals above their reconstructions here")
+    ap.add_argument("--png", default=None, help="write originals above their reconstructions here")
+    ap.add_argument("--show", type=int, default=3, help="frames in the PNG")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--export", default=None, help="store the VQ here (fp16 safetensors) and score that copy")
     a = ap.parse_args(argv)
@@ -53,7 +54,7 @@ def main(argv=None):
     print(f"{len(files)} episodes, {m['frames']} frames: PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f}, "
           f"codebook usage {m['usage']:.1%} ({m['codes_used']} of {vq.quantize.n_e})")
     if a.png:
-        pick = frames[torch.linspace(0, len(frames) - 1, 4).long()]
+        pick = frames[torch.linspace(0, len(frames) - 1, a.show).long()]
         with torch.no_grad():
             x = to_input(pick)
             rec = vq(x).sample

@@ -70,7 +70,8 @@ def test_clips_layout_and_split(crafter_dm):
     assert per_frame[:, 336].tolist() == [16 + r["action_id"] for r in records[:4]]
     # split by episode: the last episode is validation, never seen in training
     assert len(train.episodes) == 2 and len(val.episodes) == 1
-    assert len(val) == index["episodes"][2]["frames"] - 4 + 1
+    assert len(val) == index["episodes"][2]["frames"] // 4  # non-overlapping validation clips
+    assert len(train) == sum(e["frames"] - 4 + 1 for e in index["episodes"][:2])  # every window (clip_stride 1)
 
 
 def test_batches_pure_function_of_seed_and_step(crafter_dm):

@@ -88,6 +88,7 @@ class TokenDataModule(ClipDataModule):
             raise ValueError(f"{self.tokens_dir}: no episode has data.clip_frames={self.clip_frames} frames "
                              f"({len(index['episodes'])} episodes)")
         train, val = split_by_episode(usable, self.val_episodes)
-        make = lambda names: TokenClips(self.tokens_dir, names, self.layout, self.clip_frames, self.codebook_size,
-                                        self.clip_stride)
-        return make(train), make(val)
+        make = lambda names, stride: TokenClips(self.tokens_dir, names, self.layout, self.clip_frames,
+                                                self.codebook_size, stride)
+        # validation clips do not overlap: the first val_clips of them cover different frames
+        return make(train, self.clip_stride), make(val, self.clip_frames)
