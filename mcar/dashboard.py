@@ -1,0 +1,147 @@
+"""The training dashboard: after each validation, ground truth | NTP | DiagD videos of a val prompt (decoded by
+the VQ, the action under each frame), the speed row of each sampler, and once at fit start the attention masks
+(training mask and the configured sampler's schedule) as images. Everything goes to the run's output dir
+(dashboard/) and, when the logger is W&B, to W&B as well."""
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from mcar.lit import diagd_settings
+from mcar.sampler import build_sampler
+from mcar.viz import action_labels, decode_frames, mask_image, schedule_mask, side_by_side, split_clip, to_u8, \
+    write_gif, write_mp4, write_png
+
+log = logging.getLogger("mcar")
+SPEED_COLUMNS = ["step", "sampler", "passes", "fps", "tp", "seconds"]
+
+
+def wandb_run(trainer):
+    """The W&B run behind the trainer's logger, or None."""
+    for lg in trainer.loggers:
+        if type(lg).__name__ == "WandbLogger":
+            return lg.experiment
+    return None
+
+
+class ValDashboard(Callback):
+    def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
+                 vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
+                 videos: bool = True):
+        self.sampler_cfg, self.data_name, self.codebook_size = dict(sampler), data_name, codebook_size
+        self.vq_path, self.n_clips, self.max_frames, self.fps, self.videos = vq_path, n_clips, max_frames, fps, videos
+        self.out = Path(output_dir) / "dashboard"
+        self._samplers, self._vq, self._speed_rows, self._layout = None, None, [], None
+
+    # ---- setup --------------------------------------------------------------------------------------------
+    def samplers(self, pl_module, frames: int) -> dict:
+        """NTP and DiagD (the configured DiagD settings, else the mask's, else k=2), built once."""
+        if self._samplers is None:
+            diag = diagd_settings(self.sampler_cfg, dict(pl_module.hparams.mask))
+            common = {k: self.sampler_cfg[k] for k in ("temperature", "top_k", "top_p", "seed")
+                      if k in self.sampler_cfg}
+            lay = pl_module.layout
+            self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames),
+                              f"diagd k={diag['k']}": build_sampler({"name": "diagd", **common, **diag}, lay, frames)}
+        return self._samplers
+
+    def vq(self):
+        """The VQ that decodes the data's tokens, loaded once; False when it cannot (no videos then)."""
+        if self._vq is None:
+            from mcar.vq import load_vq
+
+            try:
+                self._vq = load_vq(self.vq_path)
+                if self._vq.config.num_vq_embeddings < self.codebook_size:
+                    raise ValueError(f"its codebook ({self._vq.config.num_vq_embeddings}) is smaller than the "
+                                     f"data's ({self.codebook_size})")
+            except (FileNotFoundError, ValueError) as e:
+                log.warning("validation videos off: cannot decode tokens with the VQ (%s)", e)
+                self._vq = False
+        return self._vq
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        frames = pl_module.hparams.clip_frames
+        sampler = build_sampler(self.sampler_cfg, pl_module.layout, frames)
+        images = {"masks/train": write_png(mask_image(pl_module.mask_factory.table().dense()),
+                                           self.out / "mask_train.png"),
+                  f"masks/sampler_{sampler.name}": write_png(mask_image(schedule_mask(sampler)),
+                                                             self.out / f"mask_sampler_{sampler.name}.png")}
+        run = wandb_run(trainer)
+        if run is not None:
+            import wandb
+
+            run.log({k: wandb.Image(str(v)) for k, v in images.items()})
+
+    # ---- each validation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        clips = getattr(pl_module, "val_prompts", None)
+        if clips is None or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        lay, frames = pl_module.layout, pl_module.hparams.clip_frames
+        frames = min(frames, self.max_frames or frames)
+        clips = clips[: self.n_clips, : lay.n_slots(frames)]
+        model, step = pl_module.model, trainer.global_step
+        was_training = model.training
+        model.eval()
+        generated, rows = {}, []
+        try:
+            for label, sampler in self.samplers(pl_module, frames).items():
+                tokens, stats = sampler.generate(model, clips)
+                generated[label] = tokens
+                n_frames = len(clips) * (frames - sampler.prompt_frames)
+                rows.append([step, label, stats.passes, n_frames / max(stats.seconds, 1e-9),
+                             stats.tokens_per_second, stats.seconds])
+        finally:
+            model.clear_cache()
+            model.train(was_training)
+        self._speed_rows += rows
+        self.write_speed()
+        pl_module.log_dict({f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
+                            for k, v in zip(("passes", "fps", "tp"), r[2:5])}, rank_zero_only=True)
+        video = self.write_video(clips, generated, step)
+        run = wandb_run(trainer)
+        if run is not None:
+            import wandb
+
+            payload = {"val/speed": wandb.Table(columns=SPEED_COLUMNS, data=self._speed_rows)}
+            if video is not None:
+                payload["val/video"] = wandb.Video(str(video), format="gif")
+            run.log(payload)
+
+    def write_speed(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "val_speed.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(SPEED_COLUMNS)
+            w.writerows(self._speed_rows)
+
+    def write_video(self, clips: torch.Tensor, generated: dict, step: int) -> Path | None:
+        """ground truth | NTP | DiagD, the clips one after another -> dashboard/val_step<N>.{mp4,gif}."""
+        vq = self.vq() if self.videos else False
+        if not vq:
+            return None
+        space = self.data_name if self.data_name in ("crafter", "vpt") else None
+        parts = []
+        for i in range(len(clips)):
+            ids, acts = split_clip(clips[i:i + 1].cpu(), self._layout, self.codebook_size)
+            cols = {"ground truth": to_u8(decode_frames(vq, ids)[0])}
+            for label, tokens in generated.items():
+                cols[label] = to_u8(decode_frames(vq, split_clip(tokens[i:i + 1].cpu(), self._layout,
+                                                                 self.codebook_size)[0])[0])
+            parts.append(side_by_side(cols, action_labels(acts[0], space)))
+        import numpy as np
+
+        video = np.concatenate(parts)
+        write_mp4(video, self.out / f"val_step{step:07d}.mp4", self.fps)
+        return write_gif(video, self.out / f"val_step{step:07d}.gif", self.fps)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._layout = pl_module.layout

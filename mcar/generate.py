@@ -1,0 +1,139 @@
+"""Generate a clip with a trained world model and write it as mp4 + gif (VQ-decoded, next to the ground truth).
+
+    python -m mcar.generate ckpt=checkpoints/<run>/last.ckpt sampler=diagd sampler.k=2 prompt=3
+    python -m mcar.generate ckpt=... prompt=crafter_s1_e00011:40 frames=16      # episode[:first frame]
+    python -m mcar.generate ckpt=... prompt_image=frame.png 'actions=[move_left,move_left,do,noop]'
+
+prompt: a held-out clip id (0 .. number of validation clips - 1), or an episode name of the data's token
+folder with an optional first frame. prompt_image + actions: a first frame (any size; resized to the VQ's
+16h x 16w) and one action per generated frame (Crafter action names, or local action ids; n_a ids per frame
+as a list when n_a > 1); there is no ground truth then. Writes <output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import mcar.config  # noqa: F401  (registers resolvers)
+from mcar.config import to_dict
+from mcar.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label
+from mcar.layout import Layout
+from mcar.sampler import build_sampler
+from mcar.viz import action_labels, decode_frames, side_by_side, split_clip, to_u8, write_gif, write_mp4
+
+log = logging.getLogger("mcar.generate")
+
+
+def episode_clip(cfg: DictConfig, name: str, start: int, frames: int) -> torch.Tensor:
+    """(N,) clip of `frames` frames of episode `name` from the data's token folder, from frame `start`."""
+    dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    if not hasattr(dm, "tokens_dir"):
+        raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id (prompt=0)")
+    dm.prepare_data()
+    f = Path(dm.tokens_dir) / f"{name}.frames.npy"
+    if not f.exists():
+        names = sorted(p.name[: -len(".frames.npy")] for p in Path(dm.tokens_dir).glob("*.frames.npy"))
+        raise ValueError(f"prompt={name}: no episode {f}; episodes: {', '.join(names[:20])}"
+                         + (" ..." if len(names) > 20 else ""))
+    toks = np.load(f, mmap_mode="r")
+    acts = np.load(f.with_name(f"{name}.actions.npy"), mmap_mode="r")
+    if not 0 <= start <= len(toks) - frames:
+        raise ValueError(f"prompt={name}:{start}: the episode has {len(toks)} frames; a {frames}-frame clip must "
+                         f"start in [0, {len(toks) - frames}]")
+    img = torch.from_numpy(np.asarray(toks[start:start + frames], np.int64)).flatten(1)  # (T, h*w)
+    act = torch.from_numpy(np.asarray(acts[start:start + frames], np.int64)) + cfg.data.codebook_size  # (T, n_a)
+    return torch.cat([img, act], 1).flatten()
+
+
+def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
+    """prompt_image + actions -> (N,) clip: the image's tokens, then zeros for the frames to generate."""
+    from PIL import Image
+
+    from mcar.vq import encode_tokens
+
+    path = Path(cfg.prompt_image)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt_image: file not found: {path}")
+    if not cfg.actions:
+        raise ValueError("prompt_image needs actions=[...]: one action per frame to generate")
+    img = Image.open(path).convert("RGB").resize((16 * layout.w, 16 * layout.h), Image.BICUBIC)
+    ids = encode_tokens(vq, torch.from_numpy(np.asarray(img))[None])[0].flatten()  # (h*w,)
+    if int(ids.max()) >= cfg.data.codebook_size:
+        raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="
+                         f"{cfg.data.codebook_size}: use the VQ the model's data was tokenised with (vq.path)")
+    per_frame = [parse_action(a, cfg.data.name, layout.n_a) for a in cfg.actions] + [[0] * layout.n_a]
+    out = []
+    for t, a in enumerate(per_frame):  # frame t's action leads to frame t+1; the last one is never used
+        out += [ids if t == 0 else torch.zeros_like(ids), torch.tensor(a) + cfg.data.codebook_size]
+    return torch.cat(out)
+
+
+def parse_action(a, data_name: str, n_a: int) -> list[int]:
+    if isinstance(a, str) and data_name == "crafter":
+        from mcar.actions import action_space
+
+        return action_space("crafter").encode({"action": a})
+    ids = list(a) if OmegaConf.is_list(a) or isinstance(a, (list, tuple)) else [a]
+    if len(ids) != n_a or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"actions: {a!r} is not {n_a} local action id(s)")
+    return ids
+
+
+def prompt_clip(cfg: DictConfig, layout: Layout, frames: int, vq) -> tuple[torch.Tensor, bool, str]:
+    """-> (clip (N,), has ground truth, a file-name stem)."""
+    if cfg.prompt_image:
+        return image_clip(cfg, layout, vq), False, Path(cfg.prompt_image).stem
+    p = str(cfg.prompt)
+    if p.isdigit():
+        source = held_out_source(cfg, frames)
+        if int(p) >= len(source):
+            raise ValueError(f"prompt={p}: the held-out set has {len(source)} clips of {frames} frames "
+                             f"(ids 0..{len(source) - 1})")
+        return source.clip(int(p)), True, f"clip{p}"
+    name, _, start = p.partition(":")
+    return episode_clip(cfg, name, int(start or 0), frames), True, p.replace(":", "_")
+
+
+def generate(cfg: DictConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    module, hp = load_model(cfg.ckpt, device)
+    layout, cb = module.layout, cfg.data.codebook_size
+    check_data_fits(layout, hp, cfg.data)
+    vq = load_vq_for(cfg)
+    frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
+    scfg = to_dict(cfg.sampler)
+    if cfg.prompt_image:
+        scfg["prompt_frames"] = 1
+    sampler = build_sampler(scfg, layout, frames)
+    clip, has_gt, stem = prompt_clip(cfg, layout, frames, vq)
+    tokens, stats = sampler.generate(module.model, clip[None].to(device))
+    tokens = tokens.cpu()
+    label = sampler_label(scfg)
+    ids, acts = split_clip(tokens, layout, cb)
+    cols = {label: to_u8(decode_frames(vq, ids)[0])}
+    if has_gt:
+        cols = {"ground truth": to_u8(decode_frames(vq, split_clip(clip[None], layout, cb)[0])[0]), **cols}
+    video = side_by_side(cols, action_labels(acts[0], cfg.data.name if cfg.data.name in ("crafter", "vpt") else None))
+    out = Path(cfg.paths.output_dir)
+    base = out / f"{stem}_{sampler.name}"
+    mp4, gif = write_mp4(video, base.with_suffix(".mp4"), cfg.fps), write_gif(video, base.with_suffix(".gif"), cfg.fps)
+    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": scfg,
+                "passes": stats.passes, "seconds": stats.seconds}, base.with_suffix(".pt"))
+    log.info("%s: %d frames (%d prompt) with %s in %d passes, %.2fs -> %s and %s", stem, frames,
+             sampler.prompt_frames, label, stats.passes, stats.seconds, mp4, gif)
+    return {"mp4": mp4, "gif": gif, "passes": stats.passes}
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    generate(cfg)
+
+
+if __name__ == "__main__":
+    main()

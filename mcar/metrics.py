@@ -1,0 +1,150 @@
+"""Video quality metrics: PSNR and SSIM per frame index (torchmetrics), LPIPS and FVD from local weight files.
+
+Frames are float in [0, 1], videos (B, T, 3, H, W). Networks we cannot ship (I3D for FVD, LPIPS) come from local
+TorchScript files given by config; when a file is absent or fails, the metric is `Unavailable(reason)`, never a
+made-up number. The Fréchet distance itself is ours (float64, symmetric eigendecompositions) and is tested
+against scipy.linalg.sqrtm.
+
+    FVD   i3d_torchscript.pt of StyleGAN-V / universome/fvd-comparison: called as
+          i3d(videos (B, 3, T, H, W) in [-1, 1], rescale=False, resize=True, return_features=True) -> (B, 400)
+    LPIPS any TorchScript module lpips(x, y), x and y (B, 3, H, W) in [-1, 1] -> (B,) or (B, 1, 1, 1) distances,
+          e.g. torch.jit.trace(lpips.LPIPS(net="alex"), (x, y)).save("lpips_alex.pt") where `lpips` is installed
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A metric we cannot compute, with the reason (shown in tables instead of a number)."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"unavailable: {self.reason}"
+
+
+def value_or_none(x) -> float | None:
+    return None if isinstance(x, Unavailable) else float(x)
+
+
+# ------------------------------------------------------------------------------------------------ PSNR / SSIM
+def _flat(gen: torch.Tensor, gt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if gen.shape != gt.shape or gen.dim() != 5:
+        raise ValueError(f"videos must both be (B, T, 3, H, W); got {tuple(gen.shape)} and {tuple(gt.shape)}")
+    return gen.flatten(0, 1).float(), gt.flatten(0, 1).float()  # (B*T, 3, H, W)
+
+
+def psnr_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) PSNR in dB; +inf where the frames are identical."""
+    g, t = _flat(gen, gt)
+    psnr = peak_signal_noise_ratio(g, t, data_range=1.0, reduction="none", dim=(1, 2, 3))  # (B*T,)
+    return psnr.view(gen.shape[:2])
+
+
+def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) SSIM (1 = identical)."""
+    g, t = _flat(gen, gt)
+    return structural_similarity_index_measure(g, t, data_range=1.0, reduction="none").view(gen.shape[:2])
+
+
+def mean_over_clips(per_clip: torch.Tensor) -> list[float]:
+    """(B, T) -> per frame index mean over clips (inf stays inf: identical frames)."""
+    return per_clip.double().mean(0).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ Fréchet
+def feature_stats(feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, D) features -> mean (D,) and unbiased covariance (D, D), float64."""
+    if feats.dim() != 2 or len(feats) < 2:
+        raise ValueError(f"need (N >= 2, D) features for a covariance, got {tuple(feats.shape)}")
+    x = feats.double()
+    return x.mean(0), torch.cov(x.T)
+
+
+def _sqrt_psd(a: torch.Tensor) -> torch.Tensor:
+    """Square root of a symmetric positive semi-definite matrix (negative round-off eigenvalues -> 0)."""
+    vals, vecs = torch.linalg.eigh((a + a.T) / 2)
+    return (vecs * vals.clamp(min=0).sqrt()) @ vecs.T
+
+
+def frechet_distance(mu1: torch.Tensor, cov1: torch.Tensor, mu2: torch.Tensor, cov2: torch.Tensor) -> float:
+    """|mu1 - mu2|^2 + tr(C1 + C2 - 2 (C1 C2)^(1/2)) of two Gaussians, float64.
+
+    tr (C1 C2)^(1/2) = tr (C1^(1/2) C2 C1^(1/2))^(1/2): the inner matrix is symmetric PSD, so two eigh calls
+    replace the non-symmetric sqrtm (and its complex round-off) of the usual implementation.
+    """
+    mu1, cov1, mu2, cov2 = (x.double() for x in (mu1, cov1, mu2, cov2))
+    s1 = _sqrt_psd(cov1)
+    inner = torch.linalg.eigvalsh(s1 @ cov2 @ s1).clamp(min=0).sqrt().sum()
+    d = (mu1 - mu2).square().sum() + cov1.trace() + cov2.trace() - 2 * inner
+    return float(d.clamp(min=0))
+
+
+def frechet_distance_of_features(f1: torch.Tensor, f2: torch.Tensor) -> float:
+    return frechet_distance(*feature_stats(f1), *feature_stats(f2))
+
+
+# ------------------------------------------------------------------------------------------------ weight files
+def load_torchscript(path: str | None, what: str, config_key: str) -> torch.jit.ScriptModule | Unavailable:
+    """A TorchScript network from a local file, or Unavailable naming the config key and the path."""
+    if not path:
+        return Unavailable(f"no {what} weights: set {config_key}=/path/to/file")
+    if not Path(path).is_file():
+        return Unavailable(f"{what} weights not found: {config_key}={path}")
+    try:
+        return torch.jit.load(str(path), map_location="cpu").eval()
+    except Exception as e:  # not TorchScript, truncated, ...
+        return Unavailable(f"cannot load {what} weights {path}: {type(e).__name__}: {e}"[:300])
+
+
+@torch.no_grad()
+def i3d_features(i3d, videos: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """(N, T, 3, H, W) in [0, 1] -> (N, D) I3D features (StyleGAN-V's calling convention)."""
+    out = []
+    for chunk in videos.split(batch_size):
+        x = chunk.permute(0, 2, 1, 3, 4).float().mul(2).sub(1)  # (b, 3, T, H, W) in [-1, 1]
+        out.append(i3d(x, rescale=False, resize=True, return_features=True).double().cpu())
+    return torch.cat(out)
+
+
+def fvd(i3d, gen: torch.Tensor, gt: torch.Tensor) -> float | Unavailable:
+    """FVD between generated and real videos (N, T, 3, H, W) in [0, 1]; Unavailable if it cannot be computed."""
+    if isinstance(i3d, Unavailable):
+        return i3d
+    if len(gen) < 2:
+        return Unavailable(f"FVD needs >= 2 clips for a covariance, got {len(gen)}")
+    try:
+        return frechet_distance_of_features(i3d_features(i3d, gen), i3d_features(i3d, gt))
+    except Exception as e:  # e.g. too few frames for I3D's temporal kernels
+        return Unavailable(f"I3D failed on videos {tuple(gen.shape)}: {type(e).__name__}: {e}"[:300])
+
+
+@torch.no_grad()
+def lpips_per_frame(net, gen: torch.Tensor, gt: torch.Tensor, batch_size: int = 16) -> torch.Tensor | Unavailable:
+    """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) LPIPS distances (lower is closer), or Unavailable."""
+    if isinstance(net, Unavailable):
+        return net
+    g, t = _flat(gen, gt)
+    try:
+        d = [net(a * 2 - 1, b * 2 - 1).reshape(len(a)) for a, b in zip(g.split(batch_size), t.split(batch_size))]
+    except Exception as e:
+        return Unavailable(f"LPIPS network failed: {type(e).__name__}: {e}"[:300])
+    return torch.cat(d).float().view(gen.shape[:2])
+
+
+def fmt(x, digits: int = 2) -> str:
+    """A table cell: numbers rounded, inf as 'inf', Unavailable/None as 'n/a'."""
+    if x is None or isinstance(x, Unavailable):
+        return "n/a"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)

@@ -1,0 +1,143 @@
+"""Pictures for people: token clips -> decoded frames, side-by-side videos with the action under each frame,
+mp4 / gif writers, and the attention mask of a schedule as an image. Pure functions, no W&B here."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from mcar.layout import Layout
+
+
+# ------------------------------------------------------------------------------------------------ tokens -> pixels
+def split_clip(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N) clips -> image ids (B, T, h, w) and local action ids (B, T, n_a)."""
+    B, T = clips.shape[0], clips.shape[1] // layout.frame_len
+    x = clips.view(B, T, layout.frame_len)
+    return x[..., : layout.frame_tokens].reshape(B, T, layout.h, layout.w), x[..., layout.frame_tokens:] - codebook_size
+
+
+@torch.no_grad()
+def decode_frames(vq, ids: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """(B, T, h, w) token ids -> (B, T, 3, H, W) float frames in [0, 1], decoded by the VQ."""
+    from mcar.vq import decode_tokens
+
+    n_codes = vq.quantize.n_e if hasattr(vq.quantize, "n_e") else vq.config.num_vq_embeddings
+    if int(ids.max()) >= n_codes:
+        raise ValueError(f"token id {int(ids.max())} is outside the VQ's codebook of {n_codes}: "
+                         f"decode with the VQ the data was tokenised with (vq.path)")
+    flat = ids.flatten(0, 1).cpu()
+    out = torch.cat([decode_tokens(vq, chunk).float() for chunk in flat.split(batch_size)])
+    return out.add(1).div(2).clamp(0, 1).view(*ids.shape[:2], *out.shape[1:])
+
+
+def to_u8(frames: torch.Tensor) -> np.ndarray:
+    """(..., 3, H, W) in [0, 1] -> (..., H, W, 3) uint8."""
+    return frames.mul(255).round().clamp(0, 255).to(torch.uint8).movedim(-3, -1).numpy()
+
+
+# ------------------------------------------------------------------------------------------------ action text
+def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
+    """(T, n_a) local action ids -> one short label per frame."""
+    from mcar.actions import action_space
+
+    out = []
+    for ids in actions.tolist():
+        try:
+            if space == "crafter":
+                out.append(action_space("crafter").decode(ids)["action"])
+                continue
+            if space == "vpt":
+                a = action_space("vpt").decode(ids)
+                keys = [k for k, v in a.items() if k not in ("camera", "hotbar") and v]
+                cam = a["camera"]
+                if abs(cam[0]) > 0.5 or abs(cam[1]) > 0.5:
+                    keys.append(f"cam{cam[0]:+.0f},{cam[1]:+.0f}")
+                if a["hotbar"]:
+                    keys.append(f"hb{a['hotbar']}")
+                out.append(" ".join(keys) or "noop")
+                continue
+        except ValueError:
+            pass
+        out.append("a=" + ",".join(map(str, ids)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def _font(size: int):
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1
+        return ImageFont.load_default()
+
+
+def caption(img: np.ndarray, text: str, where: str = "below", height: int | None = None) -> np.ndarray:
+    """(H, W, 3) uint8 + a text strip above or below it."""
+    H, W, _ = img.shape
+    height = height or max(12, min(24, H // 8))
+    strip = Image.new("RGB", (W, height), (0, 0, 0))
+    ImageDraw.Draw(strip).text((2, 1), text, fill=(255, 255, 255), font=_font(height - 3))
+    parts = [np.asarray(strip), img] if where == "above" else [img, np.asarray(strip)]
+    return np.concatenate(parts, 0)
+
+
+def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4) -> np.ndarray:
+    """{title: (T, H, W, 3) uint8} -> (T, H', W', 3) uint8: the columns side by side, each frame captioned with
+    its column title above and its action label below."""
+    T = len(next(iter(columns.values())))
+    frames = []
+    for t in range(T):
+        tiles = [caption(caption(v[t], f"{k}  t={t}", "above"), labels[t] if t < len(labels) else "", "below")
+                 for k, v in columns.items()]
+        sep = np.full((tiles[0].shape[0], gap, 3), 255, np.uint8)
+        frames.append(np.concatenate([x for tile in tiles for x in (tile, sep)][:-1], 1))
+    return np.stack(frames)
+
+
+# ------------------------------------------------------------------------------------------------ writers
+def _even(frames: np.ndarray) -> np.ndarray:
+    """Pad H and W to even sizes (H.264 with yuv420p needs them)."""
+    T, H, W, _ = frames.shape
+    return np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)))
+
+
+def write_mp4(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
+    import imageio.v3 as iio
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(path, _even(frames), fps=fps, codec="libx264", plugin="pyav")
+    return path
+
+
+def write_gif(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imgs = [Image.fromarray(f) for f in frames]
+    imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=int(1000 / fps), loop=0)
+    return path
+
+
+def write_png(img: np.ndarray, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(img).save(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ masks
+def mask_image(mask: torch.Tensor, max_px: int = 1024) -> np.ndarray:
+    """(S, S) bool attention mask (query rows, key columns) -> (<= max_px, <= max_px) uint8, white = visible.
+    Large masks are average-pooled, so grey means partly visible."""
+    m = mask.float()[None, None]
+    f = -(-m.shape[-1] // max_px)  # ceil
+    if f > 1:
+        m = torch.nn.functional.avg_pool2d(m, f, ceil_mode=True)
+    return m[0, 0].mul(255).round().to(torch.uint8).numpy()
+
+
+def schedule_mask(sampler) -> torch.Tensor:
+    """The (S, S) one-pass mask of a sampler's schedule (the causal mask for NTP)."""
+    return sampler.schedule().table(sampler.full).dense()

@@ -1,0 +1,121 @@
+"""End-to-end: a tiny model trained by train.py (W&B offline), its training dashboard, `python -m mcar.evaluate`
+as a multirun over samplers (table columns, reference rows, W&B run dirs), `mcar.generate` and the IDM job."""
+import csv
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import SMALL_DATA, compose, job_overrides, run_script
+from .test_metrics import FakeI3D, FakeLPIPS
+
+RUN = "train-tiny-synthetic-causal"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("evaluate")
+    run_script("train.py", *SMALL_DATA, *job_overrides(tmp, "train"), "trainer.max_steps=4",
+               "trainer.val_check_interval=2")  # logger=wandb (offline), the default
+    return tmp
+
+
+def offline_run(run_dir: Path) -> Path:
+    runs = sorted(run_dir.glob("wandb/offline-run-*"))
+    assert len(runs) == 1, f"expected one offline W&B run under {run_dir}, found {runs}"
+    return runs[0] / "files" / "media"
+
+
+@pytest.mark.slow
+def test_training_dashboard_lands_in_the_offline_wandb_run_and_the_output_dir(trained):
+    media = offline_run(trained / "train")
+    assert list(media.glob("videos/val/video_*.gif")), "no validation video in the W&B run"
+    masks = {p.name.split("_")[0] for p in media.glob("images/masks/*.png")}
+    assert {"train", "sampler"} <= masks, f"mask images missing: {masks}"
+    assert list(media.glob("table/val/speed_*.table.json"))
+    dash = trained / "train" / "dashboard"
+    assert {"mask_train.png", "mask_sampler_diagd.png", "val_step0000004.mp4", "val_step0000004.gif",
+            "val_speed.csv"} <= {p.name for p in dash.iterdir()}
+    rows = list(csv.DictReader(open(dash / "val_speed.csv")))
+    assert [r["sampler"] for r in rows] == ["ntp", "diagd k=2"] * 2
+    assert int(rows[0]["passes"]) == 2 * 3 * 4 and int(rows[1]["passes"]) == (3 - 1 - 1) * 8 + 8  # (T-P)hw vs DiagD
+
+
+def train_tiny_idm(tmp: Path) -> Path:
+    from mcar.idm import train_idm
+
+    cfg = compose("idm", [*SMALL_DATA, f"out={tmp}/idm/idm.pt", "steps=20", "eval_every=10", "batch_size=16",
+                          f"paths.output_dir={tmp}/idm"])
+    report = train_idm(cfg)
+    assert 0 <= report["val_accuracy"] <= 1 and (tmp / "idm" / "metrics.json").is_file()
+    return tmp / "idm" / "idm.pt"
+
+
+@pytest.mark.slow
+def test_evaluate_multirun_writes_the_results_table(trained):
+    tmp = trained
+    torch.jit.script(FakeI3D()).save(str(tmp / "i3d.pt"))
+    torch.jit.script(FakeLPIPS()).save(str(tmp / "lpips.pt"))
+    idm = train_tiny_idm(tmp)
+    run_script("-m mcar.evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
+               "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
+               f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"idm={idm}")
+    from mcar.evaluate import COLUMNS
+
+    table = list(csv.DictReader(open(tmp / "multi" / "results.csv")))
+    assert list(table[0].keys()) == COLUMNS
+    rows = {r["sampler"]: r for r in table}
+    assert sorted(rows) == ["diagd k=2", "ground_truth", "noise", "ntp"]  # references once, not once per job
+    for name in ("ntp", "diagd k=2"):
+        r = rows[name]
+        for col in ("fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "fps", "tp", "step"):
+            assert math.isfinite(float(r[col])), (name, col, r[col])
+        assert r["model"] == RUN and r["clips"] == "2" and r["frames"] == "3"
+        assert not re.search(r"\b(fvd|psnr|ssim|lpips|action_f1|action_acc)[,:]", r["notes"]), r["notes"]
+    assert rows["ntp"]["step"] == str(2 * 3 * 4) and rows["diagd k=2"]["step"] == str((3 - 1 - 1) * 8 + 8)
+    gt, noise = rows["ground_truth"], rows["noise"]
+    assert float(gt["psnr"]) == math.inf and float(gt["ssim"]) == pytest.approx(1)
+    assert float(gt["fvd"]) == pytest.approx(0, abs=1e-6) and float(gt["lpips"]) == 0
+    assert float(noise["psnr"]) < 20 and float(noise["fvd"]) > 0
+    assert gt["action_f1"] == gt["action_f1_gt"]  # the IDM on ground truth is the reference
+    assert "| FVD | PSNR | SSIM | LPIPS |" in (tmp / "multi" / "results.md").read_text()
+
+    for job in ("0", "1"):  # each job: its own output dir with everything W&B shows, and its own W&B run
+        out = tmp / "multi" / job
+        assert {"results.csv", "results.md", "results.json", "per_frame.csv"} <= {p.name for p in out.iterdir()}
+        assert list((out / "videos").glob("clip0.mp4")) and list(out.glob("mask_*.png"))
+        media = offline_run(out)
+        assert list(media.glob("table/eval/results_*.table.json")) and list(media.glob("videos/eval/*.gif"))
+        assert list(media.glob("images/eval/mask_*.png"))
+    frames = list(csv.DictReader(open(tmp / "multi" / "0" / "per_frame.csv")))
+    assert [int(r["frame"]) for r in frames if r["row"] == "ntp"] == [1, 2]  # generated frames only
+
+
+def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
+    from mcar.evaluate import pick_clips, resolve_ckpt
+
+    with pytest.raises(FileNotFoundError, match="ckpt: checkpoint not found: .*nope"):
+        resolve_ckpt(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="ckpt is required"):
+        resolve_ckpt(None)
+    with pytest.raises(ValueError, match=r"clips=\[0, 9\]: ids \[9\] out of range.*3 clips"):
+        pick_clips(range(3), 2, [0, 9])
+    assert pick_clips(range(10), 3) == [0, 4, 9] or pick_clips(range(10), 3) == [0, 5, 9]
+
+
+@pytest.mark.slow
+def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
+    from mcar.generate import generate
+
+    out = trained / "gen"
+    cfg = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}/last.ckpt", "sampler=diagd", "sampler.k=2",
+                               "prompt=1", f"paths.output_dir={out}"])
+    res = generate(cfg)
+    assert res["mp4"].stat().st_size > 0 and res["gif"].stat().st_size > 0 and res["passes"] == (3 - 1 - 1) * 8 + 8
+    saved = torch.load(out / "clip1_diagd.pt")
+    assert saved["has_ground_truth"] and saved["generated"].shape == (1, 3 * (12 + 2))
+    bad = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}", "prompt=99", f"paths.output_dir={out}"])
+    with pytest.raises(ValueError, match="prompt=99: the held-out set has 2 clips"):
+        generate(bad)

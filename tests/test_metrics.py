@@ -1,0 +1,104 @@
+"""Metric math: the Fréchet distance against scipy, PSNR/SSIM extremes, unavailable weights, action scores."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mcar import metrics as M
+from mcar.idm import InverseDynamics, action_scores, frame_pairs
+from mcar.layout import Layout
+
+
+def scipy_frechet(f1: np.ndarray, f2: np.ndarray) -> float:
+    """The reference computation of the FID/FVD papers' code: scipy.linalg.sqrtm of C1 C2."""
+    from scipy import linalg
+
+    mu1, mu2 = f1.mean(0), f2.mean(0)
+    s1, s2 = np.cov(f1, rowvar=False), np.cov(f2, rowvar=False)
+    covmean = linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+@pytest.mark.parametrize("n,d,shift", [(64, 8, 0.0), (64, 8, 0.5), (200, 16, 2.0), (10, 24, 1.0)])
+def test_frechet_distance_matches_scipy_sqrtm(n, d, shift):
+    g = torch.Generator().manual_seed(n + d)
+    f1 = torch.randn(n, d, generator=g, dtype=torch.float64)
+    f2 = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.randn(d, d, generator=g, dtype=torch.float64) * 0.5 + shift
+    ours = M.frechet_distance_of_features(f1, f2)
+    ref = scipy_frechet(f1.numpy(), f2.numpy())
+    assert ours == pytest.approx(ref, rel=1e-6, abs=1e-6)  # n=10 < d=24: singular covariances too
+
+
+def test_frechet_distance_closed_forms():
+    assert M.frechet_distance_of_features(*(torch.randn(50, 6, generator=torch.Generator().manual_seed(0)),) * 2) \
+        == pytest.approx(0, abs=1e-8)
+    # diagonal Gaussians: |mu1-mu2|^2 + sum (sqrt(a) - sqrt(b))^2
+    a, b, mu = torch.tensor([1.0, 4.0, 9.0]), torch.tensor([4.0, 1.0, 9.0]), torch.tensor([1.0, 0.0, 2.0])
+    want = 5.0 + ((a.sqrt() - b.sqrt()) ** 2).sum().item()
+    assert M.frechet_distance(mu, torch.diag(a), torch.zeros(3), torch.diag(b)) == pytest.approx(want)
+
+
+def test_psnr_of_ground_truth_is_infinite_and_of_noise_low():
+    g = torch.Generator().manual_seed(0)
+    gt = torch.rand(2, 3, 3, 32, 48, generator=g)
+    assert torch.isinf(M.psnr_per_frame(gt, gt)).all()
+    assert torch.allclose(M.ssim_per_frame(gt, gt), torch.ones(2, 3))
+    noise = torch.rand(2, 3, 3, 32, 48, generator=g)
+    assert (M.psnr_per_frame(noise, gt) < 10).all()  # uniform noise vs uniform noise: ~7.8 dB
+    slightly = (gt + 0.01 * torch.randn(gt.shape, generator=g)).clamp(0, 1)
+    assert (M.psnr_per_frame(slightly, gt) > 35).all()
+    assert M.mean_over_clips(M.psnr_per_frame(gt, gt)) == [math.inf] * 3
+
+
+class FakeI3D(torch.nn.Module):
+    """Stands in for i3d_torchscript.pt: same call signature, features = per-channel moments."""
+
+    def forward(self, x: torch.Tensor, rescale: bool = False, resize: bool = False, return_features: bool = False):
+        return torch.cat([x.mean((2, 3, 4)), x.std((2, 3, 4)), x[:, :, 1:].sub(x[:, :, :-1]).abs().mean((2, 3, 4))], 1)
+
+
+class FakeLPIPS(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x - y).square().mean((1, 2, 3))
+
+
+def test_weights_from_local_torchscript_files_or_unavailable_with_the_reason(tmp_path):
+    missing = M.load_torchscript(str(tmp_path / "i3d_torchscript.pt"), "I3D", "fvd.i3d")
+    assert isinstance(missing, M.Unavailable) and "fvd.i3d=" in missing.reason and "i3d_torchscript.pt" in missing.reason
+    assert isinstance(M.load_torchscript(None, "LPIPS", "lpips"), M.Unavailable)
+    (tmp_path / "junk.pt").write_text("not torchscript")
+    assert "cannot load" in M.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d").reason
+    videos = torch.rand(4, 5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    assert isinstance(M.fvd(missing, videos, videos), M.Unavailable)
+    assert M.fmt(missing) == "n/a"
+
+    torch.jit.script(FakeI3D()).save(str(tmp_path / "i3d.pt"))
+    torch.jit.script(FakeLPIPS()).save(str(tmp_path / "lpips.pt"))
+    i3d = M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d")
+    assert M.fvd(i3d, videos, videos) == pytest.approx(0, abs=1e-9)
+    assert M.fvd(i3d, videos.flip(0).mul(0.5), videos) > 0.01
+    assert "2 clips" in M.fvd(i3d, videos[:1], videos[:1]).reason
+    lp = M.lpips_per_frame(M.load_torchscript(str(tmp_path / "lpips.pt"), "LPIPS", "lpips"), videos, videos)
+    assert lp.shape == (4, 5) and float(lp.abs().max()) == 0
+
+
+def test_action_scores_per_action_precision_recall_f1():
+    pred, true = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([0, 1, 1, 2, 2, 0])
+    s = action_scores(pred, true, {0: "noop", 1: "left", 2: "right"})
+    assert s["accuracy"] == pytest.approx(4 / 6)
+    assert s["per_action"]["noop"] == dict(precision=0.5, recall=0.5, f1=0.5, support=2)
+    assert s["per_action"]["left"]["precision"] == 1.0 and s["per_action"]["left"]["recall"] == 0.5
+    assert s["per_action"]["right"]["recall"] == 1.0 and s["per_action"]["right"]["precision"] == pytest.approx(2 / 3)
+    assert s["macro_f1"] == pytest.approx((0.5 + 2 / 3 + 0.8) / 3)
+
+
+def test_frame_pairs_follow_the_layout():
+    lay, cb = Layout(2, 3, 2), 10
+    T = 4
+    clip = torch.cat([torch.cat([torch.full((6,), t), torch.tensor([cb + t, cb + 5])]) for t in range(T)])[None]
+    a, b, act = frame_pairs(clip, lay, cb, first=1)
+    assert a.shape == (2, 2, 3) and (a[:, 0, 0] == torch.tensor([1, 2])).all() and (b[:, 0, 0] == torch.tensor([2, 3])).all()
+    assert act.tolist() == [[1, 5], [2, 5]]  # a[t] leads from frame t to frame t+1
+    idm = InverseDynamics(cb, 2, 8, dim=4, hidden=8)
+    assert idm(a, b).shape == (2, 2, 8) and idm.predict(a, b).shape == (2, 2)
