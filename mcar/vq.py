@@ -96,11 +96,15 @@ def encode_tokens(vq: VQModel, frames_u8: torch.Tensor) -> torch.Tensor:
 def decode_tokens(vq: VQModel, ids: torch.Tensor) -> torch.Tensor:
     """(B, h, w) token ids -> (B, 3, 16h, 16w) in [-1, 1]."""
     B, h, w = ids.shape
-    shape = (B, h, w, vq.quantize.vq_embed_dim)
-    if vq.config.lookup_from_codebook:  # aMUSEd: decode() looks the ids up itself
-        return vq.decode(ids.reshape(-1), force_not_quantize=True, shape=shape).sample
-    z = vq.quantize.get_codebook_entry(ids.reshape(-1), shape)
-    return vq.decode(z, force_not_quantize=True).sample
+    z = vq.quantize.get_codebook_entry(ids.reshape(-1), (B, h, w, vq.quantize.vq_embed_dim))
+    return decode_latents(vq, z)
+
+
+def decode_latents(vq: VQModel, z_q: torch.Tensor) -> torch.Tensor:
+    """(B, D, h, w) quantised latents -> (B, 3, 16h, 16w). VQModel.decode without its lookup branches (aMUSEd's
+    `lookup_from_codebook` would read z_q as ids)."""
+    spatial = z_q if vq.config.norm_type == "spatial" else None
+    return vq.decoder(vq.post_quant_conv(z_q), spatial)
 
 
 def vq_id(path: str | Path | None = None) -> str:

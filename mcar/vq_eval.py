@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mcar.vq import load_vq, save_vq, to_input
+from mcar.vq import decode_latents, load_vq, save_vq, to_input
 from mcar.vq_train import episode_files, frame_scores, load_frames, save_grid
 
 
@@ -25,7 +25,7 @@ def evaluate(vq, frames_u8: torch.Tensor, batch: int = 8) -> dict:
     for chunk in tqdm(frames_u8.split(batch), desc="scoring", unit="batch"):
         x = to_input(chunk)
         z_q, _, (_, _, idx) = vq.quantize(vq.encode(x).latents)
-        rec = vq.decode(z_q, force_not_quantize=True).sample
+        rec = decode_latents(vq, z_q)
         p, s = frame_scores(x, rec)
         psnr.append(p), ssim.append(s), ids.append(idx)
     ids = torch.cat(ids)
@@ -57,7 +57,7 @@ def main(argv=None):
         pick = frames[torch.linspace(0, len(frames) - 1, a.show).long()]
         with torch.no_grad():
             x = to_input(pick)
-            rec = vq(x).sample
+            rec = decode_latents(vq, vq.quantize(vq.encode(x).latents)[0])
         save_grid(Path(a.png), x, rec)
     if a.export:
         (Path(a.export) / "metrics.json").write_text(json.dumps(

@@ -1,7 +1,7 @@
 """Train or fine-tune the diffusers VQModel image tokenizer (Lightning), on mp4 episodes split by episode.
 
     python -m mcar.vq_train                                  # small VQ on Crafter (generates episodes if absent)
-    python -m mcar.vq_train vq=amused init_from=/path/to/amused-vqvae episodes=/path/to/vpt  # fine-tune aMUSEd
+    python -m mcar.vq_train vq=amused vq.path=/path/to/amused-vqvae episodes=/path/to/vpt  # fine-tune aMUSEd
     python -m mcar.vq_train ckpt_path=last                   # resume out/lightning/last.ckpt
 
 Loss: MSE reconstruction + codebook + 0.25 commitment. Against codebook collapse (a naive run used 15 of 1,024
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from mcar.data.common import StepsFrom
 from mcar.data.video import read_mp4
-from mcar.vq import L2Quantizer, build_vq, load_vq, save_vq, to_input, to_uint8, use_l2_quantizer
+from mcar.vq import L2Quantizer, build_vq, decode_latents, load_vq, save_vq, to_input, to_uint8, use_l2_quantizer
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -92,7 +92,7 @@ class VQLit(L.LightningModule):
 
     def forward(self, x):  # -> reconstruction, codebook loss, ids
         z_q, q_loss, (_, _, ids) = self.vq.quantize(self.vq.encode(x).latents)
-        return self.vq.decode(z_q, force_not_quantize=True).sample, q_loss, ids
+        return decode_latents(self.vq, z_q), q_loss, ids
 
     def configure_optimizers(self):
         c = self.cfg

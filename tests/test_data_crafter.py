@@ -100,3 +100,18 @@ def test_mismatched_config_is_a_clear_error(crafter_dm):
                            action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=3)
     with pytest.raises(ValueError, match="data.val_episodes=3"):
         dm.setup()
+
+
+def test_crafter_trains_its_own_vq_when_asked(tmp_path):
+    """data.vq_train=true: a VQ is trained under root/vq (tiny here), then used to tokenise."""
+    tiny = ["generate.episodes=2", "generate.frames=8", "generate.workers=1", "val_episodes=1",
+            "val_per_episode=2", "crop=[64,64]", "batch_size=2", "steps=2", "val_every=2", "ckpt_every=2",
+            "kmeans_batches=1", "vq.arch.block_out_channels=[8,8,8,8,8]", "vq.arch.norm_num_groups=4",
+            "vq.arch.latent_channels=4", "vq.arch.num_vq_embeddings=16", "vq.arch.vq_embed_dim=4"]
+    dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
+                           vq_train=True, vq_train_overrides=tiny, h=14, w=24, n_a=1, codebook_size=16,
+                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1)
+    dm.prepare_data()
+    assert (tmp_path / "crafter" / "vq" / "best" / "config.json").exists()
+    dm.setup()
+    assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")

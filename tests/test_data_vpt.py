@@ -183,3 +183,13 @@ def test_tokens_of_another_vq_are_refused(tmp_path):
     run_tokenize(tmp_path, min_frames=2)
     with pytest.raises(ValueError, match="holds tokens made with"):
         tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "another-vq")
+
+
+def test_ranks_split_the_episodes(tmp_path):
+    for name in ["e1", "e2", "e3"]:
+        write_vpt(tmp_path, name, good_records(4))
+    vq = tiny_vq()
+    tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=1, world=2)
+    assert sorted(p.name for p in (tmp_path / "tok").glob("*.frames.npy")) == ["e2.frames.npy"]
+    index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2)
+    assert [e["name"] for e in index["episodes"]] == ["e1", "e2", "e3"]  # the index covers every rank's shards

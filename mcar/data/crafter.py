@@ -65,6 +65,7 @@ class CrafterDataModule(TokenDataModule):
 
 def train_vq(root: Path, overrides: list[str]) -> None:
     """Train a small VQ with conf/vq_train.yaml (+ overrides), on Crafter episodes under root/vq_episodes."""
+    import torch
     from omegaconf import OmegaConf
 
     from mcar.vq_train import train
@@ -77,4 +78,6 @@ def train_vq(root: Path, overrides: list[str]) -> None:
                                  "paths": {"data_dir": str(root.parent), "checkpoint_root": str(root)}},
                           OmegaConf.from_dotlist([f"episodes={root / 'vq_episodes'}", f"out={root / 'vq'}",
                                                   *overrides]))
+    threads = torch.get_num_threads()
     train(cfg)
+    torch.set_num_threads(threads)  # vq_train's thread count is for its own background runs
