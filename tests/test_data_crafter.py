@@ -91,12 +91,12 @@ def test_prepare_is_cached(crafter_dm, capsys):
 
 def test_mismatched_config_is_a_clear_error(crafter_dm):
     dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
-                           vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=1024,
+                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=1024,
                            action_vocab_size=17, clip_frames=4, batch_size=2)
     with pytest.raises(ValueError, match="codebook_size=16 but data.codebook_size=1024"):
         dm.setup()
     dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
-                           vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=16,
+                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=16,
                            action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=3)
     with pytest.raises(ValueError, match="data.val_episodes=3"):
         dm.setup()
@@ -115,3 +115,14 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path):
     assert (tmp_path / "crafter" / "vq" / "best" / "config.json").exists()
     dm.setup()
     assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")
+
+
+def test_fewer_episodes_reuse_the_cache(crafter_dm, capsys):
+    dm = CrafterDataModule(root=str(crafter_dm.root), episodes=2, frames_per_episode=24, workers=1,
+                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1,
+                           codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1)
+    assert dm.tokens_dir == crafter_dm.tokens_dir and dm.set_dir.name == "seed0_24f_explorer100"
+    dm.prepare_data()
+    assert "cached" in capsys.readouterr().out
+    dm.setup()
+    assert len(dm.train_source.episodes) == 1 and len(dm.val_source.episodes) == 1  # only the 2 asked for

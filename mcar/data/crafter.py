@@ -1,9 +1,11 @@
 """The embedded default: Crafter episodes, made on first use. `python train.py data=crafter`.
 
 prepare_data() runs three cached stages under `root` (each skipped when its output is there, each with progress):
-    1. episodes/   generated Crafter episodes (mp4 + jsonl)          mcar.data.crafter_gen
-    2. the VQ      the committed small VQ, `vq.path`, or trained here   mcar.vq / mcar.vq_train (vq_train=true)
-    3. tokens_<vq>/ token shards + index                             mcar.data.tokenize
+    1. <setting>/episodes/     generated Crafter episodes (mp4 + jsonl)   mcar.data.crafter_gen
+    2. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true)
+    3. <setting>/tokens_<vq>/  token shards + index                       mcar.data.tokenize
+<setting> names the generator seed, frames per episode and policy mix (seed0_128f_explorer75_random25), so
+changing them never mixes episodes; more episodes extend the same folder.
 """
 from __future__ import annotations
 
@@ -24,8 +26,21 @@ class CrafterDataModule(TokenDataModule):
         self.tokenize_batch = tokenize_batch
 
     @property
+    def set_dir(self) -> Path:
+        """One folder per generator setting, e.g. root/seed0_128f_explorer75_random25 (more episodes reuse it)."""
+        mix = self.policy_mix or {"random": 0.25, "explorer": 0.75}
+        total = sum(mix.values())
+        policies = "_".join(f"{k}{round(100 * v / total)}" for k, v in sorted(mix.items()))
+        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}"
+
+    @property
     def episodes_dir(self) -> Path:
-        return self.root / "episodes"
+        return self.set_dir / "episodes"
+
+    def episode_names(self) -> list[str]:
+        from mcar.data.crafter_gen import episode_name
+
+        return [episode_name(self.gen_seed, i) for i in range(self.n_episodes)]
 
     def resolved_vq_path(self) -> str | None:
         """The VQ in use: trained under root/vq when asked, else vq.path, else the committed one (None)."""
@@ -35,7 +50,7 @@ class CrafterDataModule(TokenDataModule):
     def tokens_dir(self) -> Path:
         from mcar.vq import vq_id
 
-        return self.root / f"tokens_{vq_id(self.resolved_vq_path()).replace('@', '_')}"
+        return self.set_dir / f"tokens_{vq_id(self.resolved_vq_path()).replace('@', '_')}"
 
     def prepare_data(self) -> None:
         from mcar.data.crafter_gen import generate
@@ -58,9 +73,8 @@ class CrafterDataModule(TokenDataModule):
         print(f"crafter data: generation {t1 - t0:.0f}s, tokenisation {time.time() - t1:.0f}s")
 
     def _all_done(self) -> bool:
-        names = {p.stem for p in self.episodes_dir.glob("*.mp4") if ".part" not in p.name}
         done = {p.name[: -len(".frames.npy")] for p in self.tokens_dir.glob("*.frames.npy")}
-        return names <= done
+        return set(self.episode_names()) <= done
 
 
 def train_vq(root: Path, overrides: list[str]) -> None:

@@ -80,10 +80,16 @@ class TokenDataModule(ClipDataModule):
             if key in meta and meta[key] != want:
                 raise ValueError(f"{self.tokens_dir}: tokens have {key}={meta[key]} but data.{key}={want}")
 
+    def episode_names(self) -> list[str] | None:
+        """The episodes this config asks for; None: every episode in the tokens folder."""
+        return None
+
     def make_sources(self):
         index = read_index(self.tokens_dir)
         self.check_meta(index.get("meta", {}))
-        usable = [e["name"] for e in index["episodes"] if e["frames"] >= self.clip_frames]
+        wanted = self.episode_names()
+        usable = [e["name"] for e in index["episodes"] if e["frames"] >= self.clip_frames
+                  and (wanted is None or e["name"] in wanted)]
         if not usable:
             raise ValueError(f"{self.tokens_dir}: no episode has data.clip_frames={self.clip_frames} frames "
                              f"({len(index['episodes'])} episodes)")
