@@ -8,13 +8,14 @@ import csv
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from mcar.lit import diagd_settings
 from mcar.sampler import build_sampler
-from mcar.viz import action_labels, decode_frames, mask_image, schedule_mask, side_by_side, split_clip, to_u8, \
-    write_gif, write_mp4, write_png
+from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
+                      split_clip, to_u8, write_gif, write_mp4, write_png)
 
 log = logging.getLogger("mcar")
 SPEED_COLUMNS = ["step", "sampler", "passes", "fps", "tp", "seconds"]
@@ -69,9 +70,9 @@ class ValDashboard(Callback):
             return
         frames = pl_module.hparams.clip_frames
         sampler = build_sampler(self.sampler_cfg, pl_module.layout, frames)
-        images = {"masks/train": write_png(mask_image(pl_module.mask_factory.table().dense()),
+        images = {"masks/train": write_png(mask_image(pl_module.mask_factory.table()),
                                            self.out / "mask_train.png"),
-                  f"masks/sampler_{sampler.name}": write_png(mask_image(schedule_mask(sampler)),
+                  f"masks/sampler_{sampler.name}": write_png(mask_image(schedule_table(sampler)),
                                                              self.out / f"mask_sampler_{sampler.name}.png")}
         run = wandb_run(trainer)
         if run is not None:
@@ -106,7 +107,11 @@ class ValDashboard(Callback):
         self.write_speed()
         pl_module.log_dict({f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
                             for k, v in zip(("passes", "fps", "tp"), r[2:5])}, rank_zero_only=True)
-        video = self.write_video(clips, generated, step)
+        try:  # a picture must never stop a training run
+            video = self.write_video(clips, generated, step)
+        except Exception as e:  # noqa: BLE001
+            log.warning("validation video at step %d failed: %s: %s", step, type(e).__name__, e)
+            video = None
         run = wandb_run(trainer)
         if run is not None:
             import wandb
@@ -134,11 +139,9 @@ class ValDashboard(Callback):
             ids, acts = split_clip(clips[i:i + 1].cpu(), self._layout, self.codebook_size)
             cols = {"ground truth": to_u8(decode_frames(vq, ids)[0])}
             for label, tokens in generated.items():
-                cols[label] = to_u8(decode_frames(vq, split_clip(tokens[i:i + 1].cpu(), self._layout,
-                                                                 self.codebook_size)[0])[0])
+                tokens = invalid_image_tokens(tokens[i:i + 1].cpu(), self._layout, self.codebook_size)[0]
+                cols[label] = to_u8(decode_frames(vq, split_clip(tokens, self._layout, self.codebook_size)[0])[0])
             parts.append(side_by_side(cols, action_labels(acts[0], space)))
-        import numpy as np
-
         video = np.concatenate(parts)
         write_mp4(video, self.out / f"val_step{step:07d}.mp4", self.fps)
         return write_gif(video, self.out / f"val_step{step:07d}.gif", self.fps)

@@ -29,12 +29,12 @@ from tqdm import tqdm
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar import metrics as M
 from mcar.config import to_dict
-from mcar.idm import action_names, action_scores, frame_pairs, load_idm
+from mcar.idm import action_names, action_scores, check_idm_fits, frame_pairs, load_idm
 from mcar.layout import Layout
 from mcar.run import check_state_shapes, finish_wandb, hydra_job, load_checkpoint
 from mcar.sampler import build_sampler
-from mcar.viz import action_labels, decode_frames, mask_image, schedule_mask, side_by_side, split_clip, to_u8, \
-    write_gif, write_mp4, write_png
+from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
+                      split_clip, to_u8, write_gif, write_mp4, write_png)
 
 log = logging.getLogger("mcar.evaluate")
 COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt", "fps",
@@ -59,7 +59,7 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu"):
     """A Lightning checkpoint of train.py / finetune.py -> (MCARModule in eval mode, its hyper-parameters)."""
     from mcar.lit import MCARModule
 
-    path = resolve_ckpt(str(ckpt))
+    path = resolve_ckpt(None if ckpt is None else str(ckpt))
     state = load_checkpoint(path)
     hp = dict(state.get("hyper_parameters") or {})
     if "arch" not in hp or "layout" not in hp:
@@ -79,14 +79,19 @@ def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
                          f"pass the data config the model was trained on (data=..., data.h=...)")
 
 
-def held_out_source(cfg: DictConfig, frames: int):
-    """The validation clips (held-out episodes) of the configured data, `frames` frames long."""
+def held_out_data(cfg: DictConfig, frames: int):
+    """The data module of the configured data, set up with `frames`-frame clips (val_source: held-out clips)."""
     with open_dict(cfg):
         cfg.data.clip_frames = frames
     dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
     dm.prepare_data()
     dm.setup("validate")
-    return dm.val_source
+    return dm
+
+
+def held_out_source(cfg: DictConfig, frames: int):
+    """The validation clips (held-out episodes) of the configured data, `frames` frames long."""
+    return held_out_data(cfg, frames).val_source
 
 
 def pick_clips(source, n_clips: int, ids=None) -> list[int]:
@@ -144,14 +149,6 @@ def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, cod
     raise ValueError(f"references: unknown {kind!r}; choose from ground_truth, noise")
 
 
-def invalid_image_tokens(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, int]:
-    """The sampler draws from the whole vocabulary: an image slot may get an action id. -> (clips with such ids
-    replaced by code 0, how many there were). Counted in the row's notes, never silently."""
-    img = layout.is_image(clips.shape[1] // layout.frame_len).to(clips.device)
-    bad = (clips >= codebook_size) & img
-    return clips.masked_fill(bad, 0), int(bad.sum())
-
-
 # ------------------------------------------------------------------------------------------------ scoring
 def score(gen: torch.Tensor, gt: torch.Tensor, layout: Layout, codebook_size: int, P: int, vq, nets: dict,
           names: dict) -> tuple[dict, dict, dict]:
@@ -196,10 +193,25 @@ def score(gen: torch.Tensor, gt: torch.Tensor, layout: Layout, codebook_size: in
     return row, curves, extra
 
 
+def score_rows(outputs: dict, gt, layout, cb, P, vq, nets, names, common: dict):
+    """{label: (clips, speed)} -> table rows, per-frame curves and per-action extras, one per label."""
+    rows, curves, extras = [], {}, {}
+    for label, (clips, spd) in outputs.items():
+        clips, n_bad = invalid_image_tokens(clips, layout, cb)
+        outputs[label] = (clips, spd)  # videos show what was scored
+        row, curves[label], extras[label] = score(clips, gt, layout, cb, P, vq, nets, names)
+        if n_bad:
+            n_img = len(clips) * (gt.shape[1] // layout.frame_len - P) * layout.frame_tokens
+            row["notes"] = "; ".join(filter(None, [f"{n_bad}/{n_img} generated image tokens were action ids "
+                                                   f"(scored as code 0)", row["notes"]]))
+        rows.append({**common, "sampler": label, **row, **{k: spd.get(k) for k in ("fps", "tp", "step")}})
+    return rows, curves, extras
+
+
 def sampler_label(scfg: dict) -> str:
     if scfg.get("name") == "diagd":
-        d = scfg.get("d")
-        return f"diagd k={scfg.get('k', 2)}" + (f" d={d}" if d is not None else "") + (" full" if scfg.get("full") else "")
+        d, full = scfg.get("d"), " full" if scfg.get("full") else ""
+        return f"diagd k={scfg.get('k', 2)}" + (f" d={d}" if d is not None else "") + full
     return str(scfg.get("name"))
 
 
@@ -300,14 +312,16 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     scfg = to_dict(cfg.sampler)
     sampler = build_sampler(scfg, layout, frames)
     P = sampler.prompt_frames
-    source = held_out_source(cfg, frames)
+    dm = held_out_data(cfg, frames)
+    source = dm.val_source
     ids = pick_clips(source, cfg.n_clips, cfg.clips)
     gt = torch.stack([source.clip(i) for i in ids]).to(device)  # (n, N)
     log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s", cfg.ckpt, len(ids), frames, P,
              sampler_label(scfg))
 
     nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d"),
-            "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips"), "idm": load_idm(cfg.idm)}
+            "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips"),
+            "idm": check_idm_fits(load_idm(cfg.idm), dm, cb, layout.n_a, cfg.data.action_vocab_size)}
     try:
         vq = load_vq_for(cfg)
     except FileNotFoundError as e:
@@ -320,20 +334,11 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     for kind in cfg.references:
         outputs[kind] = (reference_clips(kind, gt, sampler.schedule().gen_slots.to(device), cb, cfg.seed), {})
 
-    rows, curves, extras, media = [], {}, {}, {}
-    for label, (clips, spd) in outputs.items():
-        clips, n_bad = invalid_image_tokens(clips, layout, cb)
-        outputs[label] = (clips, spd)
-        row, curve, extra = score(clips, gt, layout, cb, P, vq, nets, names)
-        if n_bad:
-            n_img = len(clips) * len(sampler.schedule().gen_slots)
-            row["notes"] = "; ".join(filter(None, [f"{n_bad}/{n_img} generated image tokens were action ids "
-                                                   f"(scored as code 0)", row["notes"]]))
-        rows.append({"model": model_name, "sampler": label, **row, **{k: spd.get(k) for k in ("fps", "tp", "step")},
-                     "clips": len(ids), "frames": frames, "prompt_frames": P})
-        curves[label], extras[label] = curve, extra
-    media.update(write_videos(cfg, gt, outputs, layout, cb, vq, out))
-    media[f"eval/mask_{sampler.name}"] = write_png(mask_image(schedule_mask(sampler)), out / f"mask_{sampler.name}.png")
+    common = {"model": model_name, "clips": len(ids), "frames": frames, "prompt_frames": P}
+    rows, curves, extras = score_rows(outputs, gt, layout, cb, P, vq, nets, names, common)
+    media = write_videos(cfg, gt, outputs, layout, cb, vq, out)
+    mask = write_png(mask_image(schedule_table(sampler)), out / f"mask_{sampler.name}.png")
+    media[f"eval/mask_{sampler.name}"] = mask
 
     write_table(rows, out)
     per_frame = write_per_frame(curves, P, out)

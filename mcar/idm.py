@@ -118,6 +118,29 @@ def action_names(data_name: str, action_vocab_size: int) -> dict[int, str]:
 
 
 # ------------------------------------------------------------------------------------------------ save / load
+def tokens_name(datamodule) -> str | None:
+    """The token folder a data module reads (it names the VQ): an IDM only fits tokens of the VQ it saw."""
+    try:
+        return Path(datamodule.tokens_dir).name
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def check_idm_fits(idm, datamodule, codebook_size: int, n_a: int, action_vocab_size: int):
+    """The IDM, or Unavailable when it was trained on other tokens or another layout than the data's."""
+    if isinstance(idm, Unavailable):
+        return idm
+    c, want = idm.config, tokens_name(datamodule)
+    if (c["codebook_size"], c["n_a"], c["action_vocab_size"]) != (codebook_size, n_a, action_vocab_size):
+        return Unavailable(f"the IDM was trained for codebook {c['codebook_size']}, n_a {c['n_a']}, "
+                           f"{c['action_vocab_size']} actions, not this data's: retrain it (python -m mcar.idm)")
+    have = idm.meta.get("tokens")
+    if have and want and have != want:
+        return Unavailable(f"the IDM was trained on {have}, the data is {want} (another VQ): retrain it "
+                           f"(python -m mcar.idm)")
+    return idm
+
+
 def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -166,7 +189,8 @@ def train_idm(cfg: DictConfig) -> dict:
     model = InverseDynamics(cb, lay.n_a, V, cfg.dim, cfg.hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     warm = max(1, cfg.steps // 20)  # linear warm-up, then cosine to 0
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    lr_at = lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     g = torch.Generator().manual_seed(cfg.seed)
     t0, history = time.time(), []
     for step in (bar := tqdm(range(cfg.steps), desc="idm", mininterval=5)):
@@ -184,7 +208,8 @@ def train_idm(cfg: DictConfig) -> dict:
             bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{s['accuracy']:.3f}")
     final = evaluate_idm(model, val, names)
     final_train = evaluate_idm(model, tuple(x[:len(val[0]) * 4] for x in train), names)
-    meta = {"data": cfg.data.name, "steps": cfg.steps, "train_pairs": len(train[0]), "val_pairs": len(val[0]),
+    meta = {"data": cfg.data.name, "tokens": tokens_name(dm), "steps": cfg.steps, "train_pairs": len(train[0]),
+            "val_pairs": len(val[0]),
             "val_accuracy": final["accuracy"], "val_macro_f1": final["macro_f1"],
             "majority_baseline": final["majority_baseline"], "train_accuracy": final_train["accuracy"],
             "seconds": time.time() - t0}

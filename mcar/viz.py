@@ -19,6 +19,14 @@ def split_clip(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple
     return x[..., : layout.frame_tokens].reshape(B, T, layout.h, layout.w), x[..., layout.frame_tokens:] - codebook_size
 
 
+def invalid_image_tokens(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, int]:
+    """The sampler draws from the whole vocabulary: an image slot may get an action id. -> (clips with such ids
+    replaced by code 0, how many there were). Counted in the row's notes, never silently."""
+    img = layout.is_image(clips.shape[1] // layout.frame_len).to(clips.device)
+    bad = (clips >= codebook_size) & img
+    return clips.masked_fill(bad, 0), int(bad.sum())
+
+
 @torch.no_grad()
 def decode_frames(vq, ids: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
     """(B, T, h, w) token ids -> (B, T, 3, H, W) float frames in [0, 1], decoded by the VQ."""
@@ -128,16 +136,20 @@ def write_png(img: np.ndarray, path: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ masks
-def mask_image(mask: torch.Tensor, max_px: int = 1024) -> np.ndarray:
-    """(S, S) bool attention mask (query rows, key columns) -> (<= max_px, <= max_px) uint8, white = visible.
-    Large masks are average-pooled, so grey means partly visible."""
-    m = mask.float()[None, None]
-    f = -(-m.shape[-1] // max_px)  # ceil
-    if f > 1:
-        m = torch.nn.functional.avg_pool2d(m, f, ceil_mode=True)
-    return m[0, 0].mul(255).round().to(torch.uint8).numpy()
+def mask_image(table, max_px: int = 1024) -> np.ndarray:
+    """A SlotTable's (S, S) attention mask (query rows, key columns) -> (<= max_px)^2 uint8, white = visible.
+    Built a band of rows at a time and average-pooled (grey = partly visible): a 16-frame clip never needs
+    the whole S x S mask in memory."""
+    S = len(table.pos)
+    f, mod, keys = -(-S // max_px), table.mask_mod(), torch.arange(S)
+    bands = []
+    for r0 in range(0, S, 64 * f):
+        q = torch.arange(r0, min(S, r0 + 64 * f))
+        band = mod(None, None, q[:, None], keys[None, :]).float()[None, None]  # (1, 1, rows, S)
+        bands.append(torch.nn.functional.avg_pool2d(band, f, ceil_mode=True)[0, 0] if f > 1 else band[0, 0])
+    return torch.cat(bands).mul(255).round().to(torch.uint8).numpy()
 
 
-def schedule_mask(sampler) -> torch.Tensor:
-    """The (S, S) one-pass mask of a sampler's schedule (the causal mask for NTP)."""
-    return sampler.schedule().table(sampler.full).dense()
+def schedule_table(sampler):
+    """The one-pass visibility table of a sampler's schedule (causal for NTP)."""
+    return sampler.schedule().table(sampler.full)

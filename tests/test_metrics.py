@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcar import metrics as M
-from mcar.idm import InverseDynamics, action_scores, frame_pairs
+from mcar.idm import InverseDynamics, action_scores, check_idm_fits, frame_pairs
 from mcar.layout import Layout
 
 
@@ -24,7 +24,8 @@ def scipy_frechet(f1: np.ndarray, f2: np.ndarray) -> float:
 def test_frechet_distance_matches_scipy_sqrtm(n, d, shift):
     g = torch.Generator().manual_seed(n + d)
     f1 = torch.randn(n, d, generator=g, dtype=torch.float64)
-    f2 = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.randn(d, d, generator=g, dtype=torch.float64) * 0.5 + shift
+    mix = torch.randn(d, d, generator=g, dtype=torch.float64) * 0.5
+    f2 = torch.randn(n, d, generator=g, dtype=torch.float64) @ mix + shift
     ours = M.frechet_distance_of_features(f1, f2)
     ref = scipy_frechet(f1.numpy(), f2.numpy())
     assert ours == pytest.approx(ref, rel=1e-6, abs=1e-6)  # n=10 < d=24: singular covariances too
@@ -65,7 +66,8 @@ class FakeLPIPS(torch.nn.Module):
 
 def test_weights_from_local_torchscript_files_or_unavailable_with_the_reason(tmp_path):
     missing = M.load_torchscript(str(tmp_path / "i3d_torchscript.pt"), "I3D", "fvd.i3d")
-    assert isinstance(missing, M.Unavailable) and "fvd.i3d=" in missing.reason and "i3d_torchscript.pt" in missing.reason
+    assert isinstance(missing, M.Unavailable)
+    assert "fvd.i3d=" in missing.reason and "i3d_torchscript.pt" in missing.reason
     assert isinstance(M.load_torchscript(None, "LPIPS", "lpips"), M.Unavailable)
     (tmp_path / "junk.pt").write_text("not torchscript")
     assert "cannot load" in M.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d").reason
@@ -98,7 +100,33 @@ def test_frame_pairs_follow_the_layout():
     T = 4
     clip = torch.cat([torch.cat([torch.full((6,), t), torch.tensor([cb + t, cb + 5])]) for t in range(T)])[None]
     a, b, act = frame_pairs(clip, lay, cb, first=1)
-    assert a.shape == (2, 2, 3) and (a[:, 0, 0] == torch.tensor([1, 2])).all() and (b[:, 0, 0] == torch.tensor([2, 3])).all()
+    assert a.shape == (2, 2, 3)
+    assert a[:, 0, 0].tolist() == [1, 2] and b[:, 0, 0].tolist() == [2, 3]
     assert act.tolist() == [[1, 5], [2, 5]]  # a[t] leads from frame t to frame t+1
     idm = InverseDynamics(cb, 2, 8, dim=4, hidden=8)
     assert idm(a, b).shape == (2, 2, 8) and idm.predict(a, b).shape == (2, 2)
+
+
+def test_an_idm_of_other_tokens_is_unavailable_with_the_reason():
+    class Data:
+        tokens_dir = "data/crafter/tokens_vq_crafter_small_new"
+
+    idm = InverseDynamics(10, 1, 17, dim=4, hidden=8)
+    idm.meta = {"tokens": "tokens_vq_crafter_small_old"}
+    assert "another VQ" in check_idm_fits(idm, Data(), 10, 1, 17).reason
+    assert "codebook 10" in check_idm_fits(idm, Data(), 1024, 1, 17).reason
+    idm.meta = {"tokens": "tokens_vq_crafter_small_new"}
+    assert check_idm_fits(idm, Data(), 10, 1, 17) is idm
+
+
+def test_mask_image_is_the_pooled_dense_mask():
+    from mcar.schedule import Schedule
+    from mcar.viz import mask_image
+
+    table = Schedule(Layout(3, 4, 2), 3, 1, k=2).table()
+    dense = table.dense().float()
+    assert (mask_image(table, max_px=4096) == dense.mul(255).round().to(torch.uint8).numpy()).all()
+    small = mask_image(table, max_px=10)  # pooled by ceil(S / 10)
+    f = -(-len(table.pos) // 10)
+    ref = torch.nn.functional.avg_pool2d(dense[None, None], f, ceil_mode=True)[0, 0].mul(255).round()
+    assert small.shape == tuple(ref.shape) and np.abs(small.astype(int) - ref.numpy().astype(int)).max() <= 1
