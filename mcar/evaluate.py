@@ -229,9 +229,13 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     digits = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "tp": 0}
     for r in rows:
         lines.append("| " + " | ".join(M.fmt(r.get(c), digits.get(c, 2)) for c in head) + " |")
-    notes = sorted({n for r in rows for n in str(r.get("notes") or "").split("; ") if n})
-    if notes:
-        lines += ["", "n/a:"] + [f"- {n}" for n in notes]
+    where: dict[str, list[str]] = {}  # note -> the rows it applies to
+    for r in rows:
+        for n in filter(None, str(r.get("notes") or "").split("; ")):
+            where.setdefault(n, []).append(str(r["sampler"]))
+    if where:
+        lines += ["", "notes:"] + [f"- {n}" + ("" if len(w) == len(rows) else f" ({', '.join(w)})")
+                                   for n, w in where.items()]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
