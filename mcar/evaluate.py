@@ -108,10 +108,11 @@ def pick_clips(source, n_clips: int, ids=None) -> list[int]:
     return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
 
 
-def load_vq_for(cfg: DictConfig):
+def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
+    """The VQ that decodes the data's tokens (vq.path; the committed small VQ when the data names none)."""
     from mcar.vq import load_vq
 
-    return load_vq(OmegaConf.select(cfg, "vq.path", default=None))
+    return load_vq(OmegaConf.select(cfg, "vq.path", default=None)).to(device)
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -327,7 +328,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
             "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips"),
             "idm": check_idm_fits(load_idm(cfg.idm), dm, cb, layout.n_a, cfg.data.action_vocab_size)}
     try:
-        vq = load_vq_for(cfg)
+        vq = load_vq_for(cfg, device)
     except FileNotFoundError as e:
         vq = M.Unavailable(str(e))
     names = action_names(cfg.data.name, cfg.data.action_vocab_size)

@@ -24,7 +24,8 @@ from mcar.config import to_dict
 from mcar.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label
 from mcar.layout import Layout
 from mcar.sampler import build_sampler
-from mcar.viz import action_labels, decode_frames, side_by_side, split_clip, to_u8, write_gif, write_mp4
+from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, side_by_side, split_clip, to_u8, write_gif,
+                      write_mp4)
 
 log = logging.getLogger("mcar.generate")
 
@@ -62,7 +63,7 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
     if not cfg.actions:
         raise ValueError("prompt_image needs actions=[...]: one action per frame to generate")
     img = Image.open(path).convert("RGB").resize((16 * layout.w, 16 * layout.h), Image.BICUBIC)
-    ids = encode_tokens(vq, torch.from_numpy(np.asarray(img))[None])[0].flatten()  # (h*w,)
+    ids = encode_tokens(vq, torch.from_numpy(np.asarray(img))[None].to(vq.device))[0].flatten().cpu()  # (h*w,)
     if int(ids.max()) >= cfg.data.codebook_size:
         raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="
                          f"{cfg.data.codebook_size}: use the VQ the model's data was tokenised with (vq.path)")
@@ -105,7 +106,7 @@ def generate(cfg: DictConfig) -> dict:
     module, hp = load_model(cfg.ckpt, device)
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)
-    vq = load_vq_for(cfg)
+    vq = load_vq_for(cfg, device)
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
     scfg = to_dict(cfg.sampler)
     if cfg.prompt_image:
@@ -115,7 +116,10 @@ def generate(cfg: DictConfig) -> dict:
     tokens, stats = sampler.generate(module.model, clip[None].to(device))
     tokens = tokens.cpu()
     label = sampler_label(scfg)
-    ids, acts = split_clip(tokens, layout, cb)
+    shown, n_bad = invalid_image_tokens(tokens, layout, cb)
+    if n_bad:
+        log.warning("%d generated image tokens were action ids: shown as code 0", n_bad)
+    ids, acts = split_clip(shown, layout, cb)
     cols = {label: to_u8(decode_frames(vq, ids)[0])}
     if has_gt:
         cols = {"ground truth": to_u8(decode_frames(vq, split_clip(clip[None], layout, cb)[0])[0]), **cols}

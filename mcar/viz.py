@@ -36,8 +36,8 @@ def decode_frames(vq, ids: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
     if int(ids.max()) >= n_codes:
         raise ValueError(f"token id {int(ids.max())} is outside the VQ's codebook of {n_codes}: "
                          f"decode with the VQ the data was tokenised with (vq.path)")
-    flat = ids.flatten(0, 1).cpu()
-    out = torch.cat([decode_tokens(vq, chunk).float() for chunk in flat.split(batch_size)])
+    flat = ids.flatten(0, 1).to(vq.device)
+    out = torch.cat([decode_tokens(vq, chunk).float().cpu() for chunk in flat.split(batch_size)])
     return out.add(1).div(2).clamp(0, 1).view(*ids.shape[:2], *out.shape[1:])
 
 
