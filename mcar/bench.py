@@ -108,6 +108,7 @@ def bare_forwards(model, sampler, sched, clip, plans):
         inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos)]  # the prefill, eager as in the sampler
         rest = [(tokens, st.src[s], st.coords[s], st.mask[s], st.cache_pos[s], st.out_rows[s]) for s in range(len(st.src))]
 
+    @torch.no_grad()
     def run():
         model.reset_cache()
         for x in inputs:

@@ -46,11 +46,10 @@ class StaticPlan:
     out_slots: torch.Tensor  # (P, O) long: token column written (padding: the dummy column N)
 
 
-def pad_plans(plans, n_slots: int) -> StaticPlan:
+def pad_plans(plans, n_slots: int, dev) -> StaticPlan:
     """Stack PassPlans (all but the prefill) into static shapes; nothing here knows the schedule's rules."""
     P, N = len(plans), n_slots
-    W, O = max(len(p.src) for p in plans), max(max(p.n_out for p in plans), 1)
-    dev = plans[0].src.device
+    W, O = max((len(p.src) for p in plans), default=1), max((p.n_out for p in plans), default=1) or 1
     st = StaticPlan(
         src=torch.zeros(P, W, dtype=torch.long, device=dev),
         coords=torch.ones(P, W, 3, dtype=torch.long, device=dev),
@@ -155,7 +154,7 @@ class DiagDSampler:
     def static_plan(self, sched: Schedule, device) -> StaticPlan:
         key = (sched.prompt_frames, str(device))
         if key not in self._static:
-            self._static[key] = pad_plans(sched.plan(self.full, device)[1:], sched.n_slots)
+            self._static[key] = pad_plans(sched.plan(self.full, device)[1:], sched.n_slots, device)
         return self._static[key]
 
     def _generate_static(self, model, clip, sched, setup_cache, gen):
