@@ -105,8 +105,13 @@ class ValDashboard(Callback):
             model.train(was_training)
         self._speed_rows += rows
         self.write_speed()
-        pl_module.log_dict({f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
-                            for k, v in zip(("passes", "fps", "tp"), r[2:5])}, rank_zero_only=True)
+        self.save_tokens(clips, generated, frames, step)
+        gen_slots = lay.is_image(frames).to(clips.device)  # (N,) the image slots after the prompt frame
+        gen_slots[: lay.n_slots(1)] = False
+        acc = {f"val_gen/{label.split()[0]}_token_acc": (t[:, gen_slots] == clips[:, gen_slots]).float().mean()
+               for label, t in generated.items()}
+        pl_module.log_dict({**acc, **{f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
+                                      for k, v in zip(("passes", "fps", "tp"), r[2:5])}}, rank_zero_only=True)
         try:  # a picture must never stop a training run
             video = self.write_video(clips, generated, step)
         except Exception as e:  # noqa: BLE001
@@ -120,6 +125,14 @@ class ValDashboard(Callback):
             if video is not None:
                 payload["val/video"] = wandb.Video(str(video), format="gif")
             run.log(payload)
+
+    def save_tokens(self, clips: torch.Tensor, generated: dict, frames: int, step: int) -> None:
+        """Ground truth and every sampler's tokens -> val_generations/step<N>.pt (for evaluation offline)."""
+        folder = self.out.parent / "val_generations"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": step, "frames": frames, "layout": vars(self._layout), "ground_truth": clips.cpu(),
+                    "generated": {label: t.cpu() for label, t in generated.items()}},
+                   folder / f"step{step:07d}.pt")
 
     def write_speed(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.callbacks import ValGeneration
 from mcar.dashboard import ValDashboard
 from mcar.layout import Layout
 from mcar.lit import MCARModule
@@ -169,8 +168,6 @@ def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
             save_last=True,
         )
     ]
-    if cfg.get("val_generate") and cfg.val_generate.n_clips > 0:
-        callbacks.append(ValGeneration(to_dict(cfg.sampler), output_dir, **to_dict(cfg.val_generate)))
     if cfg.get("val_dashboard") and cfg.val_dashboard.n_clips > 0:  # videos, masks, speed rows (mcar/dashboard.py)
         callbacks.append(ValDashboard(to_dict(cfg.sampler), output_dir, cfg.data.name, cfg.data.codebook_size,
                                       OmegaConf.select(cfg, "vq.path", default=None), **to_dict(cfg.val_dashboard)))

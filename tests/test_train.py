@@ -57,17 +57,21 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
 
 def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
-               "val_generate.n_clips=0")
+               "val_dashboard.n_clips=0")
     run_script("finetune.py", "mask=diagd", "steps=20", *SMALL_DATA, *job_overrides(tmp_path, "ft"),
                "logger=csv", "trainer.val_check_interval=10", "sampler.k=1")
     rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
     val = [r for r in rows if r.get("val/loss")]
     assert len(val) == 2 and all(r["val/loss_diagd"] for r in val)
     s_spa = (3 - 1) * 1 + 4  # (h-1)*k + w with k=1
-    assert [float(r["val_gen/diagd_passes"]) for r in val] == [(3 - 1 - 1) * s_spa + s_spa] * 2
-    saved = torch.load(tmp_path / "ft" / "val_generations" / "step0000020_diagd.pt")
-    assert saved["generated"].shape == saved["ground_truth"].shape == (1, 3 * 14)
-    assert torch.equal(saved["generated"][:, :14], saved["ground_truth"][:, :14])  # the prompt frame is kept
+    assert [float(r["val_speed/diagd_passes"]) for r in val] == [(3 - 1 - 1) * s_spa + s_spa] * 2
+    assert [float(r["val_speed/ntp_passes"]) for r in val] == [2 * 3 * 4] * 2
+    assert all(0 <= float(r["val_gen/diagd_token_acc"]) <= 1 for r in val)
+    saved = torch.load(tmp_path / "ft" / "val_generations" / "step0000020.pt")
+    assert sorted(saved["generated"]) == ["diagd k=1", "ntp"]
+    for tokens in saved["generated"].values():
+        assert tokens.shape == saved["ground_truth"].shape == (1, 3 * 14)
+        assert torch.equal(tokens[:, :14], saved["ground_truth"][:, :14])  # the prompt frame is kept
     ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-synthetic-diagd" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["mask"]["name"] == "diagd"
 
