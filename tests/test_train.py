@@ -167,3 +167,22 @@ def test_ddp_two_processes_see_different_data(tmp_path):
     assert sorted(seen[0]) == sorted(seen[1]) == [1, 2, 3, 4]  # global step after each batch
     for step in seen[0]:
         assert not seen[0][step] & seen[1][step], f"step {step}: both ranks trained on the same clips"
+
+
+@pytest.mark.slow
+def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
+    """The issue's check: `finetune.py mask=diagd` on the default (Crafter) data, 20 steps on CPU, validation
+    reporting both the causal and the DiagD loss. A small Crafter set keeps it to about a minute."""
+    crafter = ["data=crafter", f"paths.data_dir={tmp_path}/data", "data.episodes=3", "data.frames_per_episode=24",
+               "data.workers=1", "data.val_episodes=1", "data.val_clips=1", "data.clip_frames=3",
+               "data.batch_size=2", "val_dashboard.max_frames=2"]
+    run_script("train.py", *crafter, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
+               "val_dashboard.n_clips=0")
+    run_script("finetune.py", "mask=diagd", "steps=20", *crafter, *job_overrides(tmp_path, "ft"), "logger=csv",
+               "trainer.val_check_interval=20")
+    rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
+    val = [r for r in rows if r.get("val/loss")]
+    assert len(val) == 1 and float(val[0]["val/loss"]) > 0 and float(val[0]["val/loss_diagd"]) > 0
+    assert list((tmp_path / "ft" / "dashboard").glob("val_step0000020.gif")), "no validation video"
+    ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-crafter-diagd" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["arch"]["vocab_size"] == 1024 + 17
