@@ -21,7 +21,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
@@ -128,14 +128,15 @@ def run_sampler(cfg: DictConfig) -> dict:
     P = int(b.prompt_frames or scfg.get("prompt_frames", 1))
     scfg["prompt_frames"] = P
     clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
+    cb = OmegaConf.select(cfg, "data.codebook_size", default=None)
     out = common_fields(cfg, device, dtype, model)
     if not b.compare:
-        return out | bench_sampler(model, build_sampler(scfg, layout, frames), clip, P, cfg, device)
+        return out | bench_sampler(model, build_sampler(scfg, layout, frames, cb), clip, P, cfg, device)
     if scfg["name"] != "diagd":
         raise ValueError(f"bench.compare=true compares NTP with DiagD: use sampler=diagd, not {scfg['name']!r}")
     ntp_cfg = {k: v for k, v in scfg.items() if k not in ("k", "d", "proxy", "full")} | {"name": "ntp"}
-    ntp = out | bench_sampler(model, build_sampler(ntp_cfg, layout, frames), clip, P, cfg, device)
-    diag = bench_sampler(model, build_sampler(scfg, layout, frames), clip, P, cfg, device)
+    ntp = out | bench_sampler(model, build_sampler(ntp_cfg, layout, frames, cb), clip, P, cfg, device)
+    diag = bench_sampler(model, build_sampler(scfg, layout, frames, cb), clip, P, cfg, device)
     speedup, pass_ratio = ntp["seconds"] / diag["seconds"], ntp["passes"] / diag["passes"]
     return out | diag | dict(ntp=ntp, ntp_seconds=ntp["seconds"], diagd_seconds=diag["seconds"],
                              speedup=round(speedup, 3), pass_ratio=round(pass_ratio, 3),

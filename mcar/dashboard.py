@@ -46,8 +46,10 @@ class ValDashboard(Callback):
             common = {k: self.sampler_cfg[k] for k in ("temperature", "top_k", "top_p", "seed")
                       if k in self.sampler_cfg}
             lay = pl_module.layout
-            self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames),
-                              f"diagd k={diag['k']}": build_sampler({"name": "diagd", **common, **diag}, lay, frames)}
+            cb = self.codebook_size
+            self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames, cb),
+                              f"diagd k={diag['k']}": build_sampler({"name": "diagd", **common, **diag}, lay, frames,
+                                                                    cb)}
         return self._samplers
 
     def vq(self):

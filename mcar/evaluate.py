@@ -9,7 +9,8 @@ Columns: FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generat
 decoded by the VQ, so the VQ's own loss is not counted), the action-following macro F1 of the inverse-dynamics
 model (`python -m mcar.idm`) on generated frame pairs vs the conditioning actions (and on ground-truth pairs, its
 ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per clip,
-i.e. per batch). Speed is timed around generation only, after a warm-up, synchronised on GPU. A metric whose
+i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
+schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation only, after a warm-up, synchronised on GPU. A metric whose
 weights are missing is 'n/a' with the reason in `notes`. Everything logged to W&B is also written to the run's
 output dir: results.{md,csv,json}, per_frame.csv, videos/, mask_<sampler>.png.
 """
@@ -37,8 +38,8 @@ from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, mask_i
                       split_clip, to_u8, write_gif, write_mp4, write_png)
 
 log = logging.getLogger("mcar.evaluate")
-COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt", "fps",
-           "tp", "step", "clips", "frames", "prompt_frames", "notes"]
+COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt", "loss_tf",
+           "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
 INT_COLUMNS = ("step", "clips", "frames", "prompt_frames")
 
 
@@ -138,6 +139,14 @@ def generate_clips(model, sampler, clips: torch.Tensor, batch_size: int, warmup:
     return torch.cat(out), {"fps": frames / seconds, "tp": tokens / seconds, "step": passes, "seconds": seconds}
 
 
+@torch.no_grad()
+def teacher_forced_loss(model, sampler, clips: torch.Tensor, batch_size: int) -> float:
+    """Mean cross-entropy of every generated image token, the clips' own tokens fed on the sampler's schedule."""
+    nll = torch.cat([sampler.teacher_forced(model, b, keep_logits=False).nll for b in clips.split(batch_size)])
+    model.clear_cache()
+    return float(nll.double().mean())
+
+
 def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, codebook_size: int, seed: int = 0):
     """Reference rows: 'ground_truth' (the clips themselves: PSNR inf) or 'noise' (random generated tokens)."""
     if kind == "ground_truth":
@@ -205,7 +214,7 @@ def score_rows(outputs: dict, gt, layout, cb, P, vq, nets, names, common: dict):
             n_img = len(clips) * (gt.shape[1] // layout.frame_len - P) * layout.frame_tokens
             row["notes"] = "; ".join(filter(None, [f"{n_bad}/{n_img} generated image tokens were action ids "
                                                    f"(scored as code 0)", row["notes"]]))
-        rows.append({**common, "sampler": label, **row, **{k: spd.get(k) for k in ("fps", "tp", "step")}})
+        rows.append({**common, "sampler": label, **row, **{k: spd.get(k) for k in ("loss_tf", "fps", "tp", "step")}})
     return rows, curves, extras
 
 
@@ -227,7 +236,7 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     head = [c for c in COLUMNS if c != "notes"]
     lines = ["| " + " | ".join(c.upper() if c in ("fvd", "psnr", "ssim", "lpips", "fps", "tp", "step") else c
                                for c in head) + " |", "|" + " --- |" * len(head)]
-    digits = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "tp": 0}
+    digits = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3, "tp": 0}
     for r in rows:
         lines.append("| " + " | ".join(M.fmt(r.get(c), digits.get(c, 2)) for c in head) + " |")
     where: dict[str, list[str]] = {}  # note -> the rows it applies to
@@ -297,7 +306,7 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
         else:
             run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
     for r in rows:
-        for c in ("fvd", "psnr", "ssim", "lpips", "action_f1", "fps", "tp", "step"):
+        for c in ("fvd", "psnr", "ssim", "lpips", "action_f1", "loss_tf", "fps", "tp", "step"):
             if _finite(r.get(c)) is not None:
                 run.summary[f"{r['sampler']}/{c}"] = r[c]
 
@@ -315,7 +324,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     check_data_fits(layout, hp, cfg.data)
     frames = cfg.frames or hp["clip_frames"]
     scfg = to_dict(cfg.sampler)
-    sampler = build_sampler(scfg, layout, frames)
+    sampler = build_sampler(scfg, layout, frames, cb)
     P = sampler.prompt_frames
     dm = held_out_data(cfg, frames)
     source = dm.val_source
@@ -335,6 +344,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     model_name = cfg.name or resolve_ckpt(cfg.ckpt).parent.name
 
     gen, speed = generate_clips(module.model, sampler, gt, cfg.batch_size, cfg.warmup)
+    speed["loss_tf"] = teacher_forced_loss(module.model, sampler, gt, cfg.batch_size)
     outputs = {sampler_label(scfg): (gen, speed)}
     for kind in cfg.references:
         outputs[kind] = (reference_clips(kind, gt, sampler.schedule().gen_slots.to(device), cb, cfg.seed), {})

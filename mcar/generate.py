@@ -111,7 +111,7 @@ def generate(cfg: DictConfig) -> dict:
     scfg = to_dict(cfg.sampler)
     if cfg.prompt_image:
         scfg["prompt_frames"] = 1
-    sampler = build_sampler(scfg, layout, frames)
+    sampler = build_sampler(scfg, layout, frames, cb)
     clip, has_gt, stem = prompt_clip(cfg, layout, frames, vq)
     tokens, stats = sampler.generate(module.model, clip[None].to(device))
     tokens = tokens.cpu()

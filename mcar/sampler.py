@@ -106,14 +106,19 @@ class DiagDSampler:
     def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, k: int = 2, d: int | None = None,
                  proxy: str = "prev_frame", full: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 static: bool = False, compile: bool = False):
+                 static: bool = False, compile: bool = False, codebook_size: int | None = None):
         if temperature < 0:
             raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k} is invalid: it must be >= 1 or null (off)")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p} is invalid: it must be in (0, 1] or null (off)")
+        if codebook_size is not None and codebook_size < 1:
+            raise ValueError(f"codebook_size={codebook_size} is invalid: it must be >= 1 or null (whole vocabulary)")
         self.layout, self.frames, self.full = layout, frames, full
+        # image slots may only take image codes: ids >= codebook_size are action tokens (an undertrained model
+        # would otherwise write action ids into frames); None samples from the whole vocabulary
+        self.codebook_size = codebook_size
         self.schedule_args = dict(k=k, d=d, proxy=proxy)
         self.prompt_frames = prompt_frames
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
@@ -145,11 +150,16 @@ class DiagDSampler:
             for p, logits in self._passes(model, tokens, sched, setup_cache):
                 passes += 1
                 if p.n_out:
-                    tokens[:, p.out_slots] = sample(logits[:, p.out_rows], self.temperature, self.top_k,
-                                                    self.top_p, gen)
+                    tokens[:, p.out_slots] = self._sample(logits[:, p.out_rows], gen)
         if tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
         return tokens, SampleStats(passes, tokens.shape[0] * len(sched.gen_slots), time.perf_counter() - t0)
+
+    def _sample(self, logits: torch.Tensor, gen) -> torch.Tensor:
+        """(B, O, V) logits -> (B, O) image token ids (a slice, not a mask: ids below codebook_size keep their id)."""
+        if self.codebook_size is not None:
+            logits = logits[..., :self.codebook_size]
+        return sample(logits, self.temperature, self.top_k, self.top_p, gen)
 
     def static_plan(self, sched: Schedule, device) -> StaticPlan:
         key = (sched.prompt_frames, str(device))
@@ -167,10 +177,10 @@ class DiagDSampler:
         tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1): column N takes padded outputs
         p = sched.plan(self.full, clip.device)[0]  # the prefill, eager
         logits = model(tokens[:, p.src], p.coords, p.mask, p.cache_pos)[:, p.out_rows]
-        tokens[:, p.out_slots] = sample(logits, self.temperature, self.top_k, self.top_p, gen)
+        tokens[:, p.out_slots] = self._sample(logits, gen)
         for s in range(len(st.src)):
             logits = self._step(model, tokens, st.src[s], st.coords[s], st.mask[s], st.cache_pos[s], st.out_rows[s])
-            tokens[:, st.out_slots[s]] = sample(logits, self.temperature, self.top_k, self.top_p, gen)
+            tokens[:, st.out_slots[s]] = self._sample(logits, gen)
         return tokens[:, :-1].clone(), 1 + len(st.src)
 
     @torch.no_grad()
@@ -218,10 +228,10 @@ class NTPSampler(DiagDSampler):
 
     def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 static: bool = False, compile: bool = False):
+                 static: bool = False, compile: bool = False, codebook_size: int | None = None):
         super().__init__(layout, frames, prompt_frames, k=layout.w, d=layout.h * layout.w,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, static=static,
-                         compile=compile)
+                         compile=compile, codebook_size=codebook_size)
 
 
 def diagd_val_loss(model, sampler: DiagDSampler, clip: torch.Tensor, prompt_frames: int | None = None):
@@ -232,9 +242,12 @@ def diagd_val_loss(model, sampler: DiagDSampler, clip: torch.Tensor, prompt_fram
 SAMPLERS = {"ntp": NTPSampler, "diagd": DiagDSampler}
 
 
-def build_sampler(cfg, layout: Layout, frames: int) -> DiagDSampler:
-    """sampler=<name> from the config (a dict or DictConfig) -> a sampler for clips of `frames` frames."""
+def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = None) -> DiagDSampler:
+    """sampler=<name> from the config (a dict or DictConfig) -> a sampler for clips of `frames` frames.
+    codebook_size (the data's): image slots sample image codes only."""
     kw = dict(cfg)
+    if codebook_size is not None:
+        kw.setdefault("codebook_size", codebook_size)
     name = kw.pop("name", None)
     if name not in SAMPLERS:
         raise ValueError(f"sampler.name={name!r} is unknown; choose one of {sorted(SAMPLERS)}")

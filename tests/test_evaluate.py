@@ -70,7 +70,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     assert sorted(rows) == ["diagd k=2", "ground_truth", "noise", "ntp"]  # references once, not once per job
     for name in ("ntp", "diagd k=2"):
         r = rows[name]
-        for col in ("fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "fps", "tp", "step"):
+        for col in ("fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "loss_tf", "fps", "tp", "step"):
             assert math.isfinite(float(r[col])), (name, col, r[col])
         assert r["model"] == RUN and r["clips"] == "2" and r["frames"] == "3"
         assert not re.search(r"\b(fvd|psnr|ssim|lpips|action_f1|action_acc)[,:]", r["notes"]), r["notes"]
@@ -79,6 +79,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     assert float(gt["psnr"]) == math.inf and float(gt["ssim"]) == pytest.approx(1)
     assert float(gt["fvd"]) == pytest.approx(0, abs=1e-6) and float(gt["lpips"]) == 0
     assert float(noise["psnr"]) < 20 and float(noise["fvd"]) > 0
+    assert gt["loss_tf"] == "" and 0 < float(rows["ntp"]["loss_tf"]) < 2 * math.log(40)
     assert gt["action_f1"] == gt["action_f1_gt"]  # the IDM on ground truth is the reference
     assert "| FVD | PSNR | SSIM | LPIPS |" in (tmp / "multi" / "results.md").read_text()
 

@@ -230,3 +230,26 @@ def test_batch_of_one(model):
     layout = Layout(3, 4, 2)
     tokens, stats = DiagDSampler(layout, 3, 1, k=1, seed=0).generate(model, clip_for(layout, 3, batch=1))
     assert tokens.shape == (1, layout.n_slots(3)) and stats.tokens == 2 * 12 and stats.seconds > 0
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_image_slots_sample_image_codes_only(static):
+    """An (undertrained) model that prefers action ids still writes only codes < codebook_size into frames."""
+    torch.manual_seed(0)
+    layout, cb = Layout(3, 4, 2), 24  # ids 24..31 are action tokens
+    m = Transformer(ModelConfig(vocab_size=V, dim=32, n_layers=1, n_heads=4, mlp_dim=64)).eval()
+    with torch.no_grad():
+        m.output.weight[cb:] *= 50  # action ids dominate every position's logits
+    clip = clip_for(layout)
+    for cls in (NTPSampler, DiagDSampler):
+        unrestricted, _ = cls(layout, T, seed=0, static=static).generate(m, clip)
+        restricted, _ = cls(layout, T, seed=0, static=static, codebook_size=cb).generate(m, clip)
+        gen = cls(layout, T).schedule().gen_slots
+        assert (unrestricted[:, gen] >= cb).any()  # the test would see a missing restriction
+        assert (restricted[:, gen] < cb).all()
+        rest = torch.ones(clip.shape[1], dtype=torch.bool)
+        rest[gen] = False
+        assert torch.equal(restricted[:, rest], clip[:, rest])  # prompt and actions untouched
+    assert build_sampler({"name": "ntp"}, layout, T, codebook_size=cb).codebook_size == cb
+    with pytest.raises(ValueError, match="codebook_size"):
+        DiagDSampler(layout, T, codebook_size=0)
