@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -13,7 +14,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import mcar.config  # noqa: F401  (registers resolvers)
@@ -173,6 +174,9 @@ def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
                                       OmegaConf.select(cfg, "vq.path", default=None), **to_dict(cfg.val_dashboard)))
     if cfg.get("record_seen_clips"):
         callbacks.append(SeenClips(output_dir))
+    if cfg.trainer.get("enable_progress_bar", True) and not sys.stdout.isatty():
+        # Lightning's default (rich) bar draws nothing into a pipe or log file: tqdm lines there show progress
+        callbacks.append(TQDMProgressBar(refresh_rate=max(1, int(cfg.log_every_n_steps))))
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
     return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger,
                                    plugins=[AtomicCheckpointIO()], _convert_="partial")

@@ -1,6 +1,7 @@
 """End-to-end: train.py / finetune.py as a user runs them (subprocesses), on a small synthetic geometry."""
 import csv
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -186,3 +187,10 @@ def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
     assert list((tmp_path / "ft" / "dashboard").glob("val_step0000020.gif")), "no validation video"
     ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-crafter-diagd" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["arch"]["vocab_size"] == 1024 + 17
+
+
+def test_piped_training_shows_progress(tmp_path):
+    """Lightning's rich bar prints nothing into a pipe (nohup logs, mcar.table3 stages): tqdm lines must."""
+    p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "train"), "trainer.max_steps=3",
+                   "trainer.val_check_interval=3", "log_every_n_steps=1", "logger=none", "val_dashboard.n_clips=0")
+    assert re.search(r"Epoch 0: .*3/\S+ \[", p.stdout + p.stderr), (p.stdout + p.stderr)[-2000:]
