@@ -21,6 +21,7 @@ from mcar.schedule import Schedule
 class DiagDMask(CausalMask):
     name = "diagd"
     full = False
+    plain_causal = False  # its own table: a dense mask on SDPA
 
     def __init__(self, layout: Layout, frames: int, k: int = 2, d: int | None = None, proxy: str = "prev_frame",
                  proxy_slots: bool = True, action_loss: bool = False, backend: str = "auto",

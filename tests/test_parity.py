@@ -183,7 +183,7 @@ def test_plain_variant_has_no_proxy_slots(model):
     batch = plain(clip)
     assert batch.tokens.shape == clip.shape and torch.equal(batch.tokens, clip)
     assert torch.equal(batch.targets, next_token_targets(clip, layout, T, False))
-    assert batch.mask.sum() < CausalMask(layout, T)(clip).mask.sum()  # a strict subset of causal
+    assert batch.mask.sum() < CausalMask(layout, T).table().dense().sum()  # a strict subset of causal
     # with k = w no proxy is needed and the plain variant is parity-exact too
     tf = DiagDSampler(layout, T, 1, k=4).teacher_forced(model, clip)
     exact = DiagDMask(layout, T, k=4, proxy_slots=False)
@@ -253,3 +253,16 @@ def test_image_slots_sample_image_codes_only(static):
     assert build_sampler({"name": "ntp"}, layout, T, codebook_size=cb).codebook_size == cb
     with pytest.raises(ValueError, match="codebook_size"):
         DiagDSampler(layout, T, codebook_size=0)
+
+
+def test_causal_mask_is_sdpa_is_causal_on_cpu(model):
+    """The causal factory hands SDPA no mask (is_causal: the fast kernel); it must equal its own dense table."""
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    factory = CausalMask(layout, T)
+    batch = factory(clip)
+    assert batch.mask is None
+    dense = factory.table().dense()
+    assert torch.equal(dense, torch.ones_like(dense).tril())
+    with torch.no_grad():
+        assert rel_err(model(batch.tokens, batch.coords, None), model(batch.tokens, batch.coords, dense)) < TOL
