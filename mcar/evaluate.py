@@ -10,9 +10,10 @@ decoded by the VQ, so the VQ's own loss is not counted), the action-following ma
 model (`python -m mcar.idm`) on generated frame pairs vs the conditioning actions (and on ground-truth pairs, its
 ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per clip,
 i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
-schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation only, after a warm-up, synchronised on GPU. A metric whose
-weights are missing is 'n/a' with the reason in `notes`. Everything logged to W&B is also written to the run's
-output dir: results.{md,csv,json}, per_frame.csv, videos/, mask_<sampler>.png.
+schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation
+only, after a warm-up, synchronised on GPU. A metric whose weights are missing is 'n/a' with the reason in
+`notes`. Everything logged to W&B is also written to the run's output dir: results.{md,csv,json},
+per_frame.csv, videos/, mask_<sampler>.png.
 """
 from __future__ import annotations
 

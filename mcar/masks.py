@@ -104,11 +104,10 @@ class CausalMask:
 
     @lru_cache(maxsize=4)
     def _mask(self, device: torch.device):
-        table = self.table(device)
         if resolve_backend(self.backend, device) == "flex":
-            return table.block_mask()
+            return self.table(device).block_mask()
         # the plain causal table needs no dense mask: SDPA's is_causal takes its fast CPU kernel (~1.3x a tiny step)
-        return None if self.plain_causal else table.dense()
+        return None if self.plain_causal else self.table(device).dense()
 
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         """clip (B, N) long, N = frames * frame_len."""

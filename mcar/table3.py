@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
+from mcar.metrics import fmt
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
@@ -111,7 +112,7 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
     out = Path(cfg.paths.root_dir) / "outputs" / "table3" / t.name
     stages = Stages(out, dry_run)
     shared = [o for o in overrides if o.startswith(SHARED_PREFIXES)]
-    data = [f"data={cfg.hydra.runtime.choices.data}", *(o for o in shared if not o.startswith("logger"))]  # idm
+    data = [f"data={cfg.hydra.runtime.choices.data}", *(o for o in shared if not o.startswith("logger"))]
     pre_ckpt = Path(cfg.checkpoint.dir) / "last.ckpt"
     idm = Path(cfg.paths.checkpoint_root) / f"{t.name}-idm" / "idm.pt"
 
@@ -119,10 +120,13 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
                resume_from=pre_ckpt)
     stages.run("idm", python("-m", "mcar.idm", *data, *t.idm, f"out={idm}", f"hydra.run.dir={out}/idm"))
 
+    logger = [o for o in shared if o.startswith("logger")]
+
     def evaluate(model: str, ckpt: Path, sampler: str) -> None:
         stages.run(f"eval/{model}/{sampler}", python(
-            "-m", "mcar.evaluate", *data, *(o for o in shared if o.startswith("logger")), f"ckpt={ckpt}", f"name={model}", f"idm={idm}", *t.evaluate,
-            *t.samplers[sampler], f"run_name=eval-{t.name}-{model}-{sampler}", f"hydra.run.dir={out}/eval/{model}/{sampler}"))
+            "-m", "mcar.evaluate", *data, *logger, f"ckpt={ckpt}", f"name={model}", f"idm={idm}", *t.evaluate,
+            *t.samplers[sampler], f"run_name=eval-{t.name}-{model}-{sampler}",
+            f"hydra.run.dir={out}/eval/{model}/{sampler}"))
 
     for sampler in t.samplers:
         evaluate("pretrained", pre_ckpt, sampler)
@@ -158,14 +162,6 @@ def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
         a, b, c = number(pre_ntp.get(m)), number(pre_diagd.get(m)), number(tuned.get(m))
         out[m] = None if None in (a, b, c) or a == b else (c - b) / (a - b)
     return out
-
-
-def fmt(v, digits: int = 2) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return "inf" if v == float("inf") else f"{v:.{digits}f}"
-    return str(v)
 
 
 def table_md(rows: list[dict]) -> list[str]:
@@ -214,6 +210,15 @@ def facts(cfg: DictConfig) -> dict:
             "date": dt.date.today().isoformat()}
 
 
+def wall_times(state: dict) -> str:
+    """'Wall time T min: pretrain ..., N evaluations ... (minutes).' from state.json's stages."""
+    minutes = {k: v["seconds"] / 60 for k, v in state.items()}
+    evals = [m for k, m in minutes.items() if k.startswith("eval/")]
+    runs = ", ".join(f"{k} {m:.1f}" for k, m in minutes.items() if not k.startswith("eval/"))
+    return (f"Wall time {sum(minutes.values()):.1f} min: {runs}, {len(evals)} evaluations {sum(evals):.1f} "
+            f"(minutes).")
+
+
 def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
     t = cfg.table3
     rows = []
@@ -237,11 +242,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
     lines = [f"<!-- table3:{t.name} start (written by python -m mcar.table3; do not edit by hand) -->",
              f"## {t.name}: {t.label}", "",
              f"Command: `python -m mcar.table3 {' '.join(sys.argv[1:]) or 'experiment=' + t.name}`  ",
-             f"Machine: {info['machine']}; {info['date']}. Wall time {sum(s['seconds'] for s in state.values()) / 60:.1f}"
-             f" min: " + ", ".join(f"{k} {v['seconds'] / 60:.1f}" for k, v in state.items()
-                                  if not k.startswith("eval/")) +
-             f", {sum(1 for k in state if k.startswith('eval/'))} evaluations "
-             f"{sum(v['seconds'] for k, v in state.items() if k.startswith('eval/')) / 60:.1f} (minutes).", "",
+             f"Machine: {info['machine']}; {info['date']}. {wall_times(state)}", "",
              f"Model: `{info['model']}`, {info['params'] / 1e6:.2f}M parameters ({info['arch']}). "
              f"Data: {info['data']}. Pre-training "
              f"{info['pretrain_steps']} steps of batch {info['batch_size']} with the causal mask; each fine-tuning "
@@ -254,7 +255,8 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
              "fine-tuning mask trains). FPS / TP: generated frames / image tokens per second; STEP: forward passes "
              "per clip.", "",
              f"Fraction of the pre-trained NTP ({t.gap.ntp}) - DiagD ({t.gap.diagd}) gap each fine-tuning closes "
-             f"(1 = as good as NTP, 0 = no change, < 0 = worse; the paper's fine-tuning closes 0.43 of its FVD gap):", "",
+             f"(1 = as good as NTP, 0 = no change, < 0 = worse; the paper's fine-tuning closes 0.43 of its FVD "
+             f"gap):", "",
              "| fine-tuning | " + " | ".join(m for m, _ in METRICS) + " |", "|" + " --- |" * (len(METRICS) + 1)]
     lines += [f"| {label} | " + " | ".join(fmt(g[m]) for m, _ in METRICS) + " |" for label, g in gaps.items()]
     gap_row = {m: (number(pre_ntp.get(m)), number(pre_diagd.get(m))) for m, _ in METRICS}
