@@ -1,6 +1,8 @@
 """OmegaConf resolvers used by conf/ (registered on import) and small config helpers."""
 from __future__ import annotations
 
+import math
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,7 +13,8 @@ def _precision() -> str:
 
 
 def register_resolvers() -> None:
-    for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs), "mcar_precision": _precision}.items():
+    for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
+                     "mcar_prod": lambda *xs: math.prod(int(x) for x in xs), "mcar_precision": _precision}.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

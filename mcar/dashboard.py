@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from mcar.lit import diagd_settings
+from mcar.parallel import is_sharded
 from mcar.sampler import build_sampler
 from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
                       split_clip, to_u8, write_gif, write_mp4, write_png)
@@ -27,6 +28,13 @@ def wandb_run(trainer):
         if type(lg).__name__ == "WandbLogger":
             return lg.experiment
     return None
+
+
+def generate_eager(sampler, model, clips: torch.Tensor):
+    """Sample with the training model as it is, compiled blocks run eagerly: the sampler's pass shapes would
+    otherwise recompile them at every validation (training compile=true)."""
+    with torch.compiler.set_stance("force_eager"):
+        return sampler.generate(model, clips)
 
 
 class ValDashboard(Callback):
@@ -86,7 +94,9 @@ class ValDashboard(Callback):
     @torch.no_grad()
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         clips = getattr(pl_module, "val_prompts", None)
-        if clips is None or trainer.sanity_checking or not trainer.is_global_zero:
+        # a sharded model needs every rank in every forward (all-gathers): all ranks sample, rank 0 reports
+        sharded = is_sharded(pl_module.model)
+        if clips is None or trainer.sanity_checking or not (trainer.is_global_zero or sharded):
             return
         lay, frames = pl_module.layout, pl_module.hparams.clip_frames
         frames = min(frames, self.max_frames or frames)
@@ -97,7 +107,7 @@ class ValDashboard(Callback):
         generated, rows = {}, []
         try:
             for label, sampler in self.samplers(pl_module, frames).items():
-                tokens, stats = sampler.generate(model, clips)
+                tokens, stats = generate_eager(sampler, model, clips)
                 generated[label] = tokens
                 n_frames = len(clips) * (frames - sampler.prompt_frames)
                 rows.append([step, label, stats.passes, n_frames / max(stats.seconds, 1e-9),
@@ -105,6 +115,8 @@ class ValDashboard(Callback):
         finally:
             model.clear_cache()
             model.train(was_training)
+        if not trainer.is_global_zero:
+            return
         self._speed_rows += rows
         self.write_speed()
         self.save_tokens(clips, generated, frames, step)

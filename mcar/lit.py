@@ -1,6 +1,7 @@
 """The LightningModule: wires the model, a mask factory and the optimiser. No model or schedule logic here."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -12,6 +13,9 @@ from mcar.flops import peak_flops, train_flops_per_token
 from mcar.layout import Layout
 from mcar.masks import IGNORE, build_mask_factory
 from mcar.model import ModelConfig, Transformer
+from mcar.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
+
+log = logging.getLogger("mcar")
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -39,7 +43,7 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  action_loss: bool = False, compile: bool = False, peak_flops: float | None = None,
-                 model_name: str = "custom", sampler: dict | None = None):
+                 model_name: str = "custom", sampler: dict | None = None, activation_checkpointing: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.model = Transformer(ModelConfig(**arch))
@@ -57,9 +61,25 @@ class MCARModule(L.LightningModule):
         self._t_last: float | None = None
 
     def configure_model(self) -> None:
-        if self.hparams.compile and not getattr(self, "_compiled", False):
-            self.model.compile()  # in place: state_dict keys stay those of the plain model
-            self._compiled = True
+        """Activation checkpointing, per-block compile and FSDP2 (trainer=fsdp), applied once, in that order."""
+        if getattr(self, "_parallelized", False):
+            return
+        if self.hparams.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        if self.hparams.compile:
+            apply_compile(self.model)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            mesh = self.device_mesh
+            if mesh["tensor_parallel"].size() != 1:
+                raise ValueError(f"trainer.strategy.tensor_parallel_size={mesh['tensor_parallel'].size()}: mcar "
+                                 f"shards with FSDP only; set it to 1 and data_parallel_size to the world size")
+            bf16 = str(self.trainer.precision).startswith("bf16")
+            apply_fsdp(self.model, mesh["data_parallel"], param_dtype=torch.bfloat16 if bf16 else None)
+            log.info("FSDP2: %d blocks + root sharded over %d processes%s", len(self.model.layers),
+                     mesh["data_parallel"].size(), " (bf16 compute, fp32 reduce)" if bf16 else "")
+        self._parallelized = True
 
     # --- steps -------------------------------------------------------------------------------------------
 
@@ -91,10 +111,22 @@ class MCARModule(L.LightningModule):
 
     # --- throughput, grad norm ---------------------------------------------------------------------------
 
-    def on_before_optimizer_step(self, optimizer) -> None:
-        grads = [p.grad.detach().norm() for p in self.parameters() if p.grad is not None]
-        if grads:  # before clipping (Lightning clips after this hook)
-            self.log("train/grad_norm", torch.linalg.vector_norm(torch.stack(grads)))
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip here rather than through Lightning's precision plugin, which refuses fused AdamW under mixed
+        precision; bf16 has no loss scaler, so the gradients are already unscaled. Logs the norm before clipping,
+        the one the clip computed (no second pass). Sharded (FSDP2) gradients are DTensors: the norm is global."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        if gradient_clip_val and str(gradient_clip_algorithm) != "value":
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if gradient_clip_val:
+                torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.log("train/grad_norm", norm)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t_last is None:
@@ -138,7 +170,9 @@ class MCARModule(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-            fused=True,  # one kernel, no foreach temporaries (a 700M model fits in 20 GiB on CPU)
+            # one kernel, no foreach temporaries (a 700M model fits in 20 GiB on CPU). Not under fp16's loss
+            # scaler: a fused step unscales inside, after clipping would have seen scaled gradients.
+            fused=str(self.trainer.precision) != "16-mixed" if self._trainer is not None else True,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: warmup_cosine(s, o["warmup_steps"], self.hparams.max_steps, o["min_lr_ratio"])

@@ -155,6 +155,7 @@ def build_module(cfg: DictConfig) -> MCARModule:
         peak_flops=cfg.get("peak_flops"),
         model_name=cfg.model.name,
         sampler=to_dict(cfg.get("sampler")),
+        activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
     )
 
 
