@@ -50,6 +50,30 @@ class SlotTable:
         )
 
 
+def block_stats(table: SlotTable, block: int = 128) -> dict:
+    """How flex_attention tiles the table's mask into block x block tiles: counts and fractions of empty
+    (skipped), partial (mask_mod evaluated element by element) and full (no mask_mod) tiles.
+
+    Counted as `create_block_mask` counts them: the mask is padded with False up to a multiple of `block`, so
+    a tile that overhangs the end is never full. `partial_of_computed` = partial / (partial + full).
+    """
+    S = len(table.pos)
+    n = -(-S // block)
+    mod, keys = table.mask_mod(), torch.arange(S, device=table.pos.device)
+    counts = []
+    for q0 in range(0, S, block):  # one row of tiles at a time: never the whole S x S mask
+        q = keys[q0:q0 + block]
+        band = mod(None, None, q[:, None], keys[None, :]).sum(0)  # (S,) visible queries per key column
+        counts.append(torch.nn.functional.pad(band, (0, n * block - S)).view(n, block).sum(1))
+    counts = torch.stack(counts)  # (n, n) visible elements per tile
+    full = int((counts == block * block).sum())
+    empty = int((counts == 0).sum())
+    partial = n * n - full - empty
+    return dict(block=block, seq_len=S, tiles=n * n, empty=empty, partial=partial, full=full,
+                empty_frac=empty / (n * n), partial_frac=partial / (n * n), full_frac=full / (n * n),
+                partial_of_computed=partial / max(partial + full, 1))
+
+
 def causal_table(n: int, device=None) -> SlotTable:
     ar = torch.arange(n, device=device)
     return SlotTable(feed_pass=ar, pos=ar, is_proxy=torch.zeros(n, dtype=torch.bool, device=device))

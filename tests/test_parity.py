@@ -168,7 +168,7 @@ def test_mask_factory_targets_and_inputs():
     assert batch.tokens.shape == batch.targets.shape == (2, S) and batch.mask.shape == (S, S)
     px = s.seq_is_proxy.nonzero().squeeze(1)
     assert torch.equal(batch.targets[:, px], clip[:, s.proxy_target])  # a proxy carries its row start's loss
-    assert (batch.targets[:, px - 1] == IGNORE).all()  # the real predecessor carries none
+    assert (batch.targets[:, s.row_of_slot[s.proxy_target - 1]] == IGNORE).all()  # the real predecessor: none
     assert torch.equal(batch.tokens[:, px], clip[:, s.proxy_target - layout.frame_len])  # prev_frame content
     assert torch.equal(batch.coords[px], s.coords[s.proxy_target - 1])
     n_loss = (batch.targets[0] != IGNORE).sum()

@@ -51,12 +51,14 @@ def check_invariants(s: Schedule):
                     assert s.feed_pass[p] == s.gen_pass[p] + 1
         for m in range(n_a):  # a[t] leads to frame t+1: fed with the pass that generates c[t+1,0,0]
             assert s.feed_pass[L.action_pos(t, m)] == (0 if t < P else (t + 1 - P) * d)
-    # the sequence: every real slot exactly once, each proxy right after the slot it stands in for
-    real = s.seq_pos[~s.seq_is_proxy]
-    assert torch.equal(real, torch.arange(s.n_slots))
-    assert torch.equal(s.seq_pos[s.row_of_slot], torch.arange(s.n_slots))
-    px = s.seq_is_proxy.nonzero().squeeze(1)
-    assert torch.equal(s.seq_pos[px], s.seq_pos[px - 1])
+    # the sequence: every real slot exactly once, in layout order, then the proxies in their targets' order,
+    # each at the position of the slot it stands in for (its target's predecessor)
+    N = s.n_slots
+    assert torch.equal(s.seq_pos[:N], torch.arange(N)) and not s.seq_is_proxy[:N].any()
+    assert torch.equal(s.row_of_slot, torch.arange(N))
+    assert s.seq_is_proxy[N:].all() and torch.equal(s.seq_target[N:], s.proxy_target)
+    assert torch.equal(s.seq_pos[N:], s.seq_target[N:] - 1) and torch.equal(s.seq_src[N:], s.proxy_source)
+    assert torch.equal(s.seq_feed_pass[N:], s.proxy_pass)
     assert torch.equal(s.seq_coords, s.coords[s.seq_pos])
     # every generated token is predicted by exactly one row, never after it is generated
     n_pred = torch.bincount(s.seq_target[s.seq_target >= 0], minlength=s.n_slots)
