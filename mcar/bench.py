@@ -181,7 +181,24 @@ def run_train(cfg: DictConfig) -> dict:
         mask=factory.name, h=layout.h, w=layout.w, n_a=layout.n_a, clip_frames=frames, seq_len=S,
         mask_density=round(density, 4), ms_per_step=round(1000 * seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         peak_memory_mb=round(peak_memory_mb(device), 1),
-        mfu=round(flops * S * clip.shape[0] / seconds / peak, 4) if peak else None)
+        mfu=round(flops * S * clip.shape[0] / seconds / peak, 4) if peak else None) | bench_data(cfg)
+
+
+def bench_data(cfg: DictConfig) -> dict:
+    """The configured datamodule's train loader as Lightning builds it (bench.batch_size clips a step): the
+    median wait for the next batch in the main process. Warm-up also drains what the loader workers prefetched,
+    so with workers this is their steady-state time per batch: below ms_per_step, input never holds training up."""
+    b = cfg.bench
+    dm = hydra.utils.instantiate(cfg.data, batch_size=int(b.batch_size), _recursive_=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    batches = iter(loader)
+    prefetched = loader.num_workers * (loader.prefetch_factor or 0)
+    seconds, _ = timed(lambda: next(batches), torch.device("cpu"), int(b.warmup) + prefetched, int(b.repeats))
+    del batches, loader  # ends the loader workers before anything else runs
+    return dict(data_ms_per_step=round(1000 * seconds, 3), data_workers=dm.loader_workers(),
+                data_clips=len(dm.train_source))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")

@@ -41,6 +41,7 @@ def test_bench_train(tmp_path):
     assert out["mask"] == "diagd" and out["seq_len"] == 3 * 14 + 2 * 2  # + (h-1) proxy rows per generated frame
     assert out["ms_per_step"] > 0 and out["tokens_per_s"] > 0 and out["peak_memory_mb"] > 0
     assert out["mfu"] is None  # no peak FLOP/s known for a CPU
+    assert out["data_ms_per_step"] > 0 and out["data_workers"] >= 0 and out["data_clips"] == 256  # synthetic.yaml
 
 
 def test_static_padded_sampler_generates_the_same_tokens():

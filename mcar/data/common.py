@@ -6,6 +6,7 @@ an uninterrupted one would have seen.
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import lightning as L
@@ -26,15 +27,65 @@ class ClipSource(Protocol):
     def clip(self, i: int) -> torch.Tensor: ...
 
 
+MASK64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit integers in which every input bit flips each output bit
+    with probability ~1/2 (the Feistel round function and the key schedule)."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class EpochPermutation:
+    """A keyed pseudo-random permutation of range(n), one position at a time in O(1) expected, no table.
+
+    A balanced Feistel network permutes [0, 4^b), the smallest such domain >= n (so two halves of b bits);
+    positions that land in [n, 4^b) are sent through it again (cycle walking) until they land in range, which
+    keeps it a bijection of range(n). n >= 4^b / 4, so that takes at most 4 passes on average.
+    """
+
+    ROUNDS = 6  # 4 already make a strong pseudo-random permutation (Luby-Rackoff); 2 more for tiny domains
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError(f"cannot permute {n} items")
+        self.n = n
+        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.half_mask = (1 << self.half_bits) - 1
+        key = mix64(mix64(seed & MASK64) ^ (epoch & MASK64))
+        self.keys = [mix64(key + r) for r in range(self.ROUNDS)]
+
+    def _feistel(self, x: int) -> int:
+        left, right = x >> self.half_bits, x & self.half_mask
+        for k in self.keys:
+            left, right = right, left ^ (mix64(right ^ k) & self.half_mask)
+        return (left << self.half_bits) | right
+
+    def __getitem__(self, k: int) -> int:
+        if not 0 <= k < self.n:
+            raise IndexError(k)
+        x = self._feistel(k)
+        while x >= self.n:
+            x = self._feistel(x)
+        return x
+
+
 def clip_indices(n_clips: int, batch_size: int, seed: int, step: int, rank: int = 0, world: int = 1) -> list[int]:
-    """The clips of rank `rank` at global step `step`: walk seeded per-epoch permutations of all clips."""
+    """The clips of rank `rank` at global step `step`: positions step*B*world + rank*B ... of an endless walk
+    through per-epoch permutations of all clips (every epoch visits each clip once; the ranks of a step split
+    the world-size-1 batch of B*world clips into consecutive slices)."""
     per_step = batch_size * world
     first = step * per_step + rank * batch_size
+    perms: dict[int, EpochPermutation] = {}
     out = []
     for g in range(first, first + batch_size):
         epoch, k = divmod(g, n_clips)
-        perm = torch.randperm(n_clips, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out.append(int(perm[k]))
+        if epoch not in perms:
+            perms[epoch] = EpochPermutation(n_clips, seed, epoch)
+        out.append(perms[epoch][k])
     return out
 
 
@@ -73,11 +124,20 @@ class StepsFrom(Sampler):
         return 2**62
 
 
+def cores_per_process(local_processes: int) -> int:
+    """This training process's share of the CPU cores: SLURM's cpus_per_task when it started one task per GPU
+    (conf/cluster/slurm.yaml), else the cores this process may run on split among the machine's processes."""
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit():
+        return int(slurm)
+    return len(os.sched_getaffinity(0)) // local_processes
+
+
 class ClipDataModule(L.LightningDataModule):
     """Wraps a train and a val ClipSource; subclasses implement `make_sources()` (and `prepare_data()`)."""
 
-    def __init__(self, layout: Layout, clip_frames: int, batch_size: int, seed: int = 0, num_workers: int = 0,
-                 val_clips: int = 8):
+    def __init__(self, layout: Layout, clip_frames: int, batch_size: int, seed: int = 0,
+                 num_workers: int | None = None, val_clips: int = 8):
         super().__init__()
         if clip_frames < 2:
             raise ValueError(f"data.clip_frames must be >= 2 (a prompt frame and a target), got {clip_frames}")
@@ -99,14 +159,31 @@ class ClipDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
 
+    def _on_gpu(self) -> bool:
+        t = self.trainer
+        return t.strategy.root_device.type == "cuda" if t is not None else torch.cuda.is_available()
+
+    def loader_workers(self) -> int:
+        """data.num_workers, or for null: up to 4 per GPU process (a few clips a step keep them ahead of any
+        GPU step), none on CPU (there the workers would take cores from the training step itself)."""
+        if self.num_workers is not None:
+            return int(self.num_workers)
+        if not self._on_gpu():
+            return 0
+        local_processes = self.trainer.num_devices if self.trainer is not None else 1
+        return max(1, min(4, cores_per_process(local_processes) - 1))  # one core left to the training process
+
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         start = 0
         if self.trainer is not None:  # restored on resume before the loaders are built
             start = self.trainer.global_step * self.trainer.accumulate_grad_batches
         ds = StepBatches(self.train_source, self.batch_size, self.seed, rank, world)
-        return DataLoader(ds, batch_size=None, sampler=StepsFrom(start), num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        # workers get consecutive steps round-robin and the loader hands batches back in sampler order, so
+        # the step order (and exact resume) does not depend on the number of workers
+        workers = self.loader_workers()
+        return DataLoader(ds, batch_size=None, sampler=StepsFrom(start), num_workers=workers,
+                          persistent_workers=workers > 0, pin_memory=self._on_gpu())
 
     def val_dataloader(self) -> DataLoader:
         n = min(self.val_clips, len(self.val_source))
