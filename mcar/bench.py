@@ -1,11 +1,11 @@
-"""Speed benchmarks (issue 6): `python -m mcar.bench sampler|train [hydra overrides]`, random weights.
+"""Benchmarks: `python -m mcar.bench sampler|train|memory|gpu [hydra overrides]`, random weights.
 
 sampler: generate frames prompt_frames..T-1 of a random clip with the configured sampler (batch
 bench.batch_size), median over bench.repeats after bench.warmup runs; also times the bare model forwards of the
 same passes (same inputs, same cache, no gathering or sampling) to measure the sampler's own overhead.
 bench.compare=true runs NTP and the configured DiagD in one process and adds speedup and pass_ratio.
 train: forward + backward + AdamW steps on random clips under the configured mask; tokens/s, ms/step, peak
-memory and (GPU) MFU.
+memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/gpucheck.py.
 
 The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
 """
@@ -31,7 +31,7 @@ from mcar.masks import build_mask_factory
 from mcar.model import ModelConfig, Transformer
 from mcar.sampler import build_sampler
 
-MODES = ("sampler", "train")
+MODES = ("sampler", "train", "memory", "gpu")
 
 
 def _sync(device: torch.device) -> None:
@@ -205,7 +205,9 @@ def bench_data(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     if cfg.bench.mode not in MODES:
         raise ValueError(f"bench.mode={cfg.bench.mode!r}: run `python -m mcar.bench {'|'.join(MODES)} ...`")
-    result = (run_sampler if cfg.bench.mode == "sampler" else run_train)(cfg)
+    from mcar.gpucheck import run_gpu, run_memory
+
+    result = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu}[cfg.bench.mode](cfg)
     line = json.dumps(result)
     Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.bench.out).write_text(line + "\n")
@@ -213,7 +215,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli(argv: list[str]) -> list[str]:
-    """`sampler|train` as the first word -> the bench.mode override Hydra understands."""
+    """`sampler|train|memory|gpu` as the first word -> the bench.mode override Hydra understands."""
     if len(argv) > 1 and argv[1] in MODES:
         return [argv[0], f"bench.mode={argv[1]}", *argv[2:]]
     return argv

@@ -159,17 +159,18 @@ def build_module(cfg: DictConfig) -> MCARModule:
     )
 
 
-def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
-    callbacks: list[Callback] = [
-        Checkpoints(
+def build_trainer(cfg: DictConfig, output_dir: str, extra_callbacks: list[Callback] = ()) -> L.Trainer:
+    callbacks: list[Callback] = list(extra_callbacks)
+    checkpointing = cfg.checkpoint.every_n_steps is not None  # null: no checkpoints at all (benchmarks)
+    if checkpointing:
+        callbacks.append(Checkpoints(
             dirpath=checkpoint_dir(cfg),
             filename="step{step:07d}",
             auto_insert_metric_name=False,
             every_n_train_steps=cfg.checkpoint.every_n_steps,
             save_top_k=-1,
             save_last=True,
-        )
-    ]
+        ))
     if cfg.get("val_dashboard") and cfg.val_dashboard.n_clips > 0:  # videos, masks, speed rows (mcar/dashboard.py)
         callbacks.append(ValDashboard(to_dict(cfg.sampler), output_dir, cfg.data.name, cfg.data.codebook_size,
                                       OmegaConf.select(cfg, "vq.path", default=None), **to_dict(cfg.val_dashboard)))
@@ -179,13 +180,14 @@ def build_trainer(cfg: DictConfig, output_dir: str) -> L.Trainer:
         # Lightning's default (rich) bar draws nothing into a pipe or log file: tqdm lines there show progress
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, int(cfg.log_every_n_steps))))
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
-    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger,
+    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger, enable_checkpointing=checkpointing,
                                    plugins=[AtomicCheckpointIO()], _convert_="partial")
 
 
 @finish_wandb
-def run(cfg: DictConfig, init_from: str | None = None) -> dict:
-    """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning)."""
+def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback] = ()) -> dict:
+    """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning); callbacks:
+    added to the configured ones (benchmarks)."""
     finalize_run_name(cfg)
     output_dir = cfg.paths.output_dir
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -206,7 +208,7 @@ def run(cfg: DictConfig, init_from: str | None = None) -> dict:
     log.info("model %s: %.2fM parameters (%.2fM without embeddings)", cfg.model.name,
              module.num_params() / 1e6, module.num_params(embeddings=False) / 1e6)
 
-    trainer = build_trainer(cfg, output_dir)
+    trainer = build_trainer(cfg, output_dir, callbacks)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if trainer.logger:
         trainer.logger.log_hyperparams({"config": resolved})

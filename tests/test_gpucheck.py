@@ -1,0 +1,96 @@
+"""The memory planner against measured peaks, and the GPU check command at tiny sizes on CPU."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mcar.memory import count_params, fit_activations, measure_step_peak, plan
+from mcar.model import ModelConfig, Transformer
+
+from .conftest import REPO, script_env
+
+TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
+        "data.action_vocab_size=8"]
+
+
+def test_count_params_is_the_models():
+    for cfg in (ModelConfig(vocab_size=50, dim=48, n_layers=3, n_heads=6, n_kv_heads=2, mlp_dim=80),
+                ModelConfig(vocab_size=8263, dim=64, n_layers=1, n_heads=4, mlp_dim=256)):
+        assert count_params(cfg) == Transformer(cfg).num_params()
+
+
+def test_fake_tensors_measure_the_same_peak_as_real_ones():
+    cfg = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, mlp_dim=256)
+    for ac in (False, True):
+        assert measure_step_peak(cfg, 2, 128, None, ac, fake=True) == measure_step_peak(cfg, 2, 128, None, ac,
+                                                                                        fake=False)
+
+
+@pytest.mark.parametrize("autocast, ac, batch", [(None, False, 3), (torch.bfloat16, False, 2), (None, True, 3),
+                                                 (torch.bfloat16, True, 4)])
+def test_plan_from_one_and_two_layers_predicts_the_measured_peak_of_a_deeper_model(autocast, ac, batch):
+    """Planned from 1- and 2-layer measurements, checked against a real (not fake) step of a 6-layer model."""
+    cfg = ModelConfig(vocab_size=1088, dim=64, n_layers=6, n_heads=4, mlp_dim=256)
+    fit = fit_activations(cfg, 256, batch, autocast, ac)
+    predicted = plan(cfg, batch, 256, fit, autocast_dtype=autocast)["peak_bytes"]
+    measured = measure_step_peak(cfg, batch, 256, autocast, ac, fake=False)
+    assert predicted == pytest.approx(measured, rel=0.01)
+    if ac:  # with checkpointing each layer keeps only its input: the fp32 residual stream
+        assert fit["per_token_per_layer"] == pytest.approx(4 * cfg.dim, rel=0.01)
+
+
+def test_fsdp_shards_the_state_and_adds_gathered_blocks():
+    cfg = ModelConfig(vocab_size=100, dim=512, n_layers=4, n_heads=4, mlp_dim=2048)
+    fit = {"c0": 0.0, "per_token": 0.0, "per_layer": 0.0, "per_token_per_layer": 0.0}
+    one, four = plan(cfg, 1, 10, fit), plan(cfg, 1, 10, fit, fsdp_devices=4)
+    assert four["weights_and_adamw_gib"] == pytest.approx(one["weights_and_adamw_gib"] / 4, abs=2e-3)
+    assert four["fsdp_gathered_gib"] > 0 and four["peak_bytes"] < one["peak_bytes"]
+
+
+BLOCK_HEAVY_IMPORTS = """
+import importlib.abc, runpy, sys
+BLOCKED = {"wandb", "av", "diffusers", "crafter"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed on this GPU machine")
+sys.meta_path.insert(0, Block())
+sys.argv = ["mcar.bench", *sys.argv[1:]]
+runpy.run_module("mcar.bench", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_gpu_check_runs_on_cpu_without_wandb_av_diffusers_crafter(tmp_path):
+    """`python -m mcar.bench gpu experiment=paper ... data=synthetic logger=csv` at tiny sizes, with those packages
+    made unimportable as on a GPU machine that has only torch, lightning and hydra."""
+    cmd = [sys.executable, "-c", BLOCK_HEAVY_IMPORTS, "gpu", "experiment=paper", *TINY, "data=synthetic",
+           "logger=csv", "trainer.accelerator=cpu", "bench.gpu.steps=3", "bench.gpu.warmup_steps=1",
+           "bench.repeats=1", "bench.warmup=0", f"hydra.run.dir={tmp_path}"]
+    p = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r == json.loads((tmp_path / "bench_gpu.json").read_text())
+    for mask, rows in (("causal", 3 * 14), ("diagd", 3 * 14 + 2 * 2)):  # diagd: + (h-1) proxy rows per frame
+        t = r["train"][mask]
+        assert t["timed_steps"] == 2 and t["seq_len"] == rows and t["ms_per_step"] > 0 and t["tokens_per_s"] > 0
+        assert t["precision"] == "bf16-mixed" and t["activation_checkpointing"] and t["batch_size"] == 8
+    assert r["flex_vs_dense"]["ok"] and r["flex_vs_dense"]["seq_len"] == 46
+    assert r["sampler"]["passes"] > 0 and r["sampler"]["ntp_fps"] > 0 and r["memory"]["planned_peak_gib"] > 0
+    md = (tmp_path / "bench_gpu.md").read_text()
+    assert "| causal | bf16-mixed |" in md and "| diagd | bf16-mixed |" in md
+
+
+@pytest.mark.slow
+def test_bench_memory_plans_the_configured_training_step(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mcar.bench", "memory", *TINY, "model.activation_checkpointing=true",
+                        "bench.memory.budget_gib=0.03", f"hydra.run.dir={tmp_path}"],
+                       cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["activation_checkpointing"] and r["seq_len"] == 3 * 14 and r["batch_size"] == 2
+    assert r["direct_fake_peak_gib"] == pytest.approx(r["peak_gib"], rel=0.02)
+    assert 1 <= r["max_batch_without_checkpointing"] <= r["max_batch_with_checkpointing"]
+    fit = fit_activations(ModelConfig(vocab_size=40, dim=128, n_layers=4, n_heads=4, mlp_dim=512), 42, 2, None, True)
+    assert r["activation_bytes_per_token_per_layer"] == round(fit["per_token_per_layer"])
