@@ -106,15 +106,21 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt; else a file that must exist."""
+    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt; else a file that must exist (or the folder
+    of a sharded checkpoint: trainer=fsdp trainer.strategy.save_distributed_checkpoint=true)."""
     p = cfg.get("ckpt_path")
     if p is None:
         return None
     path = checkpoint_dir(cfg) / "last.ckpt" if p == "last" else Path(p)
-    if not path.is_file():
+    if not (path.is_file() or is_sharded_checkpoint(path)):
         hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
         raise FileNotFoundError(f"ckpt_path: checkpoint not found: {path}{hint}")
     return str(path)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A folder of per-rank shards (torch.distributed.checkpoint) with Lightning's meta.pt beside them."""
+    return path.is_dir() and (path / "meta.pt").is_file()
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -200,7 +206,8 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     with torch.device("cpu"):
         module = build_module(cfg)
     if ckpt_path:
-        check_state_shapes(module, load_checkpoint(ckpt_path)["state_dict"], ckpt_path)
+        if not is_sharded_checkpoint(Path(ckpt_path)):  # shards: torch.distributed.checkpoint checks each tensor
+            check_state_shapes(module, load_checkpoint(ckpt_path)["state_dict"], ckpt_path)
     if init_from:
         state = load_checkpoint(init_from)["state_dict"]
         check_state_shapes(module, state, init_from)
