@@ -19,6 +19,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Lightning writes os.environ as a side effect (SLURMEnvironment.main_address sets MASTER_ADDR): a test that
+    leaves it set sends every later multi-process run to rendezvous with that host, where it hangs."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def script_env() -> dict:
     env = dict(os.environ, WANDB_SILENT="true", WANDB_MODE="offline", HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
