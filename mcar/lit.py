@@ -118,7 +118,7 @@ class MCARModule(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return
-        if gradient_clip_val and str(gradient_clip_algorithm) != "value":
+        if gradient_clip_val and gradient_clip_algorithm != "value":  # Lightning passes a str enum
             norm = torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)

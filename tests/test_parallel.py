@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from mcar.dashboard import generate_eager
 from mcar.layout import Layout
@@ -59,7 +60,7 @@ def module_with_grads() -> MCARModule:
     return m
 
 
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("algorithm", list(GradClipAlgorithmType))  # what Lightning passes (trainer.gradient_clip_algorithm)
 def test_clipping_clips_and_logs_the_norm_before_clipping(monkeypatch, algorithm):
     m = module_with_grads()
     logged = {}
