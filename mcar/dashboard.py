@@ -4,6 +4,7 @@ the VQ, the action under each frame), the speed row of each sampler, and once at
 (dashboard/) and, when the logger is W&B, to W&B as well."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 from pathlib import Path
@@ -30,10 +31,19 @@ def wandb_run(trainer):
     return None
 
 
+def sampling_autocast(device: torch.device):
+    """Sampling the training model: its weights stay float32 (mixed-precision training), so on CUDA the passes run
+    under bfloat16 autocast, as training's forward does (and the KV cache is set up in bfloat16 then, see
+    `Transformer.setup_cache`); CPU samples in float32, unchanged."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def generate_eager(sampler, model, clips: torch.Tensor):
     """Sample with the training model as it is, compiled blocks run eagerly: the sampler's pass shapes would
-    otherwise recompile them at every validation (training compile=true)."""
-    with torch.compiler.set_stance("force_eager"):
+    otherwise recompile them at every validation (training compile=true). bfloat16 autocast on CUDA."""
+    with torch.compiler.set_stance("force_eager"), sampling_autocast(clips.device):
         return sampler.generate(model, clips)
 
 

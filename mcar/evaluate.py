@@ -11,9 +11,9 @@ model (`python -m mcar.idm`) on generated frame pairs vs the conditioning action
 ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per clip,
 i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
 schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation
-only, after a warm-up, synchronised on GPU. A metric whose weights are missing is 'n/a' with the reason in
-`notes`. Everything logged to W&B is also written to the run's output dir: results.{md,csv,json},
-per_frame.csv, videos/, mask_<sampler>.png.
+only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU (dtype=auto).
+A metric whose weights are missing is 'n/a' with the reason in `notes`. Everything logged to W&B is also written
+to the run's output dir: results.{md,csv,json}, per_frame.csv, videos/, mask_<sampler>.png.
 """
 from __future__ import annotations
 
@@ -57,8 +57,27 @@ def resolve_ckpt(ckpt: str | None) -> Path:
     return p
 
 
-def load_model(ckpt: str | Path, device: str | torch.device = "cpu"):
-    """A Lightning checkpoint of train.py / finetune.py -> (MCARModule in eval mode, its hyper-parameters)."""
+SAMPLING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sampling_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """dtype=auto|float32|bfloat16 (None: auto) -> the weights' and KV cache's dtype for sampling on `device`.
+    auto: bfloat16 on CUDA (half the bytes a memory-bound pass reads), float32 elsewhere (CPUs lack fast bf16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in SAMPLING_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid; choose auto, {', '.join(SAMPLING_DTYPES)}")
+    return SAMPLING_DTYPES[dtype]
+
+
+def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None):
+    """A Lightning checkpoint of train.py / finetune.py -> (MCARModule in eval mode, its hyper-parameters).
+
+    Parameters are cast to `dtype` (see `sampling_dtype`; default bfloat16 on CUDA, float32 on CPU), buffers are
+    not: RoPE's frequencies stay float32, as in mixed-precision training. The samplers' KV cache follows the
+    weights' dtype."""
     from mcar.lit import MCARModule
 
     path = resolve_ckpt(None if ckpt is None else str(ckpt))
@@ -70,7 +89,12 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu"):
     module = MCARModule(**hp)
     check_state_shapes(module, state["state_dict"], str(path))
     module.load_state_dict(state["state_dict"])
-    return module.to(device).eval(), hp
+    module = module.to(device).eval()
+    dtype = sampling_dtype(dtype, device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = p.data.to(dtype)
+    return module, hp
 
 
 def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
@@ -320,7 +344,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    module, hp = load_model(cfg.ckpt, device)
+    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)
     frames = cfg.frames or hp["clip_frames"]

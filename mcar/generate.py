@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label
+from mcar.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label, sampling_dtype
 from mcar.layout import Layout
 from mcar.sampler import build_sampler
 from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, side_by_side, split_clip, to_u8, write_gif,
@@ -103,7 +103,7 @@ def prompt_clip(cfg: DictConfig, layout: Layout, frames: int, vq) -> tuple[torch
 def generate(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    module, hp = load_model(cfg.ckpt, device)
+    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)
     vq = load_vq_for(cfg, device)

@@ -69,18 +69,61 @@ def _flex(q, k, v, block_mask):
 
 
 class KVCache(nn.Module):
-    """Static per-layer cache (B, n_kv_heads, n_slots, head_dim), written by slot index."""
+    """Static per-layer cache, written by slot index: `k`, `v` (B, n_kv_heads, n_slots, head_dim).
 
-    def __init__(self, batch: int, n_kv_heads: int, n_slots: int, head_dim: int, dtype, device):
+    Both are views into one buffer whose first `staging` rows take each pass's own keys/values, right before
+    slot 0: [this pass's inputs | cache prefix] is then one contiguous view, so attention reads the visible
+    cache in place (no per-pass concatenation, which would copy the whole visible cache in every layer).
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, n_slots: int, head_dim: int, dtype, device,
+                 staging: int = 128):
         super().__init__()
-        shape = (batch, n_kv_heads, n_slots, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.staging = staging
+        shape = (batch, n_kv_heads, staging + n_slots, head_dim)
+        self.register_buffer("k_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.k_buf[:, :, self.staging:]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.v_buf[:, :, self.staging:]
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """pos (S,) slot indices; k, v (B, n_kv, S, D)."""
-        self.k.index_copy_(2, pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        self.k.index_copy_(2, pos, k.to(self.k_buf.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v_buf.dtype))
+
+    def with_own(self, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[k | slots 0..n-1] and [v | slots 0..n-1], (B, n_kv, S + n, D): views when S fits the staging rows."""
+        S = k.shape[2]
+        if n == 0:  # nothing cached to see (the prefill)
+            return k, v
+        if S > self.staging:  # a pass wider than the staging rows: one copy, still exact
+            return torch.cat([k, self.k[:, :, :n]], 2), torch.cat([v, self.v[:, :, :n]], 2)
+        lo = self.staging - S
+        self.k_buf[:, :, lo:self.staging] = k
+        self.v_buf[:, :, lo:self.staging] = v
+        return self.k_buf[:, :, lo:self.staging + n], self.v_buf[:, :, lo:self.staging + n]
+
+
+def cached_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
+    """The cached path's mask (B|1, S, n + S) over [cache prefix | own inputs], or (S, n + S) -> the additive bias
+    (B|1, 1, groups * S, S + n) over [own inputs | cache prefix] (the KVCache.with_own order), 0 where visible and
+    -inf elsewhere; query rows repeated per GQA group (query heads of one KV head folded into rows, so K/V are
+    never repeated). Built once per forward for all layers. Rows are padded to a multiple of 16 columns: the
+    CUDA memory-efficient kernel otherwise pads (copies) the bias in every layer."""
+    mask = mask.reshape(-1, *mask.shape[-2:])  # (B|1, S, n + S)
+    Bm, S, width = mask.shape
+    n = width - S
+    padded = -(-width // 16) * 16
+    bias = torch.full((Bm, 1, groups, S, padded), float("-inf"), dtype=dtype, device=mask.device)
+    bias[..., :S].masked_fill_(mask[:, None, None, :, n:], 0.0)
+    bias[..., S:width].masked_fill_(mask[:, None, None, :, :n], 0.0)
+    return bias.view(Bm, 1, groups * S, padded)[..., :width]
 
 
 class RMSNorm(nn.Module):
@@ -119,28 +162,29 @@ class Attention(nn.Module):
             )
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
-    def _cached(self, q, k, v, mask, cache_pos):
-        """Attend to [the first n cache slots | this pass's inputs] under `mask` (B|1, S, n + S), then write.
+    def _cached(self, q, k, v, bias, cache_pos):
+        """Attend to [this pass's inputs | the first n cache slots] under `bias` (see `cached_attention_bias`),
+        then write each input's key/value at its slot.
 
-        n = mask width - S <= n_slots: a caller may pass only the cache prefix its queries can see (a view of
-        the cache, no copy). Written after attending, so the cache columns only ever show slots of earlier
-        passes. Unwritten slots hold zeros (the cache is zeroed before its first cached forward, see
-        `Transformer.reset_cache`), so a masked column adds exactly 0 to the output: no per-pass V hygiene copy.
+        One SDPA call over a view of the cache (a fused kernel on CPU and GPU, no score matrix in memory).
+        n = bias width - S <= n_slots: a caller may pass only the cache prefix its queries can see. The own
+        inputs sit in staging rows, not at their slots, because proxies share one scratch slot; written to their
+        slots after attending, so the cache columns only ever show slots of earlier passes. Unwritten slots hold
+        zeros (the cache is zeroed before its first cached forward, see `Transformer.reset_cache`), so a masked
+        column gets weight exactly 0 (-inf + a finite score): no per-pass V hygiene copy.
         """
         if self.cache is None:
             raise RuntimeError("cached forward needs model.setup_cache(batch, n_slots) first")
         B, H, S, D = q.shape
-        g, n = H // self.n_kv, mask.shape[-1] - S
-        ck, cv = self.cache.k[:, :, :n], self.cache.v[:, :, :n]  # (B, Hkv, n, D) views
-        qg = (q * (1.0 / math.sqrt(D))).reshape(B, self.n_kv, g * S, D).to(ck.dtype)  # GQA group folded into rows
-        k, v = k.to(ck.dtype), v.to(ck.dtype)
-        scores = torch.cat([qg @ ck.transpose(-1, -2), qg @ k.transpose(-1, -2)], dim=-1)  # (B, Hkv, g*S, n+S)
-        m = mask.reshape(-1, 1, 1, S, n + S)  # (B|1, 1, 1, S, n+S)
-        scores = scores.view(B, self.n_kv, g, S, n + S).float().masked_fill(~m, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(ck.dtype).view(B, self.n_kv, g * S, n + S)
-        y = p[..., :n] @ cv + p[..., n:] @ v  # (B, Hkv, g*S, D)
+        dtype = self.cache.k_buf.dtype
+        if bias.dtype == torch.bool:  # called with the caller's mask, not the forward's prepared bias
+            bias = cached_attention_bias(bias, H // self.n_kv, dtype)
+        k, v = k.to(dtype), v.to(dtype)
+        keys, values = self.cache.with_own(k, v, bias.shape[-1] - S)  # (B, Hkv, S + n, D)
+        qg = q.to(dtype).reshape(B, self.n_kv, (H // self.n_kv) * S, D)  # GQA group folded into rows
+        y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)  # (B, Hkv, g*S, D)
         self.cache.write(cache_pos, k, v)
-        return y.view(B, H, S, D).type_as(q)
+        return y.reshape(B, H, S, D).type_as(q)  # reshape: SDPA may return a (B, g*S, Hkv, D) memory layout
 
 
 class FeedForward(nn.Module):
@@ -192,21 +236,27 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings else n - self.tok_embeddings.weight.numel()
 
-    def setup_cache(self, batch: int, n_slots: int, dtype=None, device=None) -> None:
-        """Allocate a zeroed static KV cache of `n_slots` slots per layer."""
+    def setup_cache(self, batch: int, n_slots: int, dtype=None, device=None, staging: int = 128) -> None:
+        """Allocate a zeroed static KV cache of `n_slots` slots per layer (plus `staging` rows for a pass's own
+        keys, see KVCache; a wider pass still works, with one copy), by default in the dtype the keys are
+        computed in: the weights', or autocast's where it is on for that device (an fp32 cache would be cast,
+        i.e. copied, in every attention call)."""
         p = self.output.weight
+        device = torch.device(device or p.device)
+        if dtype is None:
+            on = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if on else p.dtype
         for layer in self.layers:
-            layer.attention.cache = KVCache(
-                batch, self.cfg.n_kv_heads, n_slots, self.cfg.head_dim, dtype or p.dtype, device or p.device
-            )
+            layer.attention.cache = KVCache(batch, self.cfg.n_kv_heads, n_slots, self.cfg.head_dim, dtype, device,
+                                            staging)
         self._cache_unused = True  # zeroed again at the first cached forward (see reset_cache)
 
     def reset_cache(self) -> None:
         """Zero every slot in place (one memset per sequence, before the loop): an unwritten slot then holds 0
         and a masked column adds exactly 0, even where earlier code left NaN or inf in the cache."""
         for layer in self.layers:
-            layer.attention.cache.k.zero_()
-            layer.attention.cache.v.zero_()
+            layer.attention.cache.k_buf.zero_()
+            layer.attention.cache.v_buf.zero_()
         self._cache_unused = False
 
     def clear_cache(self) -> None:
@@ -233,6 +283,10 @@ class Transformer(nn.Module):
             cos, sin = cos[None], sin[None]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B|1, 1, S, D/2)
         x = self.tok_embeddings(tokens)  # (B, S, C)
+        if cache_pos is not None:
+            cache = self.layers[0].attention.cache
+            dtype = x.dtype if cache is None else cache.k_buf.dtype
+            mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache_pos)
         return self.output(self.norm(x)).float()
