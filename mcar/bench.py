@@ -29,7 +29,7 @@ from mcar.flops import peak_flops, train_flops_per_token
 from mcar.layout import Layout
 from mcar.masks import build_mask_factory
 from mcar.model import ModelConfig, Transformer
-from mcar.sampler import build_sampler
+from mcar.sampler import build_sampler, forward_rows
 
 MODES = ("sampler", "train", "memory", "gpu")
 
@@ -73,49 +73,87 @@ def common_fields(cfg, device, dtype, model) -> dict:
 
 
 # ---- sampler ----------------------------------------------------------------------------------------------
+# peak memory bandwidth (B/s) by device name: every name fragment must match, first row wins
+PEAK_BANDWIDTH = ((("H200",), 4.8e12), (("H100", "PCIe"), 2.0e12), (("H100",), 3.35e12),
+                  (("A100", "80GB"), 2.0e12), (("A100",), 1.555e12))
+
+
+def peak_bandwidth(device: torch.device, override: float | None = None) -> float | None:
+    """bench.bandwidth if set, else the table's value for a known GPU; None on CPU or an unknown GPU."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for parts, bw in PEAK_BANDWIDTH if all(p in name for p in parts)), None)
+
+
 def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, device) -> dict:
-    """Time one sampler on `clip` (B, N); the bare forwards run the same passes' inputs through the model."""
+    """Time one sampler on `clip` (B, N); the bare forwards run the same passes' inputs through the model.
+
+    fps = fps_total: frames generated per second over the whole batch; fps_per_stream = fps_total / B.
+    rows_per_pass / visible_cols_per_pass: the schedule's own rows and visible cache slots (n_vis) per pass;
+    padded_rows_per_pass / cache_cols_per_pass: what this path runs (the static path pads to its buckets).
+    bytes_per_pass: what a pass must read: the weights (less the embedding table, of which it reads a few rows)
+    + K and V of its visible cache slots; bandwidth_fraction: bytes_per_pass per ms_per_pass over the device's
+    peak bandwidth (bench.bandwidth, else a table of GPUs; null on CPU). All means over every pass, prefill too.
+    """
     b, sched = cfg.bench, sampler.schedule(prompt_frames)
     t0 = time.perf_counter()
     plans = sched.plan(sampler.full, device)  # built once, cached by the schedule
+    static = sampler.static_plan(sched, device) if sampler.is_static(device) else None
     plan_seconds = time.perf_counter() - t0
     sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
     seconds, (_, stats) = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
                                 b.warmup, b.repeats)
     bare_seconds, _ = timed(bare_forwards(model, sampler, sched, clip, plans), device, b.warmup, b.repeats)
-    B, frames = clip.shape[0], sampler.frames - prompt_frames
-    rows = sum(len(p.src) for p in plans)
+    B, frames, n = clip.shape[0], sampler.frames - prompt_frames, len(plans)
+    rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
+    run_rows, run_cols = rows, cols
+    if static is not None:  # the prefill runs eagerly, every other pass at its bucket's shape
+        run_rows = len(plans[0].src) + sum(a[0].shape[-1] for a in static.passes)
+        run_cols = sum(a[2].shape[-1] - a[2].shape[-2] for a in static.passes)
+    m, item = model.cfg, next(model.parameters()).element_size()
+    weight_bytes = (model.num_params() - model.tok_embeddings.weight.numel()) * item
+    kv_bytes_per_slot = m.n_layers * 2 * m.n_kv_heads * m.head_dim * item * B
+    bytes_per_pass = weight_bytes + kv_bytes_per_slot * cols / n
+    peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
+    s_per_pass = seconds / stats.passes
     return dict(sampler=sampler.name, k=sched.k, d=sched.d, proxy=sched.proxy,
-                static=sampler.static, compile=sampler.compile,
+                static=sampler.is_static(device), compile=sampler.compiles(device),
+                buckets=len(static.buckets) if static is not None else None,
                 h=sampler.layout.h, w=sampler.layout.w, n_a=sampler.layout.n_a, clip_frames=sampler.frames,
                 prompt_frames=prompt_frames, frames_generated=frames, passes=stats.passes,
-                schedule_passes=sched.passes, rows_per_pass=round(rows / len(plans), 2),
+                schedule_passes=sched.passes, rows_per_pass=round(rows / n, 2),
+                padded_rows_per_pass=round(run_rows / n, 2), visible_cols_per_pass=round(cols / n, 1),
+                cache_cols_per_pass=round(run_cols / n, 1),
                 tokens_generated=stats.tokens, seconds=round(seconds, 6), fps=round(B * frames / seconds, 3),
-                tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * seconds / stats.passes, 3),
-                bare_forward_ms_per_pass=round(1000 * bare_seconds / len(plans), 3),
+                fps_total=round(B * frames / seconds, 3), fps_per_stream=round(frames / seconds, 3),
+                tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * s_per_pass, 3),
+                bytes_per_pass=round(bytes_per_pass), bandwidth=peak,
+                bandwidth_fraction=round(bytes_per_pass / s_per_pass / peak, 4) if peak else None,
+                bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3),
                 overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3))
 
 
 def bare_forwards(model, sampler, sched, clip, plans):
     """The model forwards of the sampler's passes alone: inputs gathered before the loop, nothing sampled.
-    A static sampler's passes run through its own (compiled) padded step, at the same padded width."""
-    if not sampler.static:
-        inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in plans]
-    else:
-        st = sampler.static_plan(sched, clip.device)
+    A static sampler's passes run at their buckets' shapes through its own (compiled) forward step."""
+    static = sampler.is_static(clip.device)
+    inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in (plans[:1] if static else plans)]
+    rest = []
+    if static:
+        forward = sampler.step_fn(forward_rows, clip.device)
         tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1) as the static sampler has it
-        p = plans[0]
-        inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos)]  # the prefill, eager as in the sampler
-        rest = [(tokens, st.src[s], st.coords[s], st.mask[s], st.cache_pos[s], st.out_rows[s]) for s in range(len(st.src))]
+        rest = [(tokens, *args[:-1]) for args in sampler.static_plan(sched, clip.device).passes]
 
     @torch.no_grad()
     def run():
         model.reset_cache()
         for x in inputs:
             model(*x)
-        if sampler.static:
-            for x in rest:
-                sampler._step(model, *x)
+        for x in rest:
+            forward(model, *x)
 
     return run
 

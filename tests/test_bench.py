@@ -13,7 +13,9 @@ TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3"
         "data.action_vocab_size=8", "bench.repeats=1", "bench.warmup=0"]
 SAMPLER_FIELDS = {"model", "params", "device", "dtype", "sampler", "k", "d", "batch_size", "frames_generated",
                   "passes", "tokens_generated", "seconds", "fps", "tokens_per_s", "ms_per_pass",
-                  "bare_forward_ms_per_pass"}
+                  "bare_forward_ms_per_pass", "fps_per_stream", "fps_total", "bytes_per_pass", "bandwidth",
+                  "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass", "visible_cols_per_pass",
+                  "cache_cols_per_pass", "buckets"}
 
 
 def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
@@ -34,6 +36,29 @@ def test_bench_sampler_compare(tmp_path):
     assert out["pass_ratio"] == round(out["ntp"]["passes"] / out["passes"], 3)
     assert out["ms_per_pass"] == pytest.approx(1000 * out["seconds"] / out["passes"], rel=2e-3, abs=1e-3)
     assert out["frames_generated"] == T - P and out["batch_size"] == 2 and out["sampler"] == "diagd"
+    for r in (out, out["ntp"]):  # fps keeps its meaning: frames over the whole batch per second
+        assert r["fps"] == r["fps_total"] == pytest.approx(2 * r["fps_per_stream"], rel=2e-3, abs=2e-3)
+        assert r["bandwidth"] is None and r["bandwidth_fraction"] is None  # no peak bandwidth known for a CPU
+        assert not r["static"] and not r["compile"] and r["buckets"] is None  # compile: auto is eager on CPU
+        assert r["padded_rows_per_pass"] == r["rows_per_pass"]
+        assert r["cache_cols_per_pass"] == r["visible_cols_per_pass"]
+
+
+def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
+    out, _ = last_json(tmp_path, "sampler", "sampler=diagd", "sampler.k=2", "sampler.static=true",
+                       "bench.batch_size=2", "bench.bandwidth=1e10")
+    assert out["static"] and not out["compile"] and out["buckets"] >= 2
+    assert out["padded_rows_per_pass"] >= out["rows_per_pass"]
+    assert out["cache_cols_per_pass"] >= out["visible_cols_per_pass"]
+    # model=tiny: 4 layers, 4 KV heads of 32, float32, batch 2: 8,192 bytes of K and V per visible slot
+    model = Transformer(ModelConfig(vocab_size=32 + 8, dim=128, n_layers=4, n_heads=4, mlp_dim=512))
+    assert out["params"] == model.num_params()
+    weights = 4 * (model.num_params() - model.tok_embeddings.weight.numel())
+    kv = 4 * 2 * 4 * 32 * 4 * 2
+    assert out["bytes_per_pass"] == pytest.approx(weights + kv * out["visible_cols_per_pass"], rel=1e-3)
+    assert out["bandwidth"] == 1e10
+    achieved = out["bytes_per_pass"] / (out["ms_per_pass"] / 1000)
+    assert out["bandwidth_fraction"] == pytest.approx(achieved / 1e10, rel=2e-2)
 
 
 def test_bench_train(tmp_path):

@@ -1,0 +1,155 @@
+"""The static (GPU) sampler path: bucketed shapes that fit the work, the eager path's tokens for the same seed,
+and compile=auto. Tiny random float32 models on CPU; the compiled path is traced with a counting backend."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import mcar.sampler as sampler_mod
+from mcar.layout import Layout
+from mcar.model import ModelConfig, Transformer
+from mcar.sampler import DiagDSampler, NTPSampler, build_sampler, keyed_exponential, pass_widths, sample
+
+V, T = 32, 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64, init_std=0.2)
+    return Transformer(cfg).eval()
+
+
+def clip_for(layout, frames=T, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (batch, layout.n_slots(frames)), generator=g)
+
+
+CONFIGS = {  # name -> (sampler class, n_a, prompt frames, sampler arguments)
+    "k2_d3": (DiagDSampler, 2, 1, dict(k=2, d=3)),
+    "k1_above_no_actions_top_k": (DiagDSampler, 0, 1, dict(k=1, proxy="above", top_k=8)),
+    "k2_top_p_temperature": (DiagDSampler, 2, 1, dict(k=2, top_p=0.9, temperature=0.8)),
+    "k2_d2_top_k_top_p_2_prompt_frames": (DiagDSampler, 2, 2, dict(k=2, d=2, top_k=5, top_p=0.95)),
+    "k6_idle_passes": (DiagDSampler, 2, 1, dict(k=6)),
+    "ntp": (NTPSampler, 2, 1, {}),
+    "ntp_no_actions_top_k": (NTPSampler, 0, 1, dict(top_k=4)),
+    "k2_one_width": (DiagDSampler, 2, 1, dict(k=2, d=3, static_widths=1)),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_static_equals_eager_for_the_same_seed(model, name):
+    """Padding and bucketing do not touch the random stream: the same tokens, token for token (batch 2)."""
+    cls, n_a, P, kw = CONFIGS[name]
+    layout = Layout(3, 4, n_a)
+    clip = clip_for(layout)
+    eager = cls(layout, T, P, seed=5, **kw)
+    static = cls(layout, T, P, seed=5, static=True, **kw)
+    a, sa = eager.generate(model, clip)
+    b, sb = static.generate(model, clip)
+    assert torch.equal(a, b) and sa.passes == sb.passes
+    assert len(static.static_plan(static.schedule(), "cpu").buckets) > 1  # bucketing was exercised
+    gen = eager.schedule().gen_slots
+    assert not torch.equal(a[0, gen], a[1, gen])  # the two streams of the batch draw differently
+    other, _ = cls(layout, T, P, seed=6, static=True, **kw).generate(model, clip)
+    assert not torch.equal(other[:, gen], b[:, gen])  # the seed matters
+    assert torch.equal(static.generate(model, clip, setup_cache=False)[0], b)  # reproducible on a reused cache
+
+
+def test_bucketed_shapes_fit_the_paper_geometry():
+    """h=14, w=24, n_a=11, 16 frames: tens of buckets, not one shape padded to the widest pass and the whole cache."""
+    layout = Layout(14, 24, 11)
+    N = layout.n_slots(16)
+    expect = {"ntp": (NTPSampler(layout, 16), 30), "diagd k=2": (DiagDSampler(layout, 16, k=2), 46)}
+    for name, (s, n_buckets) in expect.items():
+        st = s.static_plan(s.schedule(), "cpu")
+        assert len(st.buckets) == n_buckets, name
+        assert st.cache_cols_per_pass < 1.1 * st.real_cols < 0.6 * (N + 1), name  # was the whole cache (N + 1)
+        for b in st.buckets:
+            assert b.mask.shape[-1] - b.mask.shape[-2] <= N  # a prefix view of the cache, never the scratch slot
+    ntp = expect["ntp"][0].static_plan(expect["ntp"][0].schedule(), "cpu")
+    assert sorted({b.src.shape[1] for b in ntp.buckets}) == [1, 12]  # token passes run 1 row, not 12
+    assert ntp.rows_per_pass == pytest.approx(ntp.real_rows)
+    diag = expect["diagd k=2"][0].static_plan(expect["diagd k=2"][0].schedule(), "cpu")
+    assert diag.rows_per_pass < 9 < 13  # 7.2 real rows a pass, padded to 13 before
+
+
+def test_pass_widths_pad_the_fewest_rows():
+    assert pass_widths([1] * 100 + [12] * 3, 3) == [1, 12]
+    assert pass_widths([1, 2, 3, 4], 1) == [4]
+    assert pass_widths([1] * 30 + [2] * 60 + [12] * 89 + [13] * 30, 3) == [2, 12, 13]
+    assert pass_widths([5, 5], 3) == [5]
+
+
+def test_keyed_draws_are_a_fair_sample():
+    """The exponential race on keyed noise samples the softmax: frequencies match over many keys."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
+    keys = sampler_mod.mix32(torch.arange(40_000))
+    tokens = sample(logits.expand(len(keys), -1), key=keys)
+    freq = torch.bincount(tokens, minlength=6).float() / len(keys)
+    assert (freq - logits.softmax(-1)).abs().max() < 0.01
+    e = keyed_exponential(keys[:2000], 64)
+    assert 0.97 < e.mean() < 1.03 and (e > 0).all() and torch.isfinite(e).all()
+    assert torch.equal(keyed_exponential(keys[:3], 64), keyed_exponential(keys[:3], 64))
+    top2 = sample(logits.expand(1000, -1), top_k=2, key=keys[:1000])
+    assert set(top2.tolist()) == {0, 1}
+
+
+def test_compile_auto_is_on_for_cuda_only(model):
+    layout = Layout(3, 4, 2)
+    for name in ("ntp", "diagd"):
+        s = build_sampler(OmegaConf.load(f"conf/sampler/{name}.yaml"), layout, T)
+        assert s.compile == "auto"
+        assert not s.compiles("cpu") and not s.is_static("cpu")  # eager on CPU
+        assert s.compiles("cuda") and s.is_static(torch.device("cuda", 0))
+        assert s.generate(model, clip_for(layout))[0].shape == (2, layout.n_slots(T))
+    assert DiagDSampler(layout, T, compile=True).compiles("cpu")
+    assert not DiagDSampler(layout, T, compile=False).compiles("cuda")
+    assert DiagDSampler(layout, T, static=True).is_static("cpu")
+    with pytest.raises(ValueError, match="compile"):
+        DiagDSampler(layout, T, compile="sometimes")
+
+
+def test_generate_reuses_a_fitting_cache(model):
+    """setup_cache=True keeps a cache of the right shape (zeroed in place): compiled CUDA graphs read its buffers."""
+    layout = Layout(3, 4, 2)
+    s = DiagDSampler(layout, T, k=2, temperature=0)
+    a, _ = s.generate(model, clip_for(layout))
+    cache = model.layers[0].attention.cache
+    for layer in model.layers:
+        layer.attention.cache.k.fill_(float("nan"))
+    b, _ = s.generate(model, clip_for(layout))
+    assert model.layers[0].attention.cache is cache and torch.equal(a, b)
+    s.generate(model, clip_for(layout, batch=1))  # another batch size: a new cache
+    assert model.layers[0].attention.cache is not cache
+
+
+def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
+    """The compiled path (here dynamo with a counting backend, no inductor) gives the eager tokens without graph
+    breaks, compiles a few times per sampler for all its buckets (not once per bucket), and samplers of other
+    rules in one process do not share dynamo's limit of 8 recompiles (fullgraph: hitting it raises)."""
+    from torch._dynamo.testing import CompileCounter
+
+    assert sampler_mod.COMPILE_OPTIONS == dict(mode="reduce-overhead", dynamic=True)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    monkeypatch.setattr(sampler_mod, "COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)
+    runs = [(DiagDSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (NTPSampler, {}, clip),
+            (DiagDSampler, dict(k=1, temperature=0), clip[:1])]
+    for cls, kw, c in runs:
+        before = counter.frame_count
+        compiled = cls(layout, T, seed=2, compile=True, **kw)
+        tokens = compiled.generate(model, c)[0]
+        assert torch.equal(tokens, cls(layout, T, seed=2, **kw).generate(model, c)[0])
+        assert len(compiled.static_plan(compiled.schedule(), "cpu").buckets) >= 6
+        assert counter.frame_count - before <= 4
+        step = compiled._compiled[sampler_mod._sample_pass]
+
+        def no_floats(*args, step=step):  # a Python float would become a CPU graph input: CUDA graphs off
+            assert not any(isinstance(a, float) for a in args)
+            return step(*args)
+
+        compiled._compiled[sampler_mod._sample_pass] = no_floats
+        assert torch.equal(compiled.generate(model, c, setup_cache=False)[0], tokens)
+    torch._dynamo.reset()
