@@ -63,7 +63,7 @@ def run_memory(cfg: DictConfig) -> dict:
 
 # ---- gpu ----------------------------------------------------------------------------------------------------
 class StepTimes(Callback):
-    """Wall time of every training step (device synchronised) and the peak memory after the warm-up steps."""
+    """Wall time of every training step after the warm-up ones (device synchronised), and the FLOPs per token."""
 
     def __init__(self, warmup: int):
         self.warmup, self.times, self._t = warmup, [], None
@@ -80,6 +80,8 @@ class StepTimes(Callback):
         self._sync(pl_module)
         if trainer.global_step > self.warmup:
             self.times.append(time.perf_counter() - self._t)
+        if hasattr(self, "flops_per_token"):  # the same every step
+            return
         self.tokens = batch["tokens"].numel() * trainer.world_size
         self.flops_per_token = train_flops_per_token(
             pl_module.num_params(embeddings=False), pl_module.model_config.n_layers, pl_module.model_config.dim,

@@ -9,6 +9,8 @@ from mcar.layout import Layout
 from mcar.model import ModelConfig, Transformer
 from mcar.sampler import DiagDSampler, NTPSampler, build_sampler, keyed_exponential, pass_widths, sample
 
+from .test_parity import clip_for  # the same (V, T) clips
+
 V, T = 32, 4
 
 
@@ -19,9 +21,6 @@ def model():
     return Transformer(cfg).eval()
 
 
-def clip_for(layout, frames=T, batch=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (batch, layout.n_slots(frames)), generator=g)
 
 
 CONFIGS = {  # name -> (sampler class, n_a, prompt frames, sampler arguments)
