@@ -11,6 +11,7 @@ The last line printed is one JSON object; it is also written to bench.out (the r
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -106,13 +107,12 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
     seconds, (_, stats) = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
                                 b.warmup, b.repeats)
-    bare_seconds, _ = timed(bare_forwards(model, sampler, sched, clip, plans), device, b.warmup, b.repeats)
+    calls = pass_calls(model, sampler, sched, clip, plans)
+    bare_seconds, _ = timed(bare_forwards(model, calls), device, b.warmup, b.repeats)
+    costs = pass_costs(model, calls, device, b.repeats) if b.pass_costs else None
     B, frames, n = clip.shape[0], sampler.frames - prompt_frames, len(plans)
     rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
-    run_rows, run_cols = rows, cols
-    if static is not None:  # the prefill runs eagerly, every other pass at its bucket's shape
-        run_rows = len(plans[0].src) + sum(a[0].shape[-1] for a in static.passes)
-        run_cols = sum(a[2].shape[-1] - a[2].shape[-2] for a in static.passes)
+    run_rows, run_cols = sum(c[2] for c in calls), sum(c[3] for c in calls)
     m, item = model.cfg, next(model.parameters()).element_size()
     weight_bytes = (model.num_params() - model.tok_embeddings.weight.numel()) * item
     kv_bytes_per_slot = m.n_layers * 2 * m.n_kv_heads * m.head_dim * item * B
@@ -133,29 +133,72 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
                 bytes_per_pass=round(bytes_per_pass), bandwidth=peak,
                 bandwidth_fraction=round(bytes_per_pass / s_per_pass / peak, 4) if peak else None,
                 bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3),
-                overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3))
+                overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3),
+                pass_costs=costs)
 
 
-def bare_forwards(model, sampler, sched, clip, plans):
-    """The model forwards of the sampler's passes alone: inputs gathered before the loop, nothing sampled.
-    A static sampler's passes run at their buckets' shapes through its own (compiled) forward step."""
-    static = sampler.is_static(clip.device)
-    inputs = [(clip[:, p.src], p.coords, p.mask, p.cache_pos) for p in (plans[:1] if static else plans)]
-    rest = []
-    if static:
+def pass_calls(model, sampler, sched, clip, plans):
+    """The sampler's passes as model forwards alone: [(forward, args, rows, cache columns)], inputs gathered
+    before the loop, nothing sampled. A static sampler's passes after the prefill run at their buckets' shapes
+    through its own (compiled) forward step; rows and columns are then the padded ones it runs."""
+    calls = [(model, (clip[:, p.src], p.coords, p.mask, p.cache_pos), len(p.src), p.n_vis) for p in plans]
+    if sampler.is_static(clip.device):
         forward = sampler.step_fn(forward_rows, clip.device)
         tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1) as the static sampler has it
-        rest = [(tokens, *args[:-1]) for args in sampler.static_plan(sched, clip.device).passes]
+        calls = calls[:1] + [(functools.partial(forward, model), (tokens, *a[:-1]), a[0].shape[-1],
+                              a[2].shape[-1] - a[2].shape[-2]) for a in sampler.static_plan(sched, clip.device).passes]
+    return calls
 
+
+def bare_forwards(model, calls):
     @torch.no_grad()
     def run():
         model.reset_cache()
-        for x in inputs:
-            model(*x)
-        for x in rest:
-            forward(model, *x)
+        for forward, args, _, _ in calls:
+            forward(*args)
 
     return run
+
+
+@torch.no_grad()
+def pass_costs(model, calls, device, repeats: int) -> dict:
+    """Each pass timed on its own (median over `repeats` runs of the whole sequence, the first one untimed),
+    then fit_pass_costs. What a pass costs per row it feeds bounds DiagD's speedup (fewer passes, more rows
+    each) where a pass is compute-bound, as on a CPU."""
+    times = []
+    for r in range(repeats + 1):
+        model.reset_cache()
+        run = []
+        for forward, args, _, _ in calls:
+            _sync(device)
+            t0 = time.perf_counter()
+            forward(*args)
+            _sync(device)
+            run.append(1000 * (time.perf_counter() - t0))
+        if r:
+            times.append(run)
+    ms = torch.tensor(times, dtype=torch.float64).median(dim=0).values
+    return fit_pass_costs(ms.tolist(), [c[2] for c in calls], [c[3] for c in calls])
+
+
+def fit_pass_costs(ms: list[float], rows: list[int], cols: list[int]) -> dict:
+    """Least squares over the passes after the first (the prefill, reported alone):
+    ms = fixed_ms + ms_per_row * rows + us_per_col / 1000 * cache columns; ms_per_row is null when every
+    such pass has the same rows (nothing to fit it from), us_per_col likewise. ms_by_rows: median ms per width."""
+    t = torch.tensor(ms[1:], dtype=torch.float64)
+    r, c = (torch.tensor(v[1:], dtype=torch.float64) for v in (rows, cols))
+    terms = {"fixed": torch.ones_like(r), "row": r, "col": c}
+    names = ["fixed"] + [n for n in ("row", "col") if len(set(terms[n].tolist())) > 1]
+    X = torch.stack([terms[n] for n in names], dim=1)
+    solution = torch.linalg.lstsq(X, t[:, None], driver="gelsd").solution[:, 0]
+    coef = dict(zip(names, solution.tolist()))
+    ss_res, ss_tot = ((t - X @ solution) ** 2).sum().item(), ((t - t.mean()) ** 2).sum().item()
+    by_rows = {str(int(w)): round(statistics.median(t[r == w].tolist()), 3) for w in sorted(set(r.tolist()))}
+    return dict(prefill_ms=round(ms[0], 3), prefill_rows=int(rows[0]), fixed_ms=round(coef["fixed"], 3),
+                ms_per_row=round(coef["row"], 4) if "row" in coef else None,
+                us_per_col=round(1000 * coef["col"], 4) if "col" in coef else None,
+                r2=round(1 - ss_res / ss_tot, 4) if ss_tot > 0 else None, ms_by_rows=by_rows,
+                mean_ms=round(sum(ms) / len(ms), 3))
 
 
 def run_sampler(cfg: DictConfig) -> dict:
@@ -178,7 +221,10 @@ def run_sampler(cfg: DictConfig) -> dict:
     speedup, pass_ratio = ntp["seconds"] / diag["seconds"], ntp["passes"] / diag["passes"]
     return out | diag | dict(ntp=ntp, ntp_seconds=ntp["seconds"], diagd_seconds=diag["seconds"],
                              speedup=round(speedup, 3), pass_ratio=round(pass_ratio, 3),
-                             speedup_over_pass_ratio=round(speedup / pass_ratio, 3))
+                             speedup_over_pass_ratio=round(speedup / pass_ratio, 3),
+                             # the same ratio for the bare forwards: what a sampler without overhead would reach
+                             bare_speedup_over_pass_ratio=round(ntp["bare_forward_ms_per_pass"]
+                                                                / diag["bare_forward_ms_per_pass"], 3))
 
 
 # ---- train ------------------------------------------------------------------------------------------------

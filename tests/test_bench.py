@@ -1,8 +1,13 @@
 """`python -m mcar.bench` prints one JSON line with consistent fields (values only, no timing assertions)."""
 import json
+import statistics
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mcar.bench import fit_pass_costs
 
 from mcar.layout import Layout
 from mcar.model import ModelConfig, Transformer
@@ -15,7 +20,9 @@ SAMPLER_FIELDS = {"model", "params", "device", "dtype", "sampler", "k", "d", "ba
                   "passes", "tokens_generated", "seconds", "fps", "tokens_per_s", "ms_per_pass",
                   "bare_forward_ms_per_pass", "fps_per_stream", "fps_total", "bytes_per_pass", "bandwidth",
                   "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass", "visible_cols_per_pass",
-                  "cache_cols_per_pass", "buckets"}
+                  "cache_cols_per_pass", "buckets", "pass_costs"}
+PASS_COST_FIELDS = {"prefill_ms", "prefill_rows", "fixed_ms", "ms_per_row", "us_per_col", "r2", "ms_by_rows",
+                    "mean_ms"}
 
 
 def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
@@ -26,7 +33,7 @@ def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
 
 def test_bench_sampler_compare(tmp_path):
     out, saved = last_json(tmp_path, "sampler", "sampler=diagd", "sampler.k=2", "bench.compare=true",
-                           "bench.batch_size=2")
+                           "bench.batch_size=2", "bench.pass_costs=true")
     assert out == saved and SAMPLER_FIELDS <= out.keys() and SAMPLER_FIELDS <= out["ntp"].keys()
     h, w, T, P, k = 3, 4, 3, 1, 2
     s_spa = (h - 1) * k + w
@@ -36,6 +43,15 @@ def test_bench_sampler_compare(tmp_path):
     assert out["pass_ratio"] == round(out["ntp"]["passes"] / out["passes"], 3)
     assert out["ms_per_pass"] == pytest.approx(1000 * out["seconds"] / out["passes"], rel=2e-3, abs=1e-3)
     assert out["frames_generated"] == T - P and out["batch_size"] == 2 and out["sampler"] == "diagd"
+    assert out["bare_speedup_over_pass_ratio"] == pytest.approx(
+        out["ntp"]["bare_forward_ms_per_pass"] / out["bare_forward_ms_per_pass"], rel=2e-3, abs=1e-3)
+    # per-pass costs: the prefill feeds the prompt frame (h*w + n_a slots); DiagD k=2 passes are 1 to 3 rows wide
+    # (k + n_a on a frame's last pass), NTP's 1 (a token) or 1 + n_a (a frame's last token and its actions)
+    for r, widths in ((out, {"1", "2", "3", "4"}), (out["ntp"], {"1", "3"})):
+        costs = r["pass_costs"]
+        assert costs.keys() == PASS_COST_FIELDS and costs["prefill_rows"] == 3 * 4 + 2
+        assert set(costs["ms_by_rows"]) <= widths and "1" in costs["ms_by_rows"]
+        assert costs["prefill_ms"] > 0 and costs["mean_ms"] > 0 and costs["us_per_col"] is not None
     for r in (out, out["ntp"]):  # fps keeps its meaning: frames over the whole batch per second
         assert r["fps"] == r["fps_total"] == pytest.approx(2 * r["fps_per_stream"], rel=2e-3, abs=2e-3)
         assert r["bandwidth"] is None and r["bandwidth_fraction"] is None  # no peak bandwidth known for a CPU
@@ -56,7 +72,7 @@ def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
     weights = 4 * (model.num_params() - model.tok_embeddings.weight.numel())
     kv = 4 * 2 * 4 * 32 * 4 * 2
     assert out["bytes_per_pass"] == pytest.approx(weights + kv * out["visible_cols_per_pass"], rel=1e-3)
-    assert out["bandwidth"] == 1e10
+    assert out["bandwidth"] == 1e10 and out["pass_costs"] is None  # bench.pass_costs is off by default
     achieved = out["bytes_per_pass"] / (out["ms_per_pass"] / 1000)
     assert out["bandwidth_fraction"] == pytest.approx(achieved / 1e10, rel=2e-2)
 
@@ -80,3 +96,31 @@ def test_static_padded_sampler_generates_the_same_tokens():
         (a, sa), (b, sb) = eager.generate(model, clip), static.generate(model, clip)
         assert torch.equal(a, b) and sa.passes == sb.passes
         assert torch.equal(static.generate(model, clip, setup_cache=False)[0], a)  # reused cache, zeroed
+
+
+@settings(max_examples=50, deadline=None)
+@given(fixed=st.floats(0.1, 50), per_row=st.floats(0, 5), per_col=st.floats(0, 0.05),
+       passes=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 6000)), min_size=4, max_size=60),
+       prefill=st.floats(1, 1e4))
+def test_fit_pass_costs_recovers_a_linear_cost(fixed, per_row, per_col, passes, prefill):
+    """Pass times that are exactly linear in rows and cache columns give back the coefficients; the first pass
+    (the prefill) is left out of the fit; a term whose input never varies is not fitted (None)."""
+    rows, cols = [500] + [p[0] for p in passes], [0] + [p[1] for p in passes]
+    ms = [prefill] + [fixed + per_row * r + per_col * c for r, c in passes]
+    out = fit_pass_costs(ms, rows, cols)
+    assert out["prefill_ms"] == round(prefill, 3) and out["prefill_rows"] == 500
+    assert out["mean_ms"] == pytest.approx(sum(ms) / len(ms), abs=1e-3)
+    assert set(out["ms_by_rows"]) == {str(r) for r, _ in passes}
+    vary_rows, vary_cols = len({r for r, _ in passes}) > 1, len({c for _, c in passes}) > 1
+    assert (out["ms_per_row"] is None) == (not vary_rows) and (out["us_per_col"] is None) == (not vary_cols)
+    collinear = vary_rows and vary_cols and torch.linalg.matrix_rank(
+        torch.tensor([[1.0, r, c] for r, c in passes], dtype=torch.float64)) < 3
+    if not collinear:  # a unique least-squares solution: the exact one
+        predicted = [out["fixed_ms"] + (out["ms_per_row"] or 0) * r + (out["us_per_col"] or 0) / 1000 * c
+                     for r, c in passes]
+        assert predicted == pytest.approx(ms[1:], abs=5e-3 + 1e-6 * max(cols))
+        if vary_rows:
+            assert out["ms_per_row"] == pytest.approx(per_row, abs=1e-3)
+    for r, _ in passes:
+        assert out["ms_by_rows"][str(r)] == pytest.approx(
+            statistics.median(m for (w, _), m in zip(passes, ms[1:]) if w == r), abs=1e-3)
