@@ -7,8 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 import mcar.config  # noqa: F401
-from mcar.finetune import prepare_finetune
-from mcar.run import run
+from mcar.train.finetune import prepare_finetune
+from mcar.train.task import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="finetune")

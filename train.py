@@ -3,7 +3,7 @@ import hydra
 from omegaconf import DictConfig
 
 import mcar.config  # noqa: F401  (registers the config resolvers before Hydra composes)
-from mcar.run import run
+from mcar.train.task import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.flops import peak_flops, train_flops_per_token
-from mcar.layout import Layout
-from mcar.masks import build_mask_factory
-from mcar.model import ModelConfig, Transformer
-from mcar.sampler import build_sampler, forward_rows
+from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.layout import Layout
+from mcar.core.masks import IGNORE, build_mask_factory
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.sampler import build_sampler, forward_rows
 
 MODES = ("sampler", "train", "memory", "gpu")
 
@@ -205,19 +205,19 @@ def run_sampler(cfg: DictConfig) -> dict:
     device, dtype, layout, model = setup(cfg)
     model = model.to(dtype).eval()
     frames, b = int(cfg.data.clip_frames), cfg.bench
-    scfg = to_dict(cfg.sampler)
-    P = int(b.prompt_frames or scfg.get("prompt_frames", 1))
-    scfg["prompt_frames"] = P
+    scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
+    P = int(b.prompt_frames or schedule["prompt_frames"])
+    schedule["prompt_frames"] = P
     clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
     cb = OmegaConf.select(cfg, "data.codebook_size", default=None)
     out = common_fields(cfg, device, dtype, model)
     if not b.compare:
-        return out | bench_sampler(model, build_sampler(scfg, layout, frames, cb), clip, P, cfg, device)
+        return out | bench_sampler(model, build_sampler(scfg, layout, frames, cb, schedule), clip, P, cfg, device)
     if scfg["name"] != "diagd":
         raise ValueError(f"bench.compare=true compares NTP with DiagD: use sampler=diagd, not {scfg['name']!r}")
-    ntp_cfg = {k: v for k, v in scfg.items() if k not in ("k", "d", "proxy", "full")} | {"name": "ntp"}
-    ntp = out | bench_sampler(model, build_sampler(ntp_cfg, layout, frames, cb), clip, P, cfg, device)
-    diag = bench_sampler(model, build_sampler(scfg, layout, frames, cb), clip, P, cfg, device)
+    ntp = out | bench_sampler(model, build_sampler(scfg | {"name": "ntp"}, layout, frames, cb, schedule), clip, P,
+                              cfg, device)
+    diag = bench_sampler(model, build_sampler(scfg, layout, frames, cb, schedule), clip, P, cfg, device)
     speedup, pass_ratio = ntp["seconds"] / diag["seconds"], ntp["passes"] / diag["passes"]
     return out | diag | dict(ntp=ntp, ntp_seconds=ntp["seconds"], diagd_seconds=diag["seconds"],
                              speedup=round(speedup, 3), pass_ratio=round(pass_ratio, 3),
@@ -238,7 +238,7 @@ def run_train(cfg: DictConfig) -> dict:
     device, dtype, layout, model = setup(cfg)
     frames, b = int(cfg.data.clip_frames), cfg.bench
     mcfg = to_dict(cfg.mask)
-    factory = build_mask_factory(mcfg.pop("name"), layout, frames, **mcfg)
+    factory = build_mask_factory(mcfg.pop("name"), layout, frames, schedule=to_dict(cfg.schedule), **mcfg)
     clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
     batch = factory(clip)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -247,7 +247,7 @@ def run_train(cfg: DictConfig) -> dict:
     def step():
         with autocast:
             logits = model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Generate a clip with a trained world model and write it as mp4 + gif (VQ-decoded, next to the ground truth).
 
-    python -m mcar.generate ckpt=checkpoints/<run>/last.ckpt sampler=diagd sampler.k=2 prompt=3
+    python -m mcar.generate ckpt=checkpoints/<run>/last.ckpt sampler=diagd schedule.k=2 prompt=3
     python -m mcar.generate ckpt=... prompt=crafter_s1_e00011:40 frames=16      # episode[:first frame]
     python -m mcar.generate ckpt=... prompt_image=frame.png 'actions=[move_left,move_left,do,noop]'
 
@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label, sampling_dtype
-from mcar.layout import Layout
-from mcar.sampler import build_sampler
-from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, side_by_side, split_clip, to_u8, write_gif,
+from mcar.eval.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label, sampling_dtype
+from mcar.core.layout import Layout
+from mcar.core.sampler import build_sampler
+from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, side_by_side, split_clip, to_u8, write_gif,
                       write_mp4)
 
 log = logging.getLogger("mcar.generate")
@@ -55,7 +55,7 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
     """prompt_image + actions -> (N,) clip: the image's tokens, then zeros for the frames to generate."""
     from PIL import Image
 
-    from mcar.vq import encode_tokens
+    from mcar.tokenizer.vq import encode_tokens
 
     path = Path(cfg.prompt_image)
     if not path.is_file():
@@ -76,7 +76,7 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
 
 def parse_action(a, data_name: str, n_a: int) -> list[int]:
     if isinstance(a, str) and data_name == "crafter":
-        from mcar.actions import action_space
+        from mcar.tokenizer.actions import action_space
 
         return action_space("crafter").encode({"action": a})
     ids = list(a) if OmegaConf.is_list(a) or isinstance(a, (list, tuple)) else [a]
@@ -108,14 +108,14 @@ def generate(cfg: DictConfig) -> dict:
     check_data_fits(layout, hp, cfg.data)
     vq = load_vq_for(cfg, device)
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
-    scfg = to_dict(cfg.sampler)
+    scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
     if cfg.prompt_image:
-        scfg["prompt_frames"] = 1
-    sampler = build_sampler(scfg, layout, frames, cb)
+        schedule["prompt_frames"] = 1
+    sampler = build_sampler(scfg, layout, frames, cb, schedule=schedule)
     clip, has_gt, stem = prompt_clip(cfg, layout, frames, vq)
     tokens, stats = sampler.generate(module.model, clip[None].to(device))
     tokens = tokens.cpu()
-    label = sampler_label(scfg)
+    label = sampler_label(sampler)
     shown, n_bad = invalid_image_tokens(tokens, layout, cb)
     if n_bad:
         log.warning("%d generated image tokens were action ids: shown as code 0", n_bad)
@@ -127,7 +127,7 @@ def generate(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
     mp4, gif = write_mp4(video, base.with_suffix(".mp4"), cfg.fps), write_gif(video, base.with_suffix(".gif"), cfg.fps)
-    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": scfg,
+    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": scfg, "schedule": schedule,
                 "passes": stats.passes, "seconds": stats.seconds}, base.with_suffix(".pt"))
     log.info("%s: %d frames (%d prompt) with %s in %d passes, %.2fs -> %s and %s", stem, frames,
              sampler.prompt_frames, label, stats.passes, stats.seconds, mp4, gif)

@@ -1,6 +1,6 @@
 """`python -m mcar.bench memory|gpu`: the planned training memory, and the one check a GPU machine runs first.
 
-memory: the peak memory per device that the configured training step will need (mcar.memory), the largest batch
+memory: the peak memory per device that the configured training step will need (mcar.train.memory), the largest batch
 that fits bench.memory.budget_gib with and without activation checkpointing, and a whole-model measurement on
 fake tensors as a cross-check.
 
@@ -25,11 +25,11 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.config import to_dict
-from mcar.flops import peak_flops, train_flops_per_token
-from mcar.layout import Layout
-from mcar.masks import build_mask_factory
-from mcar.memory import GiB, measure_step_peak, plan_training
-from mcar.model import ModelConfig, Transformer
+from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.layout import Layout
+from mcar.core.masks import build_mask_factory
+from mcar.train.memory import GiB, measure_step_peak, plan_training
+from mcar.core.model import ModelConfig, Transformer
 
 
 def training_shape(cfg: DictConfig) -> dict:
@@ -37,7 +37,8 @@ def training_shape(cfg: DictConfig) -> dict:
     precision, activation checkpointing, FSDP devices."""
     layout = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a))
     mcfg = to_dict(cfg.mask)
-    factory = build_mask_factory(mcfg.pop("name"), layout, int(cfg.data.clip_frames), **mcfg | {"backend": "sdpa"})
+    factory = build_mask_factory(mcfg.pop("name"), layout, int(cfg.data.clip_frames), schedule=to_dict(cfg.schedule),
+                                 **mcfg | {"backend": "sdpa"})
     seq_len = int(factory(torch.zeros(1, layout.n_slots(int(cfg.data.clip_frames)), dtype=torch.long)).tokens.shape[1])
     strategy = OmegaConf.select(cfg, "trainer.strategy", default="auto")
     fsdp = isinstance(strategy, DictConfig) and "ModelParallel" in str(strategy.get("_target_", ""))
@@ -102,7 +103,7 @@ def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
 
 
 def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
-    from mcar.run import run
+    from mcar.train.task import run
 
     tcfg = compose(config_name="train", overrides=train_overrides(cfg, mask, out))
     with open_dict(tcfg):
@@ -141,7 +142,7 @@ def flex_check(cfg: DictConfig) -> dict:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**arch)).to(dev, dtype).eval()
     layout, frames = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a)), int(cfg.data.clip_frames)
-    factory = build_mask_factory("diagd", layout, frames, backend="flex")
+    factory = build_mask_factory("diagd", layout, frames, schedule=to_dict(cfg.schedule), backend="flex")
     batch = factory(torch.randint(0, int(cfg.data.codebook_size), (1, layout.n_slots(frames)), device=dev))
     with torch.no_grad():
         flex = model(batch.tokens, batch.coords, batch.mask)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mcar.actions import (CAM_BINS, CAM_ZERO_BIN, CRAFTER_ACTIONS, VPT_OFFSETS, VPT_SLOTS, VPT_VOCAB, CrafterActions,
+from mcar.tokenizer.actions import (CAM_BINS, CAM_ZERO_BIN, CRAFTER_ACTIONS, VPT_OFFSETS, VPT_SLOTS, VPT_VOCAB, CrafterActions,
                           VPTActions, action_space, bin_to_camera, camera_to_bin)
 
 

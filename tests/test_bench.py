@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from mcar.bench import fit_pass_costs
 
-from mcar.layout import Layout
-from mcar.model import ModelConfig, Transformer
-from mcar.sampler import DiagDSampler
+from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.sampler import ScheduleSampler
 from tests.conftest import run_script
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
@@ -32,7 +32,7 @@ def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
 
 
 def test_bench_sampler_compare(tmp_path):
-    out, saved = last_json(tmp_path, "sampler", "sampler=diagd", "sampler.k=2", "bench.compare=true",
+    out, saved = last_json(tmp_path, "sampler", "sampler=diagd", "schedule.k=2", "bench.compare=true",
                            "bench.batch_size=2", "bench.pass_costs=true")
     assert out == saved and SAMPLER_FIELDS <= out.keys() and SAMPLER_FIELDS <= out["ntp"].keys()
     h, w, T, P, k = 3, 4, 3, 1, 2
@@ -61,7 +61,7 @@ def test_bench_sampler_compare(tmp_path):
 
 
 def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
-    out, _ = last_json(tmp_path, "sampler", "sampler=diagd", "sampler.k=2", "sampler.static=true",
+    out, _ = last_json(tmp_path, "sampler", "sampler=diagd", "schedule.k=2", "sampler.static=true",
                        "bench.batch_size=2", "bench.bandwidth=1e10")
     assert out["static"] and not out["compile"] and out["buckets"] >= 2
     assert out["padded_rows_per_pass"] >= out["rows_per_pass"]
@@ -92,7 +92,7 @@ def test_static_padded_sampler_generates_the_same_tokens():
                                     init_std=0.2)).eval()
     for layout, k, d in [(Layout(3, 4, 2), 2, 3), (Layout(3, 4, 0), 1, None), (Layout(3, 4, 2), 6, None)]:
         clip = torch.randint(0, 32, (2, layout.n_slots(4)))
-        eager, static = (DiagDSampler(layout, 4, 1, k=k, d=d, temperature=0, static=s) for s in (False, True))
+        eager, static = (ScheduleSampler(layout, 4, 1, k=k, d=d, temperature=0, static=s) for s in (False, True))
         (a, sa), (b, sb) = eager.generate(model, clip), static.generate(model, clip)
         assert torch.equal(a, b) and sa.passes == sb.passes
         assert torch.equal(static.generate(model, clip, setup_cache=False)[0], a)  # reused cache, zeroed

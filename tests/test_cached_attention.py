@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcar.model import ModelConfig, Transformer
+from mcar.core.model import ModelConfig, Transformer
 
 from .conftest import SMALL_DATA, compose
 
@@ -49,7 +49,7 @@ def cached_passes(m, tokens, coords, vis, chunk, extra_cols=0, staging=128):
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("chunk, staging", [(3, 128), (7, 4)])  # 7 > 4: the pass does not fit the staging rows
 def test_cached_forward_equals_the_masked_one_pass_forward(n_heads, n_kv_heads, chunk, staging):
-    from mcar.layout import Layout
+    from mcar.core.layout import Layout
 
     torch.manual_seed(0)
     lay, frames, B = Layout(3, 4, 2), 3, 2
@@ -103,7 +103,7 @@ def test_bfloat16_cache_follows_the_weights_and_autocast():
 
 
 def tiny_checkpoint(tmp_path):
-    from mcar.lit import MCARModule
+    from mcar.train.module import MCARModule
 
     hp = dict(arch=dict(vocab_size=40, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96),
               layout=dict(h=3, w=4, n_a=2), clip_frames=3, mask={"name": "causal"}, optim={}, max_steps=1)
@@ -113,9 +113,9 @@ def tiny_checkpoint(tmp_path):
 
 
 def test_load_model_dtype(tmp_path):
-    from mcar.evaluate import load_model, sampling_dtype
-    from mcar.layout import Layout
-    from mcar.sampler import DiagDSampler
+    from mcar.eval.evaluate import load_model, sampling_dtype
+    from mcar.core.layout import Layout
+    from mcar.core.sampler import ScheduleSampler
 
     path = tiny_checkpoint(tmp_path)
     fp32, _ = load_model(path, "cpu")  # the default on CPU: unchanged
@@ -125,7 +125,7 @@ def test_load_model_dtype(tmp_path):
     assert bf16.model.rope.inv_freq.dtype == torch.float32  # buffers are not cast: RoPE stays exact
     lay = Layout(3, 4, 2)
     clip = torch.randint(0, 32, (1, lay.n_slots(3)))
-    sampler = DiagDSampler(lay, 3, 1, k=2)
+    sampler = ScheduleSampler(lay, 3, 1, k=2)
     tf32, tf16 = sampler.teacher_forced(fp32.model, clip), sampler.teacher_forced(bf16.model, clip)
     assert all(layer.attention.cache.k.dtype == torch.bfloat16 for layer in bf16.model.layers)
     assert ((tf16.logits - tf32.logits).abs().max() / tf32.logits.abs().max()).item() < 0.05
@@ -146,7 +146,7 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
     """evaluate and generate ask load_model for bfloat16 on a (mocked) CUDA device, float32 on CPU."""
     import importlib
 
-    mod = importlib.import_module(f"mcar.{entry}")
+    mod = importlib.import_module({"evaluate": "mcar.eval.evaluate"}.get(entry, f"mcar.{entry}"))
     seen = {}
 
     def fake_load_model(ckpt, device, dtype=None):
@@ -163,7 +163,7 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_dashboard_samples_under_bfloat16_autocast_on_cuda_only():
-    from mcar.dashboard import sampling_autocast
+    from mcar.train.dashboard import sampling_autocast
 
     ctx = sampling_autocast(torch.device("cuda"))
     assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16

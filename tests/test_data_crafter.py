@@ -9,7 +9,7 @@ from mcar.data.common import StepBatches
 from mcar.data.crafter import CrafterDataModule
 from mcar.data.crafter_gen import ACTIONS, generate, play_episode
 from mcar.data.video import read_mp4
-from mcar.vq import save_vq
+from mcar.tokenizer.vq import save_vq
 from tests.test_data_vpt import tiny_vq
 
 

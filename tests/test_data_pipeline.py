@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from mcar.data.common import EpochPermutation, StepBatches, clip_indices
 from mcar.data.synthetic import SHIFTS, SyntheticClips, SyntheticDataModule
-from mcar.layout import Layout
+from mcar.core.layout import Layout
 
 SIZES = [1, 2, 3, 4, 5, 7, 15, 16, 17, 63, 64, 65, 97, 256, 1000, 1021, 1024, 4096, 4099]
 

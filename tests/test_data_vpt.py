@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from mcar.actions import VPT_OFFSETS
+from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.data.episodes import read_episode_actions
 from mcar.data.tokenize import tokenize_dir
 from mcar.data.video import write_mp4
 from mcar.data.vpt import parse_vpt
-from mcar.vq import build_vq
+from mcar.tokenizer.vq import build_vq
 
 TINY_VQ = dict(block_out_channels=[8, 8, 8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 5,
                up_block_types=["UpDecoderBlock2D"] * 5, layers_per_block=1, latent_channels=4, norm_num_groups=4,

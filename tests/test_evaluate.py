@@ -44,7 +44,7 @@ def test_training_dashboard_lands_in_the_offline_wandb_run_and_the_output_dir(tr
 
 
 def train_tiny_idm(tmp: Path) -> Path:
-    from mcar.idm import train_idm
+    from mcar.eval.idm import train_idm
 
     cfg = compose("idm", [*SMALL_DATA, f"out={tmp}/idm/idm.pt", "steps=20", "eval_every=10", "batch_size=16",
                           f"paths.output_dir={tmp}/idm"])
@@ -62,7 +62,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     run_script("-m mcar.evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
                "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
                f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"idm={idm}")
-    from mcar.evaluate import COLUMNS
+    from mcar.eval.evaluate import COLUMNS
 
     table = list(csv.DictReader(open(tmp / "multi" / "results.csv")))
     assert list(table[0].keys()) == COLUMNS
@@ -95,7 +95,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
 
 
 def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
-    from mcar.evaluate import pick_clips, resolve_ckpt
+    from mcar.eval.evaluate import pick_clips, resolve_ckpt
 
     with pytest.raises(FileNotFoundError, match="ckpt: checkpoint not found: .*nope"):
         resolve_ckpt(str(tmp_path / "nope"))
@@ -111,7 +111,7 @@ def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
     from mcar.generate import generate
 
     out = trained / "gen"
-    cfg = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}/last.ckpt", "sampler=diagd", "sampler.k=2",
+    cfg = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}/last.ckpt", "sampler=diagd", "schedule.k=2",
                                "prompt=1", f"paths.output_dir={out}"])
     res = generate(cfg)
     assert res["mp4"].stat().st_size > 0 and res["gif"].stat().st_size > 0 and res["passes"] == (3 - 1 - 1) * 8 + 8

@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-import mcar.model
-from mcar.diagd_mask import DiagDFullMask, DiagDMask
-from mcar.layout import Layout
-from mcar.masks import SlotTable, block_stats, causal_table
-from mcar.model import ModelConfig, Transformer
-from mcar.schedule import Schedule
+import mcar.core.model
+from mcar.core.masks import DiagDMask
+from mcar.core.layout import Layout
+from mcar.core.visibility import SlotTable, block_stats, causal_table
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.schedule import Schedule
 
 PAPER = Layout(14, 24, 11)  # MC-AR / MineWorld: 16-frame clips, one prompt frame
 FRAMES = 16
@@ -71,18 +71,18 @@ def test_block_stats_counts_tiles_as_create_block_mask_does(S, block):
 def test_few_partial_tiles_at_the_paper_geometry():
     """The interleaved order made ~92% of the computed 128x128 tiles partial (mask_mod element by element)."""
     causal = block_stats(causal_table(PAPER.n_slots(FRAMES)))["partial_of_computed"]
-    for factory in (DiagDMask, DiagDFullMask):
-        stats = block_stats(factory(PAPER, FRAMES, k=2).table())
+    for full in (False, True):
+        stats = block_stats(DiagDMask(PAPER, FRAMES, k=2, full=full).table())
         assert stats["seq_len"] == 5747
         assert causal < stats["partial_of_computed"] < 0.3
 
 
 @pytest.fixture
 def compiled_flex(monkeypatch):
-    """mcar.model compiles flex_attention on CUDA only; compile it on CPU too (the block-sparse CPU kernel,
+    """mcar.core.model compiles flex_attention on CUDA only; compile it on CPU too (the block-sparse CPU kernel,
     which skips empty tiles and the mask_mod of full ones, where eager flex evaluates every element)."""
     compiled = torch.compile(flex_attention, dynamic=False)
-    monkeypatch.setattr(mcar.model, "_flex", lambda q, k, v, block_mask: compiled(
+    monkeypatch.setattr(mcar.core.model, "_flex", lambda q, k, v, block_mask: compiled(
         q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]))
 
 

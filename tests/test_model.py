@@ -2,10 +2,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mcar.layout import Layout
-from mcar.masks import CausalMask, SlotTable, causal_table
-from mcar.model import ModelConfig, Transformer
-from mcar.rope import RoPE3D, apply_rope, rope_sections
+from mcar.core.layout import Layout
+from mcar.core.masks import CausalMask
+from mcar.core.visibility import SlotTable, causal_table
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.rope import RoPE3D, apply_rope, rope_sections
 
 from .conftest import compose
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from mcar.dashboard import generate_eager
-from mcar.layout import Layout
-from mcar.lit import MCARModule
-from mcar.masks import build_mask_factory
-from mcar.model import ModelConfig, Transformer
-from mcar.parallel import apply_activation_checkpointing, apply_compile, is_checkpointed
-from mcar.sampler import build_sampler
+from mcar.train.dashboard import generate_eager
+from mcar.core.layout import Layout
+from mcar.train.module import MCARModule
+from mcar.core.masks import build_mask_factory
+from mcar.core.model import ModelConfig, Transformer
+from mcar.train.parallel import apply_activation_checkpointing, apply_compile, is_checkpointed
+from mcar.core.sampler import build_sampler
 
 from .conftest import SMALL_DATA, compose, job_overrides, run_script
 
@@ -147,7 +147,7 @@ def test_dashboard_sampling_leaves_compiled_blocks_alone():
     batch = factory(clip)
     model(batch.tokens, batch.coords, batch.mask).sum().backward()
     graphs = counters["stats"]["unique_graphs"]
-    sampler = build_sampler({"name": "diagd", "k": 2, "temperature": 0}, LAYOUT, 3)
+    sampler = build_sampler({"name": "diagd", "temperature": 0}, LAYOUT, 3, schedule={"k": 2})
     model.eval()
     with torch.no_grad():
         tokens, _ = generate_eager(sampler, model, clip)

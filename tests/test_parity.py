@@ -6,11 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mcar.diagd_mask import DiagDFullMask, DiagDMask
-from mcar.layout import Layout
-from mcar.masks import IGNORE, CausalMask, SlotTable, build_mask_factory, next_token_targets
-from mcar.model import ModelConfig, Transformer
-from mcar.sampler import DiagDSampler, NTPSampler, build_sampler, diagd_val_loss
+from mcar.core.masks import DiagDMask
+from mcar.core.layout import Layout
+from mcar.core.masks import IGNORE, CausalMask, build_mask_factory, next_token_targets
+from mcar.core.visibility import SlotTable
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.sampler import ScheduleSampler, build_sampler, diagd_val_loss
 
 V, T, TOL = 32, 4, 1e-4
 
@@ -44,12 +45,18 @@ def masked_logits(model, factory, clip):
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("d", [None, 3])  # spatial-only (s_spa) and overlapping
 @pytest.mark.parametrize("proxy", ["prev_frame", "above"])
-@pytest.mark.parametrize("factory", [DiagDMask, DiagDFullMask])
-def test_diagd_parity(model, n_a, k, d, proxy, factory):
+@pytest.mark.parametrize("full", [False, True])
+def test_diagd_parity(model, n_a, k, d, proxy, full):
     layout, frames = Layout(3, 4, n_a), 3  # frames 1 and 2 overlap when d < s_spa
     clip = clip_for(layout, frames)
-    mask = factory(layout, frames, k=k, d=d, proxy=proxy)
-    tf = DiagDSampler(layout, frames, 1, k=k, d=d, proxy=proxy, full=factory.full).teacher_forced(model, clip)
+    if full and d is not None:  # full visibility with overlapping frames would show frame t the action a[t]
+        with pytest.raises(ValueError, match="schedule.full=true needs d = s_spa"):
+            DiagDMask(layout, frames, k=k, d=d, proxy=proxy, full=full)
+        with pytest.raises(ValueError, match="schedule.full=true needs d = s_spa"):
+            ScheduleSampler(layout, frames, 1, k=k, d=d, proxy=proxy, full=full)
+        return
+    mask = DiagDMask(layout, frames, k=k, d=d, proxy=proxy, full=full)
+    tf = ScheduleSampler(layout, frames, 1, k=k, d=d, proxy=proxy, full=full).teacher_forced(model, clip)
     assert tf.logits.shape == (2, (frames - 1) * 12, V)
     assert rel_err(tf.logits, masked_logits(model, mask, clip)[:, tf.slots]) < TOL
 
@@ -59,7 +66,7 @@ def test_diagd_parity(model, n_a, k, d, proxy, factory):
 def test_ntp_parity_with_causal(model, n_a, prompt_frames):
     layout = Layout(3, 4, n_a)
     clip = clip_for(layout)
-    tf = NTPSampler(layout, T, prompt_frames).teacher_forced(model, clip)
+    tf = ScheduleSampler.ntp(layout, T, prompt_frames).teacher_forced(model, clip)
     assert rel_err(tf.logits, masked_logits(model, CausalMask(layout, T), clip)[:, tf.slots]) < TOL
 
 
@@ -68,7 +75,7 @@ def test_diagd_parity_with_more_prompt_frames(model, k, d):
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
     mask = DiagDMask(layout, T, k=k, d=d, prompt_frames=2)
-    tf = DiagDSampler(layout, T, 2, k=k, d=d).teacher_forced(model, clip)
+    tf = ScheduleSampler(layout, T, 2, k=k, d=d).teacher_forced(model, clip)
     assert len(tf.slots) == 2 * 12
     assert rel_err(tf.logits, masked_logits(model, mask, clip)[:, tf.slots]) < TOL
 
@@ -77,8 +84,8 @@ def test_parity_is_sensitive(model):
     """The comparisons above can fail: other masks, proxies or an off-by-one feed pass give other logits."""
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
-    tf = DiagDSampler(layout, T, 1, k=2, d=3).teacher_forced(model, clip)
-    for other in [DiagDFullMask(layout, T, k=2, d=3), DiagDMask(layout, T, k=2, d=3, proxy="above"),
+    tf = ScheduleSampler(layout, T, 1, k=2, d=3).teacher_forced(model, clip)
+    for other in [DiagDMask(layout, T, k=2, d=3, proxy="prompt"), DiagDMask(layout, T, k=2, d=3, proxy="above"),
                   CausalMask(layout, T)]:
         assert rel_err(tf.logits, masked_logits(model, other, clip)[:, tf.slots]) > 1e-2
     # F = G for generated image tokens (an input fed in the pass that samples it)
@@ -97,8 +104,8 @@ def test_diagd_with_k_equal_w_is_ntp(model, n_a, d):
     layout = Layout(3, 4, n_a)
     clip = clip_for(layout)
     s_spa = layout.h * layout.w
-    diag = DiagDSampler(layout, T, 1, k=layout.w, d=d, top_k=1)
-    ntp = NTPSampler(layout, T, 1, top_k=1)
+    diag = ScheduleSampler(layout, T, 1, k=layout.w, d=d, top_k=1)
+    ntp = ScheduleSampler.ntp(layout, T, 1, top_k=1)
     assert diag.schedule().passes == ntp.schedule().passes == (T - 1) * s_spa
     tok_d, stats_d = diag.generate(model, clip)
     tok_n, stats_n = ntp.generate(model, clip)
@@ -109,7 +116,7 @@ def test_diagd_with_k_equal_w_is_ntp(model, n_a, d):
 def test_greedy_generation_is_teacher_forced_on_its_own_output(model):
     """Greedy tokens are the argmax of the teacher-forced logits on the generated clip."""
     layout = Layout(3, 4, 2)
-    sampler = DiagDSampler(layout, T, 1, k=2, d=3, temperature=0)
+    sampler = ScheduleSampler(layout, T, 1, k=2, d=3, temperature=0)
     tokens, stats = sampler.generate(model, clip_for(layout))
     tf = sampler.teacher_forced(model, tokens)
     assert torch.equal(tf.logits.argmax(-1), tokens[:, tf.slots])
@@ -119,9 +126,9 @@ def test_greedy_generation_is_teacher_forced_on_its_own_output(model):
 def test_generation_reads_only_the_prompt_and_actions(model):
     layout = Layout(3, 4, 2)
     a, b = clip_for(layout, seed=1), clip_for(layout, seed=2)
-    keep = ~DiagDSampler(layout, T, 2, k=2).schedule().generated
+    keep = ~ScheduleSampler(layout, T, 2, k=2).schedule().generated
     b[:, keep] = a[:, keep]  # same prompt frames and actions, other (ignored) image tokens
-    sampler = DiagDSampler(layout, T, 2, k=2, top_k=8, top_p=0.9, temperature=0.8, seed=3)
+    sampler = ScheduleSampler(layout, T, 2, k=2, top_k=8, top_p=0.9, temperature=0.8, seed=3)
     out_a, _ = sampler.generate(model, a)
     out_b, _ = sampler.generate(model, b)
     assert torch.equal(out_a, out_b)  # seeded, and blind to the non-prompt image tokens
@@ -133,7 +140,7 @@ def test_generation_reads_only_the_prompt_and_actions(model):
 def test_nan_poisoned_cache_never_reaches_logits(model, k, d):
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
-    sampler = DiagDSampler(layout, T, 1, k=k, d=d)
+    sampler = ScheduleSampler(layout, T, 1, k=k, d=d)
     clean = sampler.teacher_forced(model, clip)
     model.setup_cache(2, layout.n_slots(T) + 1)
     for layer in model.layers:
@@ -150,7 +157,7 @@ def test_nan_poisoned_cache_never_reaches_logits(model, k, d):
 def test_dense_mask_equals_block_mask(model, factory):
     layout = Layout(3, 4, 2)
     clip = clip_for(layout, frames=3)
-    mask = build_mask_factory(factory, layout, 3, k=2, d=3, backend="flex")
+    mask = build_mask_factory(factory, layout, 3, k=2, d=None if factory == "diagd_full" else 3, backend="flex")
     batch = mask(clip)
     table = mask.table()
     with torch.no_grad():
@@ -185,7 +192,7 @@ def test_plain_variant_has_no_proxy_slots(model):
     assert torch.equal(batch.targets, next_token_targets(clip, layout, T, False))
     assert batch.mask.sum() < CausalMask(layout, T).table().dense().sum()  # a strict subset of causal
     # with k = w no proxy is needed and the plain variant is parity-exact too
-    tf = DiagDSampler(layout, T, 1, k=4).teacher_forced(model, clip)
+    tf = ScheduleSampler(layout, T, 1, k=4).teacher_forced(model, clip)
     exact = DiagDMask(layout, T, k=4, proxy_slots=False)
     assert rel_err(tf.logits, masked_logits(model, exact, clip)[:, tf.slots]) < TOL
 
@@ -193,26 +200,30 @@ def test_plain_variant_has_no_proxy_slots(model):
 def test_configs_build_and_validation_loss(model):
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
-    for name in ("diagd", "diagd_full"):
-        cfg = OmegaConf.to_container(OmegaConf.load(f"conf/mask/{name}.yaml"))
-        assert build_mask_factory(cfg.pop("name"), layout, T, **cfg).name == name
-    ntp = build_sampler(OmegaConf.load("conf/sampler/ntp.yaml"), layout, T)
-    diag = build_sampler(OmegaConf.load("conf/sampler/diagd.yaml"), layout, T)
-    assert isinstance(ntp, NTPSampler) and type(diag) is DiagDSampler
+    schedule = OmegaConf.to_container(OmegaConf.load("conf/schedule/diagd.yaml"))
+    for full in (False, True):
+        cfg = OmegaConf.to_container(OmegaConf.load("conf/mask/diagd.yaml"))
+        mask = build_mask_factory(cfg.pop("name"), layout, T, schedule=schedule | {"full": full}, **cfg)
+        assert mask.name == ("diagd_full" if full else "diagd") and mask.schedule.k == schedule["k"]
+    ntp = build_sampler(OmegaConf.load("conf/sampler/ntp.yaml"), layout, T, schedule=schedule)
+    diag = build_sampler(OmegaConf.load("conf/sampler/diagd.yaml"), layout, T, schedule=schedule)
+    assert ntp.name == "ntp" and diag.name == "diagd" and type(ntp) is type(diag) is ScheduleSampler
     loss = diagd_val_loss(model, diag, clip)
     tf = diag.teacher_forced(model, clip)
     ref = torch.nn.functional.cross_entropy(tf.logits.flatten(0, 1), clip[:, tf.slots].flatten())
     assert abs(loss.item() - ref.item()) < 1e-5
     with pytest.raises(ValueError, match="sampler.name"):
         build_sampler({"name": "beam"}, layout, T)
+    with pytest.raises(ValueError, match=r"sampler.k is a schedule setting: set schedule.k"):
+        build_sampler({"name": "diagd", "k": 4}, layout, T)
     with pytest.raises(ValueError, match="top_p"):
-        DiagDSampler(layout, T, top_p=1.5)
+        ScheduleSampler(layout, T, top_p=1.5)
     with pytest.raises(ValueError, match="k=0"):
         build_mask_factory("diagd", layout, T, k=0)
 
 
 def test_sample_filters_and_seed():
-    from mcar.sampler import sample
+    from mcar.core.sampler import sample
 
     logits = torch.randn(3, 5, V)
     assert torch.equal(sample(logits, top_k=1), logits.argmax(-1))
@@ -228,7 +239,7 @@ def test_sample_filters_and_seed():
 
 def test_batch_of_one(model):
     layout = Layout(3, 4, 2)
-    tokens, stats = DiagDSampler(layout, 3, 1, k=1, seed=0).generate(model, clip_for(layout, 3, batch=1))
+    tokens, stats = ScheduleSampler(layout, 3, 1, k=1, seed=0).generate(model, clip_for(layout, 3, batch=1))
     assert tokens.shape == (1, layout.n_slots(3)) and stats.tokens == 2 * 12 and stats.seconds > 0
 
 
@@ -241,7 +252,7 @@ def test_image_slots_sample_image_codes_only(static):
     with torch.no_grad():
         m.output.weight[cb:] *= 50  # action ids dominate every position's logits
     clip = clip_for(layout)
-    for cls in (NTPSampler, DiagDSampler):
+    for cls in (ScheduleSampler.ntp, ScheduleSampler):
         unrestricted, _ = cls(layout, T, seed=0, static=static).generate(m, clip)
         restricted, _ = cls(layout, T, seed=0, static=static, codebook_size=cb).generate(m, clip)
         gen = cls(layout, T).schedule().gen_slots
@@ -252,7 +263,7 @@ def test_image_slots_sample_image_codes_only(static):
         assert torch.equal(restricted[:, rest], clip[:, rest])  # prompt and actions untouched
     assert build_sampler({"name": "ntp"}, layout, T, codebook_size=cb).codebook_size == cb
     with pytest.raises(ValueError, match="codebook_size"):
-        DiagDSampler(layout, T, codebook_size=0)
+        ScheduleSampler(layout, T, codebook_size=0)
 
 
 def test_causal_mask_is_sdpa_is_causal_on_cpu(model):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import mcar.sampler as sampler_mod
-from mcar.layout import Layout
-from mcar.model import ModelConfig, Transformer
-from mcar.sampler import DiagDSampler, NTPSampler, build_sampler, keyed_exponential, pass_widths, sample
+import mcar.core.sampler as sampler_mod
+from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.sampler import ScheduleSampler, build_sampler, keyed_exponential, pass_widths, sample
 
 from .test_parity import clip_for  # the same (V, T) clips
 
@@ -24,14 +24,14 @@ def model():
 
 
 CONFIGS = {  # name -> (sampler class, n_a, prompt frames, sampler arguments)
-    "k2_d3": (DiagDSampler, 2, 1, dict(k=2, d=3)),
-    "k1_above_no_actions_top_k": (DiagDSampler, 0, 1, dict(k=1, proxy="above", top_k=8)),
-    "k2_top_p_temperature": (DiagDSampler, 2, 1, dict(k=2, top_p=0.9, temperature=0.8)),
-    "k2_d2_top_k_top_p_2_prompt_frames": (DiagDSampler, 2, 2, dict(k=2, d=2, top_k=5, top_p=0.95)),
-    "k6_idle_passes": (DiagDSampler, 2, 1, dict(k=6)),
-    "ntp": (NTPSampler, 2, 1, {}),
-    "ntp_no_actions_top_k": (NTPSampler, 0, 1, dict(top_k=4)),
-    "k2_one_width": (DiagDSampler, 2, 1, dict(k=2, d=3, static_widths=1)),
+    "k2_d3": (ScheduleSampler, 2, 1, dict(k=2, d=3)),
+    "k1_above_no_actions_top_k": (ScheduleSampler, 0, 1, dict(k=1, proxy="above", top_k=8)),
+    "k2_top_p_temperature": (ScheduleSampler, 2, 1, dict(k=2, top_p=0.9, temperature=0.8)),
+    "k2_d2_top_k_top_p_2_prompt_frames": (ScheduleSampler, 2, 2, dict(k=2, d=2, top_k=5, top_p=0.95)),
+    "k6_idle_passes": (ScheduleSampler, 2, 1, dict(k=6)),
+    "ntp": (ScheduleSampler.ntp, 2, 1, {}),
+    "ntp_no_actions_top_k": (ScheduleSampler.ntp, 0, 1, dict(top_k=4)),
+    "k2_one_width": (ScheduleSampler, 2, 1, dict(k=2, d=3, static_widths=1)),
 }
 
 
@@ -58,7 +58,7 @@ def test_bucketed_shapes_fit_the_paper_geometry():
     """h=14, w=24, n_a=11, 16 frames: tens of buckets, not one shape padded to the widest pass and the whole cache."""
     layout = Layout(14, 24, 11)
     N = layout.n_slots(16)
-    expect = {"ntp": (NTPSampler(layout, 16), 30), "diagd k=2": (DiagDSampler(layout, 16, k=2), 46)}
+    expect = {"ntp": (ScheduleSampler.ntp(layout, 16), 30), "diagd k=2": (ScheduleSampler(layout, 16, k=2), 46)}
     for name, (s, n_buckets) in expect.items():
         st = s.static_plan(s.schedule(), "cpu")
         assert len(st.buckets) == n_buckets, name
@@ -101,17 +101,17 @@ def test_compile_auto_is_on_for_cuda_only(model):
         assert not s.compiles("cpu") and not s.is_static("cpu")  # eager on CPU
         assert s.compiles("cuda") and s.is_static(torch.device("cuda", 0))
         assert s.generate(model, clip_for(layout))[0].shape == (2, layout.n_slots(T))
-    assert DiagDSampler(layout, T, compile=True).compiles("cpu")
-    assert not DiagDSampler(layout, T, compile=False).compiles("cuda")
-    assert DiagDSampler(layout, T, static=True).is_static("cpu")
+    assert ScheduleSampler(layout, T, compile=True).compiles("cpu")
+    assert not ScheduleSampler(layout, T, compile=False).compiles("cuda")
+    assert ScheduleSampler(layout, T, static=True).is_static("cpu")
     with pytest.raises(ValueError, match="compile"):
-        DiagDSampler(layout, T, compile="sometimes")
+        ScheduleSampler(layout, T, compile="sometimes")
 
 
 def test_generate_reuses_a_fitting_cache(model):
     """setup_cache=True keeps a cache of the right shape (zeroed in place): compiled CUDA graphs read its buffers."""
     layout = Layout(3, 4, 2)
-    s = DiagDSampler(layout, T, k=2, temperature=0)
+    s = ScheduleSampler(layout, T, k=2, temperature=0)
     a, _ = s.generate(model, clip_for(layout))
     cache = model.layers[0].attention.cache
     for layer in model.layers:
@@ -134,8 +134,8 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     monkeypatch.setattr(sampler_mod, "COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
-    runs = [(DiagDSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (NTPSampler, {}, clip),
-            (DiagDSampler, dict(k=1, temperature=0), clip[:1])]
+    runs = [(ScheduleSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (ScheduleSampler.ntp, {}, clip),
+            (ScheduleSampler, dict(k=1, temperature=0), clip[:1])]
     for cls, kw, c in runs:
         before = counter.frame_count
         compiled = cls(layout, T, seed=2, compile=True, **kw)

@@ -1,12 +1,12 @@
-"""The DiagD / NTP schedule (mcar.schedule) against DIAGD.md sections 3-5, generalised to P prompt frames."""
+"""The DiagD / NTP schedule (mcar.core.schedule) against DIAGD.md sections 3-5, generalised to P prompt frames."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcar.layout import Layout
-from mcar.masks import causal_table
-from mcar.schedule import Schedule
+from mcar.core.layout import Layout
+from mcar.core.visibility import causal_table
+from mcar.core.schedule import Schedule
 
 MCAR = Layout(14, 24, 11)
 
@@ -157,3 +157,17 @@ def test_invalid_configs_name_the_field(kw, field):
 def test_negative_actions_rejected():
     with pytest.raises(ValueError, match="n_a"):
         Layout(3, 4, -1)
+
+
+def test_schedule_group_mirrors_the_python_defaults():
+    """conf/schedule/diagd.yaml and ScheduleConfig hold the same defaults (the one place each layer keeps them)."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from mcar.core.schedule import ScheduleConfig
+
+    assert OmegaConf.to_container(OmegaConf.load("conf/schedule/diagd.yaml")) == asdict(ScheduleConfig())
+    assert ScheduleConfig.of({"k": 4}, d=None) == ScheduleConfig(k=4)
+    with pytest.raises(ValueError, match=r"no field\(s\) \['kk'\]"):
+        ScheduleConfig.of({"kk": 4})

@@ -13,7 +13,7 @@ import torch
 from hydra.errors import HydraException
 from hypothesis import given, strategies as st
 
-from mcar.lit import warmup_cosine
+from mcar.train.module import warmup_cosine
 
 from .conftest import REPO, SMALL_DATA, compose, job_overrides, run_script, script_env
 
@@ -60,7 +60,7 @@ def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
                "val_dashboard.n_clips=0")
     run_script("finetune.py", "mask=diagd", "steps=20", *SMALL_DATA, *job_overrides(tmp_path, "ft"),
-               "logger=csv", "trainer.val_check_interval=10", "sampler.k=1")
+               "logger=csv", "trainer.val_check_interval=10", "schedule.k=1")
     rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
     val = [r for r in rows if r.get("val/loss")]
     assert len(val) == 2 and all(r["val/loss_diagd"] for r in val)
@@ -106,8 +106,8 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
 
 
-@pytest.mark.parametrize("override,field", [("sampler.k=0", "k=0"), ("mask=diagd mask.d=999", "d=999"),
-                                            ("mask=diagd mask.proxy=left", "proxy='left'"),
+@pytest.mark.parametrize("override,field", [("schedule.k=0", "k=0"), ("mask=diagd schedule.d=999", "d=999"),
+                                            ("mask=diagd schedule.proxy=left", "proxy='left'"),
                                             ("data.clip_frames=1", "clip_frames")])
 def test_bad_schedule_values_fail_before_training(tmp_path, override, field):
     p = run_script("train.py", *SMALL_DATA, *override.split(), *job_overrides(tmp_path), "logger=none",
@@ -190,7 +190,7 @@ def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
 
 
 def test_piped_training_shows_progress(tmp_path):
-    """Lightning's rich bar prints nothing into a pipe (nohup logs, mcar.table3 stages): tqdm lines must."""
+    """Lightning's rich bar prints nothing into a pipe (nohup logs, mcar.eval.table3 stages): tqdm lines must."""
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "train"), "trainer.max_steps=3",
                    "trainer.val_check_interval=3", "log_every_n_steps=1", "logger=none", "val_dashboard.n_clips=0")
     assert re.search(r"Epoch 0: .*3/\S+ \[", p.stdout + p.stderr), (p.stdout + p.stderr)[-2000:]

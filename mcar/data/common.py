@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mcar.layout import Layout
+from mcar.core.layout import Layout
 
 
 class ClipSource(Protocol):

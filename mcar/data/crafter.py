@@ -48,14 +48,14 @@ class CrafterDataModule(TokenDataModule):
 
     @property
     def tokens_dir(self) -> Path:
-        from mcar.vq import vq_id
+        from mcar.tokenizer.vq import vq_id
 
         return self.set_dir / f"tokens_{vq_id(self.resolved_vq_path()).replace('@', '_')}"
 
     def prepare_data(self) -> None:
         from mcar.data.crafter_gen import generate
         from mcar.data.tokenize import tokenize_dir
-        from mcar.vq import load_vq, vq_id
+        from mcar.tokenizer.vq import load_vq, vq_id
 
         t0 = time.time()
         generate(self.episodes_dir, self.n_episodes, self.frames_per_episode, self.gen_seed,
@@ -82,7 +82,7 @@ def train_vq(root: Path, overrides: list[str]) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from mcar.vq_train import train
+    from mcar.train.vq import train
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     base = OmegaConf.load(conf / "vq_train.yaml")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from mcar.actions import CRAFTER_ACTIONS
+from mcar.tokenizer.actions import CRAFTER_ACTIONS
 from mcar.data.video import FRAME_H, FRAME_W, write_mp4
 
 ACTIONS = CRAFTER_ACTIONS  # crafter's own order: the action id is the token

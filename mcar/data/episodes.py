@@ -12,7 +12,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from mcar.actions import CRAFTER_ACTIONS, action_space
+from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
 from mcar.data.video import FRAME_H, FRAME_W
 from mcar.data.vpt import parse_vpt
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mcar.data.common import ClipDataModule
-from mcar.layout import Layout
+from mcar.core.layout import Layout
 
 SHIFTS = [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0)]  # (rows, cols) per action id
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mcar.actions import action_space
+from mcar.tokenizer.actions import action_space
 from mcar.data.episodes import EpisodeError, FrameStream, list_episodes, read_episode_actions
 
 
@@ -39,7 +39,7 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
                      drop_gui: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """-> (frame tokens (T, h, w) uint16, action ids (T, n_a) uint16, notes). Raises EpisodeError if unusable."""
-    from mcar.vq import encode_tokens
+    from mcar.tokenizer.vq import encode_tokens
 
     ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui)
     if len(ids) == 0:
@@ -153,7 +153,7 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
     ap.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     a = ap.parse_args(argv)
-    from mcar.vq import load_vq, vq_id
+    from mcar.tokenizer.vq import load_vq, vq_id
 
     vq = load_vq(a.vq)
     tokenize_dir(a.episodes, a.out, a.source, vq, vq_id(a.vq), a.batch, a.min_frames, not a.keep_null,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from mcar.data.common import ClipDataModule
-from mcar.layout import Layout
+from mcar.core.layout import Layout
 
 
 def read_index(folder: str | Path) -> dict:

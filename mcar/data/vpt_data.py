@@ -21,14 +21,14 @@ class VPTDataModule(TokenDataModule):
 
     @property
     def tokens_dir(self) -> Path:
-        from mcar.vq import vq_id
+        from mcar.tokenizer.vq import vq_id
 
         filters = ("" if self.drop_null else "_keepnull") + ("" if self.drop_gui else "_keepgui")
         return self.tokens_root / f"tokens_{vq_id(self.vq_path).replace('@', '_')}{filters}"
 
     def prepare_data(self) -> None:
         from mcar.data.tokenize import tokenize_dir
-        from mcar.vq import load_vq, vq_id
+        from mcar.tokenizer.vq import load_vq, vq_id
 
         if self.vq_path is None:
             print("warning: data=vpt with the small Crafter VQ; set vq.path to a VQ trained on Minecraft")

@@ -9,11 +9,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from mcar.flops import peak_flops, train_flops_per_token
-from mcar.layout import Layout
-from mcar.masks import IGNORE, build_mask_factory
-from mcar.model import ModelConfig, Transformer
-from mcar.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
+from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.layout import Layout
+from mcar.core.masks import IGNORE, build_mask_factory
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.schedule import ScheduleConfig
+from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 log = logging.getLogger("mcar")
 
@@ -28,13 +29,6 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def diagd_settings(sampler: dict, mask: dict) -> dict:
-    """k, d, proxy, full of the DiagD schedule validation scores: the sampler's, else the mask's, else k=2."""
-    src = sampler if sampler.get("name") == "diagd" else mask if str(mask.get("name")).startswith("diagd") else {}
-    return {"k": src.get("k", 2), "d": src.get("d"), "proxy": src.get("proxy", "prev_frame"),
-            "full": bool(src.get("full", mask.get("name") == "diagd_full" if src is mask else False))}
-
-
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
@@ -42,22 +36,32 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
-                 action_loss: bool = False, compile: bool = False, peak_flops: float | None = None,
-                 model_name: str = "custom", sampler: dict | None = None, activation_checkpointing: bool = False):
+                 schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
+                 peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
+                 sampler: dict | None = None):
+        """schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
+        `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused)."""
         super().__init__()
         self.save_hyperparameters()
         self.model = Transformer(ModelConfig(**arch))
         self.layout = Layout(**layout)
         mask = dict(mask)
-        self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames,
+        if schedule is None:
+            fields = ("k", "d", "proxy", "prompt_frames", "full")
+            old = next((c for c in (sampler or {}, mask) if str(c.get("name", "")).startswith("diagd")), {})
+            schedule = {k: old[k] for k in fields if k in old} | ({"full": True} if old.get("name") == "diagd_full"
+                                                                   else {})
+            mask = {k: v for k, v in mask.items() if k not in fields}
+        self.schedule = ScheduleConfig.of(schedule)  # the run's one schedule: training mask, validation, sampling
+        self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames, schedule=self.schedule,
                                                action_loss=action_loss, **mask)
         backend = mask.get("backend", "auto")
         self.val_mask_factory = build_mask_factory("causal", self.layout, clip_frames, action_loss=action_loss,
                                                    backend=backend)
-        # by the parity property this one-pass loss equals the teacher-forced DiagD sampler's loss
-        diag = diagd_settings(sampler or {}, self.hparams.mask)
-        self.val_diagd_factory = build_mask_factory("diagd_full" if diag.pop("full") else "diagd", self.layout,
-                                                    clip_frames, action_loss=action_loss, backend=backend, **diag)
+        # by the parity property this one-pass loss equals the teacher-forced DiagD sampler's loss on the same
+        # schedule: generated image tokens only (frames >= prompt_frames), no action loss
+        self.val_diagd_factory = build_mask_factory("diagd", self.layout, clip_frames, schedule=self.schedule,
+                                                    backend=backend, generated_only=True)
         self._t_last: float | None = None
 
     def configure_model(self) -> None:

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mcar.layout import Layout
-from mcar.masks import check_clip
-from mcar.schedule import PassPlan, Schedule
+from mcar.core.layout import Layout, check_clip
+from mcar.core.schedule import PassPlan, Schedule, ScheduleConfig
 
 MAX_PREFIX_CLASSES = 16  # static path: cache-prefix classes, one per generated frame up to this many
 
@@ -254,14 +253,16 @@ class TeacherForced:
     logits: torch.Tensor | None  # (B, n_gen, V) float32, when asked for
 
 
-class DiagDSampler:
-    name = "diagd"
+class ScheduleSampler:
+    """Generates on a schedule: DiagD (`schedule`, a ScheduleConfig or its fields as keywords) or NTP
+    (`ScheduleSampler.ntp`: the raster schedule k = w, d = h*w, one image token per pass). prompt_frames, when
+    given, overrides the schedule's."""
 
-    def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, k: int = 2, d: int | None = None,
-                 proxy: str = "prev_frame", full: bool = False, temperature: float = 1.0,
+    def __init__(self, layout: Layout, frames: int, prompt_frames: int | None = None, *,
+                 schedule: ScheduleConfig | dict | None = None, name: str = "diagd", temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  static: bool = False, compile: bool | str = False, static_widths: int = 3,
-                 codebook_size: int | None = None):
+                 codebook_size: int | None = None, **schedule_fields):
         if temperature < 0:
             raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
         if top_k is not None and top_k < 1:
@@ -274,19 +275,30 @@ class DiagDSampler:
             raise ValueError(f"compile={compile!r} is invalid: choose true, false or auto (on for CUDA)")
         if static_widths < 1:
             raise ValueError(f"static_widths={static_widths} is invalid: it must be >= 1")
-        self.layout, self.frames, self.full = layout, frames, full
+        self.config = ScheduleConfig.of(schedule, prompt_frames=prompt_frames, **schedule_fields)
+        self.name, self.layout, self.frames, self.full = name, layout, frames, self.config.full
         # image slots may only take image codes: ids >= codebook_size are action tokens (an undertrained model
         # would otherwise write action ids into frames); None samples from the whole vocabulary
         self.codebook_size = codebook_size
-        self.schedule_args = dict(k=k, d=d, proxy=proxy)
-        self.prompt_frames = prompt_frames
+        self.prompt_frames = self.config.prompt_frames
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.static, self.static_widths = static, static_widths
         self.compile = compile if compile == "auto" else bool(compile)
         self._schedules: dict[int, Schedule] = {}
         self._static: dict = {}  # (prompt_frames, device) -> StaticPlan
         self._compiled: dict = {}  # plain step function -> its torch.compile wrapper
-        self.schedule(prompt_frames)  # validate now, at config time
+        sched = self.schedule(self.prompt_frames)  # validate now, at config time
+        if self.full:
+            sched.check_full()
+
+    @classmethod
+    def ntp(cls, layout: Layout, frames: int, prompt_frames: int | None = None, *,
+            schedule: ScheduleConfig | dict | None = None, **kw) -> "ScheduleSampler":
+        """Next-token prediction: the raster schedule (k = w, d = h*w, no proxies), prompt frames from
+        `schedule` unless given."""
+        P = ScheduleConfig.of(schedule, prompt_frames=prompt_frames).prompt_frames
+        return cls(layout, frames, P, name="ntp", k=layout.w, d=layout.h * layout.w, proxy="prev_frame",
+                   full=False, **kw)
 
     def compiles(self, device) -> bool:
         """Whether generate() on `device` runs the compiled (CUDA graph) step: compile=auto means on CUDA."""
@@ -299,7 +311,7 @@ class DiagDSampler:
     def schedule(self, prompt_frames: int | None = None) -> Schedule:
         P = self.prompt_frames if prompt_frames is None else prompt_frames
         if P not in self._schedules:
-            self._schedules[P] = Schedule(self.layout, self.frames, P, **self.schedule_args)
+            self._schedules[P] = Schedule.of(self.layout, self.frames, self.config, P)
         return self._schedules[P]
 
     @torch.no_grad()
@@ -403,36 +415,29 @@ class DiagDSampler:
         model.reset_cache()  # one memset per sequence: unwritten slots hold 0, whatever ran before
 
 
-class NTPSampler(DiagDSampler):
-    """Next-token prediction: the raster schedule (k = w, d = h*w), one image token per pass."""
-
-    name = "ntp"
-
-    def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 static: bool = False, compile: bool | str = False, static_widths: int = 3,
-                 codebook_size: int | None = None):
-        super().__init__(layout, frames, prompt_frames, k=layout.w, d=layout.h * layout.w,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, static=static,
-                         compile=compile, static_widths=static_widths, codebook_size=codebook_size)
-
-
-def diagd_val_loss(model, sampler: DiagDSampler, clip: torch.Tensor, prompt_frames: int | None = None):
+def diagd_val_loss(model, sampler: ScheduleSampler, clip: torch.Tensor, prompt_frames: int | None = None):
     """Teacher-forced DiagD validation loss: mean cross-entropy over the generated image tokens."""
     return sampler.teacher_forced(model, clip, prompt_frames, keep_logits=False).nll.mean()
 
 
-SAMPLERS = {"ntp": NTPSampler, "diagd": DiagDSampler}
+SAMPLERS = ("ntp", "diagd")
 
 
-def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = None) -> DiagDSampler:
-    """sampler=<name> from the config (a dict or DictConfig) -> a sampler for clips of `frames` frames.
-    codebook_size (the data's): image slots sample image codes only. compile: auto is resolved per device at
-    generate time (`DiagDSampler.compiles`)."""
+def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = None,
+                  schedule: ScheduleConfig | dict | None = None) -> ScheduleSampler:
+    """sampler=<name> (a dict or DictConfig of the sampler group) on the run's `schedule` (the schedule group)
+    -> a sampler for clips of `frames` frames. codebook_size (the data's): image slots sample image codes only.
+    compile: auto is resolved per device at generate time (`ScheduleSampler.compiles`)."""
     kw = dict(cfg)
     if codebook_size is not None:
         kw.setdefault("codebook_size", codebook_size)
     name = kw.pop("name", None)
     if name not in SAMPLERS:
         raise ValueError(f"sampler.name={name!r} is unknown; choose one of {sorted(SAMPLERS)}")
-    return SAMPLERS[name](layout, frames, **kw)
+    moved = sorted(set(kw) & {"k", "d", "proxy", "full", "prompt_frames"})
+    if moved:
+        raise ValueError(f"sampler.{moved[0]} is a schedule setting: set schedule.{moved[0]} (conf/schedule/), which "
+                         f"the training mask, validation and every sampler share")
+    if name == "ntp":
+        return ScheduleSampler.ntp(layout, frames, schedule=schedule, **kw)
+    return ScheduleSampler(layout, frames, schedule=schedule, **kw)

@@ -19,10 +19,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.dashboard import ValDashboard
-from mcar.layout import Layout
-from mcar.lit import MCARModule
-from mcar.sampler import build_sampler
+from mcar.train.dashboard import ValDashboard
+from mcar.core.layout import Layout
+from mcar.train.module import MCARModule
+from mcar.core.sampler import build_sampler
 
 log = logging.getLogger("mcar")
 
@@ -154,13 +154,13 @@ def build_module(cfg: DictConfig) -> MCARModule:
         layout={"h": d.h, "w": d.w, "n_a": d.n_a},
         clip_frames=d.clip_frames,
         mask=to_dict(cfg.mask),
+        schedule=to_dict(cfg.schedule),
         optim=to_dict(cfg.optim),
         max_steps=cfg.trainer.max_steps,
         action_loss=cfg.action_loss,
         compile=cfg.compile,
         peak_flops=cfg.get("peak_flops"),
         model_name=cfg.model.name,
-        sampler=to_dict(cfg.get("sampler")),
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
     )
 
@@ -177,7 +177,7 @@ def build_trainer(cfg: DictConfig, output_dir: str, extra_callbacks: list[Callba
             save_top_k=-1,
             save_last=True,
         ))
-    if cfg.get("val_dashboard") and cfg.val_dashboard.n_clips > 0:  # videos, masks, speed rows (mcar/dashboard.py)
+    if cfg.get("val_dashboard") and cfg.val_dashboard.n_clips > 0:  # videos, masks, speed rows (mcar/train/dashboard.py)
         callbacks.append(ValDashboard(to_dict(cfg.sampler), output_dir, cfg.data.name, cfg.data.codebook_size,
                                       OmegaConf.select(cfg, "vq.path", default=None), **to_dict(cfg.val_dashboard)))
     if cfg.get("record_seen_clips"):
@@ -201,7 +201,8 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     ckpt_path = resolve_ckpt_path(cfg)
 
     layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
-    build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames)  # bad sampler values fail now, not later
+    # bad sampler or schedule values fail now, not at the first validation
+    build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames, schedule=to_dict(cfg.schedule))
     datamodule = hydra.utils.instantiate(cfg.data, _recursive_=False)
     with torch.device("cpu"):
         module = build_module(cfg)

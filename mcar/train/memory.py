@@ -26,8 +26,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from mcar.model import ModelConfig, Transformer
-from mcar.parallel import apply_activation_checkpointing
+from mcar.core.model import ModelConfig, Transformer
+from mcar.train.parallel import apply_activation_checkpointing
 
 GiB = 2**30
 

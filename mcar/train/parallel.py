@@ -1,5 +1,5 @@
 """How a model is trained at scale, applied from outside (torchtitan's `parallelize`): activation checkpointing,
-per-block torch.compile and FSDP2 sharding, each per transformer Block. None of this edits `mcar.model`: blocks
+per-block torch.compile and FSDP2 sharding, each per transformer Block. None of this edits `mcar.core.model`: blocks
 are wrapped or sharded in place in `model.layers`, and state_dict keys stay those of the plain model.
 
 Order matters (as in torchtitan): checkpoint wrapper, then compile, then fully_shard, so that each FSDP unit is

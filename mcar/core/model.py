@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from mcar.rope import RoPE3D, apply_rope
+from mcar.core.rope import RoPE3D, apply_rope
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from diffusers import VQModel
 from diffusers.models.autoencoders.vae import VectorQuantizer
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"  # mcar/assets
 SMALL_WEIGHTS = ASSETS / "vq_crafter_small"  # the committed small Crafter VQ (a diffusers folder)
 
 

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from mcar.lit import diagd_settings
-from mcar.parallel import is_sharded
-from mcar.sampler import build_sampler
-from mcar.viz import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
+from mcar.train.parallel import is_sharded
+from mcar.core.sampler import build_sampler
+from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
                       split_clip, to_u8, write_gif, write_mp4, write_png)
 
 log = logging.getLogger("mcar")
@@ -58,22 +57,21 @@ class ValDashboard(Callback):
 
     # ---- setup --------------------------------------------------------------------------------------------
     def samplers(self, pl_module, frames: int) -> dict:
-        """NTP and DiagD (the configured DiagD settings, else the mask's, else k=2), built once."""
+        """NTP and DiagD on the run's schedule (the training mask's), built once."""
         if self._samplers is None:
-            diag = diagd_settings(self.sampler_cfg, dict(pl_module.hparams.mask))
+            sched = pl_module.schedule
             common = {k: self.sampler_cfg[k] for k in ("temperature", "top_k", "top_p", "seed")
                       if k in self.sampler_cfg}
             lay = pl_module.layout
             cb = self.codebook_size
-            self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames, cb),
-                              f"diagd k={diag['k']}": build_sampler({"name": "diagd", **common, **diag}, lay, frames,
-                                                                    cb)}
+            self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames, cb, sched),
+                              f"diagd k={sched.k}": build_sampler({"name": "diagd", **common}, lay, frames, cb, sched)}
         return self._samplers
 
     def vq(self):
         """The VQ that decodes the data's tokens, loaded once; False when it cannot (no videos then)."""
         if self._vq is None:
-            from mcar.vq import load_vq
+            from mcar.tokenizer.vq import load_vq
 
             try:
                 self._vq = load_vq(self.vq_path)
@@ -89,7 +87,7 @@ class ValDashboard(Callback):
         if not trainer.is_global_zero:
             return
         frames = pl_module.hparams.clip_frames
-        sampler = build_sampler(self.sampler_cfg, pl_module.layout, frames)
+        sampler = build_sampler(self.sampler_cfg, pl_module.layout, frames, schedule=pl_module.schedule)
         images = {"masks/train": write_png(mask_image(pl_module.mask_factory.table()),
                                            self.out / "mask_train.png"),
                   f"masks/sampler_{sampler.name}": write_png(mask_image(schedule_table(sampler)),

@@ -58,3 +58,11 @@ class Layout:
     def is_image(self, frames: int) -> torch.Tensor:
         """(frames*frame_len,) bool: True at image-token slots."""
         return (torch.arange(self.frame_len) < self.frame_tokens).repeat(frames)
+
+
+def check_clip(clip, layout: Layout, frames: int) -> None:
+    """A (B, N) batch of clips of `frames` frames in `layout`, or a ValueError saying what shape was expected."""
+    n = layout.n_slots(frames)
+    if clip.dim() != 2 or clip.shape[1] != n:
+        raise ValueError(f"clip has shape {tuple(clip.shape)}, the layout wants (B, {frames} frames x "
+                         f"{layout.frame_len} = {n})")

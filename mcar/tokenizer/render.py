@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from mcar.layout import Layout
+from mcar.core.layout import Layout
 
 
 # ------------------------------------------------------------------------------------------------ tokens -> pixels
@@ -30,7 +30,7 @@ def invalid_image_tokens(clips: torch.Tensor, layout: Layout, codebook_size: int
 @torch.no_grad()
 def decode_frames(vq, ids: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
     """(B, T, h, w) token ids -> (B, T, 3, H, W) float frames in [0, 1], decoded by the VQ."""
-    from mcar.vq import decode_tokens
+    from mcar.tokenizer.vq import decode_tokens
 
     n_codes = vq.quantize.n_e if hasattr(vq.quantize, "n_e") else vq.config.num_vq_embeddings
     if int(ids.max()) >= n_codes:
@@ -49,7 +49,7 @@ def to_u8(frames: torch.Tensor) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ action text
 def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
     """(T, n_a) local action ids -> one short label per frame."""
-    from mcar.actions import action_space
+    from mcar.tokenizer.actions import action_space
 
     out = []
     for ids in actions.tolist():

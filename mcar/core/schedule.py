@@ -21,14 +21,43 @@ recomputes any of this.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from mcar.layout import Layout
-from mcar.masks import SlotTable
+from mcar.core.layout import Layout
+from mcar.core.visibility import SlotTable
 
-PROXIES = ("prev_frame", "above")
+# row-start proxy content for target c[t,i,0]: prev_frame c[t-1,i,0] (the paper's section 3.2); above c[t,i-1,0]
+# (appendix D.1; a frame start takes c[t-1,0,0]); prompt: the prompt frame's token at the predecessor's slot,
+# c[0,i-1,w-1] (the public MineWorld code's, for comparison with it)
+PROXIES = ("prev_frame", "above", "prompt")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The DiagD schedule one run uses everywhere: the training mask, validation, the dashboard and the samplers
+    read it (conf/schedule/diagd.yaml holds these defaults; tests/test_schedule.py checks they agree).
+
+    full: the diagd_full visibility (a query also sees later-position tokens fed in earlier passes); a model
+    fine-tuned with it must be sampled with it."""
+
+    k: int = 2  # how far the previous row must be ahead, >= 1
+    d: int | None = None  # temporal delay in [1, s_spa]; None = s_spa (spatial-only)
+    proxy: str = "prev_frame"  # one of PROXIES
+    prompt_frames: int = 1  # P >= 1: frames P..T-1 are generated
+    full: bool = False
+
+    @classmethod
+    def of(cls, cfg=None, **overrides) -> "ScheduleConfig":
+        """From None, a ScheduleConfig, or a mapping (a `schedule` config group), plus keyword overrides."""
+        base = cfg if isinstance(cfg, cls) else cls()
+        given = {} if cfg is None or isinstance(cfg, cls) else dict(cfg)
+        given |= {k: v for k, v in overrides.items() if v is not None or k == "d"}
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"schedule has no field(s) {unknown}: its fields are k, d, proxy, prompt_frames, full")
+        return replace(base, **given)
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -52,8 +81,8 @@ class PassPlan:
 
 
 class Schedule:
-    def __init__(self, layout: Layout, frames: int, prompt_frames: int = 1, k: int = 2, d: int | None = None,
-                 proxy: str = "prev_frame"):
+    def __init__(self, layout: Layout, frames: int, prompt_frames: int = ScheduleConfig.prompt_frames,
+                 k: int = ScheduleConfig.k, d: int | None = ScheduleConfig.d, proxy: str = ScheduleConfig.proxy):
         h, w = layout.h, layout.w
         _check(frames >= 2, f"frames={frames} is invalid: a clip needs >= 2 frames (a prompt and a target)")
         _check(prompt_frames >= 1, f"prompt_frames={prompt_frames} is invalid: it must be >= 1")
@@ -73,6 +102,12 @@ class Schedule:
         self._proxies()
         self._sequence()
         self._plans: dict = {}
+
+    @classmethod
+    def of(cls, layout: Layout, frames: int, cfg: ScheduleConfig, prompt_frames: int | None = None) -> "Schedule":
+        """The schedule of `cfg` (prompt_frames overrides cfg.prompt_frames); full is the table's, see table()."""
+        return cls(layout, frames, cfg.prompt_frames if prompt_frames is None else prompt_frames, cfg.k, cfg.d,
+                   cfg.proxy)
 
     @classmethod
     def ntp(cls, layout: Layout, frames: int, prompt_frames: int = 1) -> "Schedule":
@@ -100,6 +135,8 @@ class Schedule:
         row = (target % L) // w
         if self.proxy == "above":  # c[t,i-1,0]; a frame start (i = 0) has no row above: c[t-1,0,0]
             source = torch.where(row >= 1, target - w, target - L)
+        elif self.proxy == "prompt":  # the predecessor's slot in frame 0 (a prompt frame: always there)
+            source = (target - 1) % L
         else:  # prev_frame: c[t-1,i,0]
             source = target - L
         self.proxy_target, self.proxy_source, self.proxy_pred = target, source, target - 1
@@ -131,6 +168,13 @@ class Schedule:
         self.predictor_row[self.seq_target[has]] = rows[has]
         # pass in which each generated token is sampled: its predictor's feed pass (< G only when k > w)
         self.out_pass = self.seq_feed_pass[self.predictor_row[self.gen_slots]]  # (n_gen,)
+
+    def check_full(self) -> None:
+        """The diagd_full visibility is only offered spatial-only (d = s_spa): with overlapping frames it lets a
+        token of frame t see a[t] (the action after frame t; the last frame sees a[T-1]), and with action_loss the
+        last image token see its own action target."""
+        _check(self.d == self.s_spa, f"schedule.full=true needs d = s_spa = {self.s_spa} (null), got d={self.d}: "
+                                     f"with overlapping frames full visibility shows frame t the action a[t]")
 
     def table(self, full: bool = False, device=None) -> SlotTable:
         """The sequence's visibility table (DIAGD.md section 5); `full` = the diagd_full variant."""

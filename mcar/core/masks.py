@@ -1,0 +1,172 @@
+"""Mask factories: a batch of clips -> model inputs, RoPE coordinates, loss targets and the attention mask.
+
+`causal` (pre-training) is the plain causal mask over the flat clip. `diagd` (fine-tuning, ../shared/DIAGD.md
+section 5) feeds the schedule's input sequence (every slot, plus one proxy row per proxied target) under the
+visibility rule of `mcar.core.visibility`, so that one parallel pass computes, for every generated token, exactly
+the logits the DiagD sampler computes for it (the parity property, tests/test_parity.py). `diagd_full` is
+`diagd` with `schedule.full`. Everything DiagD comes from `mcar.core.schedule.Schedule`.
+
+`proxy_slots=False` is the paper's plain variant: the input is the plain clip (no extra rows), each slot p is fed
+in the schedule's pass F(p), the mask is the same visibility rule over those F, and the targets are plain
+next-token targets, so a row start is predicted by its real predecessor c[t,i-1,w-1] (which DiagD sampling
+replaces by a proxy): not parity-exact with the sampler when k < w, for comparison only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from mcar.core.layout import Layout, check_clip
+from mcar.core.schedule import Schedule, ScheduleConfig
+from mcar.core.visibility import SlotTable, causal_table
+
+IGNORE = -100  # loss target of slots that carry no loss (F.cross_entropy's ignore_index)
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+@dataclass
+class MaskedBatch:
+    tokens: torch.Tensor  # (B, S) long model inputs
+    coords: torch.Tensor  # (S, 3) long RoPE coordinates
+    targets: torch.Tensor  # (B, S) long, IGNORE where no loss
+    mask: torch.Tensor | BlockMask | None  # dense (S, S) bool, BlockMask, or None: plain causal (SDPA is_causal)
+
+
+class MaskFactory(Protocol):
+    """What training, validation and the tests use of a mask factory."""
+
+    name: str
+    layout: Layout
+    frames: int
+
+    def table(self, device=None) -> SlotTable:
+        """The visibility table of the input sequence (S rows)."""
+
+    def __call__(self, clip: torch.Tensor) -> MaskedBatch:
+        """clip (B, N) long, N = frames * frame_len -> the model's inputs, coordinates, targets and mask."""
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"mask.backend must be one of {'|'.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+def next_token_targets(clip: torch.Tensor, layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:
+    """(B, N) clip -> (B, N) targets: slot p predicts clip[p+1]; only image tokens (and actions if asked)."""
+    targets = torch.full_like(clip, IGNORE)
+    targets[:, :-1] = clip[:, 1:]
+    keep = layout.is_image(frames).to(clip.device)
+    if action_loss:
+        keep = torch.ones_like(keep)
+    keep = torch.cat([keep[1:], keep.new_zeros(1)])  # the target slot is p+1
+    return torch.where(keep, targets, torch.full_like(targets, IGNORE))
+
+
+class _DeviceMasks:
+    """The mask of one table per device, built once (a BlockMask on flex, a dense bool tensor on SDPA)."""
+
+    def __init__(self, table, backend: str, plain_causal: bool):
+        resolve_backend(backend, torch.device("cpu"))  # fail at config time on a bad backend
+        self.table, self.backend, self.plain_causal = table, backend, plain_causal
+        self._masks: dict[str, torch.Tensor | BlockMask | None] = {}
+
+    def __call__(self, device: torch.device):
+        key = str(device)
+        if key not in self._masks:
+            if resolve_backend(self.backend, device) == "flex":
+                self._masks[key] = self.table(device).block_mask()
+            else:  # the plain causal table needs no dense mask: SDPA's is_causal takes its fast CPU kernel
+                self._masks[key] = None if self.plain_causal else self.table(device).dense()
+        return self._masks[key]
+
+
+class CausalMask:
+    """Pre-training: the plain causal mask over the flat clip."""
+
+    name = "causal"
+
+    def __init__(self, layout: Layout, frames: int, action_loss: bool = False, backend: str = "auto"):
+        self.layout, self.frames, self.action_loss = layout, frames, action_loss
+        self.coords = layout.coords(frames)
+        self._mask = _DeviceMasks(self.table, backend, plain_causal=True)
+
+    def table(self, device=None) -> SlotTable:
+        return causal_table(self.layout.n_slots(self.frames), device)
+
+    def __call__(self, clip: torch.Tensor) -> MaskedBatch:
+        check_clip(clip, self.layout, self.frames)
+        return MaskedBatch(tokens=clip, coords=self.coords.to(clip.device),
+                           targets=next_token_targets(clip, self.layout, self.frames, self.action_loss),
+                           mask=self._mask(clip.device))
+
+
+class DiagDMask:
+    """DiagD fine-tuning on `schedule` (a ScheduleConfig, or its fields as keywords)."""
+
+    def __init__(self, layout: Layout, frames: int, schedule: ScheduleConfig | dict | None = None,
+                 proxy_slots: bool = True, action_loss: bool = False, backend: str = "auto",
+                 generated_only: bool = False, **schedule_fields):
+        """generated_only: a loss only on the image tokens the sampler generates (frames >= prompt_frames), so the
+        mean loss is the teacher-forced sampler's (validation); else on every image token (and action)."""
+        self.layout, self.frames, self.action_loss, self.proxy_slots = layout, frames, action_loss, proxy_slots
+        self.generated_only = generated_only
+        if generated_only and action_loss:
+            raise ValueError("generated_only=true scores generated image tokens only: it excludes action_loss=true")
+        self.config = cfg = ScheduleConfig.of(schedule, **schedule_fields)
+        self.full = cfg.full
+        self.name = "diagd_full" if cfg.full else "diagd"
+        self.schedule = s = Schedule.of(layout, frames, cfg)
+        if cfg.full:
+            s.check_full()
+            # plain rows + full visibility: a row start's predictor c[t,i-1,w-1] is fed after c[t,i,0] and sees
+            # it (its own target) whenever the next row runs ahead of it, i.e. k <= w - 2
+            if not proxy_slots and cfg.k <= layout.w - 2:
+                raise ValueError(f"mask.proxy_slots=false with schedule.full=true and k={cfg.k} <= w-2={layout.w - 2}"
+                                 f" shows each row start's predictor its own target: use proxy_slots=true")
+        if proxy_slots:
+            self.src, self.coords, self.target_slot = s.seq_src, s.seq_coords, s.seq_target  # (S,), (S,3), (S,)
+        else:
+            slot = torch.arange(s.n_slots)
+            self.src, self.coords = slot, s.coords
+            self.target_slot = torch.where(slot + 1 < s.n_slots, slot + 1, -1)
+        # (N,) which input row predicts each layout slot; -1 where none does
+        self.predictor_row = s.predictor_row if proxy_slots else torch.arange(s.n_slots) - 1
+        self._mask = _DeviceMasks(self.table, backend, plain_causal=False)
+
+    def table(self, device=None) -> SlotTable:
+        s = self.schedule
+        if self.proxy_slots:
+            return s.table(self.full, device)
+        return SlotTable(s.feed_pass.to(device), torch.arange(s.n_slots, device=device),
+                         torch.zeros(s.n_slots, dtype=torch.bool, device=device), self.full)
+
+    def __call__(self, clip: torch.Tensor) -> MaskedBatch:
+        """clip (B, N) long -> inputs (B, S), coords (S, 3), targets (B, S), mask over the S input rows."""
+        check_clip(clip, self.layout, self.frames)
+        dev = clip.device
+        target = self.target_slot.to(dev)  # (S,)
+        keep = target >= 0
+        if self.generated_only:
+            keep &= self.schedule.generated.to(dev)[target.clamp(min=0)]
+        elif not self.action_loss:
+            keep &= self.layout.is_image(self.frames).to(dev)[target.clamp(min=0)]
+        targets = torch.where(keep, clip[:, target.clamp(min=0)], IGNORE)  # (B, S)
+        return MaskedBatch(tokens=clip[:, self.src.to(dev)], coords=self.coords.to(dev), targets=targets,
+                           mask=self._mask(dev))
+
+
+def build_mask_factory(name: str, layout: Layout, frames: int, schedule: ScheduleConfig | dict | None = None,
+                       **kwargs) -> MaskFactory:
+    """mask=<name> from the config (+ the run's schedule for DiagD) -> a mask factory. `diagd_full` is `diagd`
+    with schedule.full=true."""
+    if name == "causal":
+        return CausalMask(layout, frames, **kwargs)
+    if name in ("diagd", "diagd_full"):
+        return DiagDMask(layout, frames, schedule, **kwargs, **({"full": True} if name == "diagd_full" else {}))
+    raise ValueError(f"mask.name={name!r} is unknown; choose one of causal, diagd, diagd_full")

@@ -1,0 +1,1 @@
+"""Training: the Lightning module, the Hydra task, parallelism, memory planning, the dashboard, VQ training."""
