@@ -44,7 +44,7 @@ def masked_logits(model, factory, clip):
 @pytest.mark.parametrize("n_a", [0, 2])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("d", [None, 3])  # spatial-only (s_spa) and overlapping
-@pytest.mark.parametrize("proxy", ["prev_frame", "above"])
+@pytest.mark.parametrize("proxy", ["prev_frame", "above", "prompt"])
 @pytest.mark.parametrize("full", [False, True])
 def test_diagd_parity(model, n_a, k, d, proxy, full):
     layout, frames = Layout(3, 4, n_a), 3  # frames 1 and 2 overlap when d < s_spa

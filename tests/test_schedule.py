@@ -88,7 +88,7 @@ def assert_causal(s: Schedule):
     assert not (vis & (F[None, :] > F[:, None])).any()
 
 
-@pytest.mark.parametrize("proxy", ["prev_frame", "above"])
+@pytest.mark.parametrize("proxy", ["prev_frame", "above", "prompt"])
 def test_causality_check_catches_an_off_by_one_feed_pass(proxy):
     s = Schedule(Layout(3, 4, 2), 3, 1, k=2, proxy=proxy)
     assert_causal(s)
@@ -171,3 +171,16 @@ def test_schedule_group_mirrors_the_python_defaults():
     assert ScheduleConfig.of({"k": 4}, d=None) == ScheduleConfig(k=4)
     with pytest.raises(ValueError, match=r"no field\(s\) \['kk'\]"):
         ScheduleConfig.of({"kk": 4})
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_prompt_proxy_reads_the_first_prompt_frame_at_the_predecessor_slot(P):
+    """proxy=prompt (the public MineWorld code's): the proxy of c[t,i,0] carries c[0,i-1,w-1]; written out per
+    target from the layout formulas, not from the schedule's own arithmetic."""
+    h, w, n_a, T = 3, 4, 2, 4
+    lay = Layout(h, w, n_a)
+    L = h * w + n_a
+    s = Schedule(lay, T, P, k=2, proxy="prompt")
+    expect = {t * L + i * w: 0 * L + (i - 1) * w + (w - 1) for t in range(P, T) for i in range(1, h)}
+    got = dict(zip(s.proxy_target.tolist(), s.proxy_source.tolist()))
+    assert got == expect
