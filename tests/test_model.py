@@ -19,11 +19,34 @@ def tiny(vocab=40, **kw):
 def test_coords_follow_layout_and_are_never_zero():
     lay = Layout(h=3, w=4, n_a=2)
     c = lay.coords(frames=2)
-    assert c.shape == (2 * 14, 3)
-    assert (c > 0).all(), "a zero coordinate means an identity rotation on that axis"
-    assert c[lay.pos(1, 2, 3)].tolist() == [2, 3, 4]
-    assert c[lay.action_pos(0, 1)].tolist() == [1, 4, 2]  # actions on virtual row h (1-based h+1)
+    assert c.shape == (2 * 14, 4)
+    assert (c[:, :3] > 0).all(), "a zero coordinate means an identity rotation on that axis"
+    assert c[lay.pos(1, 2, 3)].tolist() == [2, 3, 4, lay.pos(1, 2, 3)]
+    assert c[lay.action_pos(0, 1)].tolist() == [1, 4, 2, 13]  # actions on virtual row h (1-based h+1)
+    assert c[:, 3].tolist() == list(range(28))  # 1D RoPE's position: the flat slot index
     assert lay.is_image(2).sum() == 24
+
+
+def test_rope_1d_is_llamas():
+    """model.rope=1d equals LLaMA's RoPE (transformers' rotate_half convention, inv_freq = base^(-2i/D)) over the
+    flat position, written out independently here; 3D RoPE ignores the position column."""
+    from mcar.core.rope import RoPE1D
+
+    D, base, lay = 16, 500.0, Layout(3, 4, 2)
+    coords = lay.coords(2)
+    x = torch.randn(2, 3, len(coords), D)
+    cos, sin = RoPE1D(D, base)(coords)
+    got = apply_rope(x, cos[None, None], sin[None, None])
+    pos = torch.arange(len(coords), dtype=torch.float64)
+    freqs = pos[:, None] * base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)[None]
+    emb = torch.cat([freqs, freqs], -1)
+    xd = x.double()
+    rotate_half = torch.cat([-xd[..., D // 2:], xd[..., :D // 2]], -1)
+    want = xd * emb.cos() + rotate_half * emb.sin()
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.equal(torch.stack(RoPE3D(12)(coords)), torch.stack(RoPE3D(12)(coords[:, :3])))
+    with pytest.raises(ValueError, match="position column"):
+        RoPE1D(D)(coords[:, :3])
 
 
 def test_rope_rotates_every_slot():

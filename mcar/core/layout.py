@@ -43,17 +43,19 @@ class Layout:
         return t * self.frame_len + self.frame_tokens + m
 
     def coords(self, frames: int) -> torch.Tensor:
-        """(frames*frame_len, 3) long: the (time, row, col) RoPE coordinate of every slot.
+        """(frames*frame_len, 4) long: the RoPE coordinates of every slot, (time, row, col, position).
 
-        Image token c[t,i,j] -> (t+1, i+1, j+1); action a[t,m] -> (t+1, h+1, m+1), a virtual row below
-        the frame. Everything is 1-based so that no slot gets a zero (identity) rotation on any axis.
+        3D RoPE reads the first three: image token c[t,i,j] -> (t+1, i+1, j+1); action a[t,m] -> (t+1, h+1, m+1),
+        a virtual row below the frame; 1-based so that no slot gets a zero (identity) rotation on any axis.
+        1D RoPE (model.rope=1d, LLaMA / MineWorld) reads the last: the slot's 0-based index in the flat clip.
         """
         t = torch.arange(frames).repeat_interleave(self.frame_len)
         r = torch.arange(self.frame_len)
         is_img = r < self.frame_tokens
         row = torch.where(is_img, r // self.w, torch.full_like(r, self.h))
         col = torch.where(is_img, r % self.w, r - self.frame_tokens)
-        return torch.stack([t + 1, row.repeat(frames) + 1, col.repeat(frames) + 1], dim=-1)
+        pos = torch.arange(frames * self.frame_len)
+        return torch.stack([t + 1, row.repeat(frames) + 1, col.repeat(frames) + 1, pos], dim=-1)
 
     def is_image(self, frames: int) -> torch.Tensor:
         """(frames*frame_len,) bool: True at image-token slots."""

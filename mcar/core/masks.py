@@ -30,7 +30,7 @@ BACKENDS = ("auto", "sdpa", "flex")
 @dataclass
 class MaskedBatch:
     tokens: torch.Tensor  # (B, S) long model inputs
-    coords: torch.Tensor  # (S, 3) long RoPE coordinates
+    coords: torch.Tensor  # (S, 4) long RoPE coordinates (Layout.coords)
     targets: torch.Tensor  # (B, S) long, IGNORE where no loss
     mask: torch.Tensor | BlockMask | None  # dense (S, S) bool, BlockMask, or None: plain causal (SDPA is_causal)
 
@@ -147,7 +147,7 @@ class DiagDMask:
                          torch.zeros(s.n_slots, dtype=torch.bool, device=device), self.full)
 
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
-        """clip (B, N) long -> inputs (B, S), coords (S, 3), targets (B, S), mask over the S input rows."""
+        """clip (B, N) long -> inputs (B, S), coords (S, 4), targets (B, S), mask over the S input rows."""
         check_clip(clip, self.layout, self.frames)
         dev = clip.device
         target = self.target_slot.to(dev)  # (S,)

@@ -1,4 +1,4 @@
-"""A LLaMA-style decoder with 3D RoPE: pre-norm RMSNorm, SwiGLU, no biases, optional GQA, untied embeddings.
+"""A LLaMA-style decoder with 3D RoPE (or 1D, `rope`): pre-norm RMSNorm, SwiGLU, no biases, optional GQA, untied embeddings.
 
 Two ways to run it:
 - parallel (training, one-pass parity forward): `model(tokens, coords, mask)` with `mask` a dense boolean
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from mcar.core.rope import RoPE3D, apply_rope
+from mcar.core.rope import ROPES, apply_rope
 
 
 @dataclass
@@ -30,6 +30,7 @@ class ModelConfig:
     mlp_dim: int = 1024
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    rope: str = "3d"  # 3d: (time, row, col) axes; 1d: LLaMA's over the flat position (MineWorld)
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -41,13 +42,14 @@ class ModelConfig:
             "n_layers": self.n_layers > 0,
             "n_kv_heads": self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
             "mlp_dim": self.mlp_dim > 0,
+            "rope": self.rope in ROPES,
         }
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(
-                    f"model.{field}={getattr(self, field)} is invalid (dim must divide by n_heads, "
-                    f"n_heads by n_kv_heads; all sizes > 0): dim={self.dim}, n_heads={self.n_heads}, "
-                    f"n_kv_heads={self.n_kv_heads}"
+                    f"model.{field}={getattr(self, field)} is invalid (dim must divide by n_heads, n_heads by "
+                    f"n_kv_heads; all sizes > 0; rope one of {sorted(ROPES)}): dim={self.dim}, "
+                    f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
                 )
 
     @property
@@ -219,7 +221,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rope = RoPE3D(cfg.head_dim, cfg.rope_base)
+        self.rope = ROPES[cfg.rope](cfg.head_dim, cfg.rope_base)
         self._cache_unused = False  # True from setup_cache until the first cached forward zeroes the cache
         self.reset_parameters()
 
@@ -270,7 +272,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | BlockMask | None = None,
         cache_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, S) long; coords (S, 3) or (B, S, 3) long; returns logits (B, S, vocab) float32.
+        """tokens (B, S) long; coords (S, 4) or (B, S, 4) long (Layout.coords); returns logits (B, S, vocab) float32.
 
         mask: None (plain causal), dense bool (S, S) / (B, 1, S, S), or a BlockMask; in cached mode
         (cache_pos (S,) given) a bool (S, n + S) or (B|1, S, n + S) over [the first n <= n_slots cache slots |

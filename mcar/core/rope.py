@@ -1,4 +1,9 @@
-"""3D rotary position embedding: the head dimension is split across (time, row, col) axes."""
+"""Rotary position embeddings over the layout's coordinates (`Layout.coords`: time, row, col, position).
+
+3D (the default): the head dimension's rotation pairs are split across the (time, row, col) axes, each with its
+own frequency ladder. 1D (`model.rope=1d`): LLaMA's RoPE over the flat position, as in transformers'
+LlamaForCausalLM (MineWorld's checkpoints). Both rotate the pairs (x[:D/2], x[D/2:]) (transformers' rotate_half),
+so a LLaMA checkpoint's q/k weights load unpermuted."""
 from __future__ import annotations
 
 import torch
@@ -29,9 +34,30 @@ class RoPE3D(nn.Module):
         )  # (D/2,) which coordinate each pair rotates with
 
     def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """coords (..., S, 3) long -> cos, sin (..., S, D/2) float32."""
+        """coords (..., S, 3 or 4) long (Layout.coords; the position column is not read) -> cos, sin (..., S, D/2)."""
         angle = coords[..., self.axis].float() * self.inv_freq  # (..., S, D/2)
         return angle.cos(), angle.sin()
+
+
+class RoPE1D(nn.Module):
+    """cos/sin tables for the flat position (the coordinates' last column): inv_freq_i = base^(-2i/D)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim)
+        self.register_buffer("inv_freq", inv.float(), persistent=False)  # (D/2,)
+
+    def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """coords (..., S, 4) long -> cos, sin (..., S, D/2) float32."""
+        if coords.shape[-1] != 4:
+            raise ValueError(f"1D RoPE reads the position column of Layout.coords (..., S, 4); got {tuple(coords.shape)}")
+        angle = coords[..., 3:].float() * self.inv_freq  # (..., S, D/2)
+        return angle.cos(), angle.sin()
+
+
+ROPES = {"3d": RoPE3D, "1d": RoPE1D}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,7 @@ class Bucket:
     """Passes padded to one shape: P passes, W input rows, O sampled outputs, a cache prefix of n slots."""
 
     src: torch.Tensor  # (P, W) long: token column of each input row (padding: 0)
-    coords: torch.Tensor  # (P, W, 3) long
+    coords: torch.Tensor  # (P, W, 4) long
     mask: torch.Tensor  # (P, 1, W, n+W) bool: [cache slots 0..n-1 | this pass's (padded) inputs]
     cache_pos: torch.Tensor  # (P, W) long: cache slot written (proxies, padding: the scratch slot N)
     out_rows: torch.Tensor  # (P, O) long: rows sampled (padding: row 0)
@@ -200,7 +200,7 @@ def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int
         P = len(members)
         b = Bucket(
             src=torch.zeros(P, W, dtype=torch.long, device=dev),
-            coords=torch.ones(P, W, 3, dtype=torch.long, device=dev),
+            coords=torch.ones(P, W, 4, dtype=torch.long, device=dev),
             mask=torch.zeros(P, 1, W, n + W, dtype=torch.bool, device=dev),
             cache_pos=torch.full((P, W), N, dtype=torch.long, device=dev),
             out_rows=torch.zeros(P, O, dtype=torch.long, device=dev),

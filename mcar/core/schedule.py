@@ -70,7 +70,7 @@ class PassPlan:
     """What forward pass s feeds and samples; all tensors precomputed, on the sampler's device."""
 
     src: torch.Tensor  # (Sq,) long: slot whose token each input row carries (a proxy: its content source)
-    coords: torch.Tensor  # (Sq, 3) long: RoPE coordinate of each input row
+    coords: torch.Tensor  # (Sq, 4) long: RoPE coordinates of each input row
     cache_pos: torch.Tensor  # (Sq,) long: cache slot written after attending (proxies: the scratch slot N)
     mask: torch.Tensor  # (1, Sq, n_vis+Sq) bool: [cache slots 0..n_vis-1 | this pass's inputs]
     out_rows: torch.Tensor  # (n_out,) long: input rows whose output predicts a generated token
@@ -124,7 +124,7 @@ class Schedule:
         # (N,) long, -1 where not generated
         self.gen_pass = torch.where(self.generated, (t - P) * self.d + (r // w) * self.k + r % w, -1)
         self.feed_pass = torch.where(t < P, 0, torch.where(is_img, self.gen_pass + 1, (t + 1 - P) * self.d))
-        self.coords = self.layout.coords(self.frames)  # (N, 3)
+        self.coords = self.layout.coords(self.frames)  # (N, 4)
         self.gen_slots = slot[self.generated]  # (n_gen,) generated slots in layout order
 
     def _proxies(self):
@@ -160,7 +160,7 @@ class Schedule:
         self.seq_is_proxy = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(n_px, dtype=torch.bool)])
         self.seq_feed_pass = torch.cat([self.feed_pass, self.proxy_pass])  # (S,)
         self.seq_target = torch.cat([real_target, self.proxy_target])  # (S,) slot predicted, -1 none
-        self.seq_coords = self.coords[self.seq_pos]  # (S, 3): a proxy has its predecessor's coordinate
+        self.seq_coords = self.coords[self.seq_pos]  # (S, 4): a proxy has its predecessor's coordinate
         rows = torch.arange(N + n_px)
         self.row_of_slot = rows[~self.seq_is_proxy]  # (N,) row of each real slot
         has = self.seq_target >= 0

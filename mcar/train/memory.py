@@ -48,7 +48,7 @@ def measure_step_peak(cfg: ModelConfig, batch: int, seq_len: int, autocast_dtype
             apply_activation_checkpointing(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-        coords = torch.randint(1, 16, (seq_len, 3))
+        coords = torch.randint(1, 16, (seq_len, 4))
         tracker = MemTracker()
         tracker.track_external(model, opt)
         with tracker:
