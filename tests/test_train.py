@@ -8,12 +8,18 @@ import sys
 import time
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
 from hydra.errors import HydraException
 from hypothesis import given, strategies as st
 
-from mcar.train.module import warmup_cosine
+from mcar.config import to_dict
+from mcar.core.layout import Layout
+from mcar.core.sampler import build_sampler
+from mcar.eval.evaluate import load_model
+from mcar.train.module import MCARModule, warmup_cosine
+from mcar.train.task import build_module
 
 from .conftest import REPO, SMALL_DATA, compose, job_overrides, run_script, script_env
 
@@ -24,14 +30,29 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return list(csv.DictReader(open(next(run_dir.glob("csv/version_*/metrics.csv")))))
+
+
+def test_warmup_cosine_values():
+    # warm-up 4, cosine over steps 4..10 down to 0.1
+    assert [warmup_cosine(s, 4, 10, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert warmup_cosine(4, 4, 10, 0.1) == 1.0
+    assert warmup_cosine(7, 4, 10, 0.1) == pytest.approx(0.55, abs=1e-15)  # half way: 0.1 + 0.9 / 2
+    assert warmup_cosine(10, 4, 10, 0.1) == warmup_cosine(99, 4, 10, 0.1) == pytest.approx(0.1, abs=1e-15)
+    assert warmup_cosine(50, 100, 10, 0.1) == 0.51 and warmup_cosine(200, 100, 10, 0.1) == 1.0  # total <= warm-up
+
+
 @given(st.integers(0, 5000), st.integers(1, 100), st.integers(1, 5000), st.floats(0, 1))
-def test_warmup_cosine_bounds(step, warmup, total, min_ratio):
+def test_warmup_cosine_is_linear_then_cosine(step, warmup, total, min_ratio):
     f = warmup_cosine(step, warmup, total, min_ratio)
-    assert min(min_ratio, 1 / warmup) - 1e-9 <= f <= 1 + 1e-9
-    if step + 1 < warmup:
-        assert f < warmup_cosine(step + 1, warmup, total, min_ratio)  # linear warm-up rises
-    if warmup < total and step >= total:
-        assert math.isclose(f, min_ratio, abs_tol=1e-9)
+    if step < warmup:
+        assert f == (step + 1) / warmup
+    elif total <= warmup:
+        assert f == 1.0
+    else:
+        progress = min(step - warmup, total - warmup) / (total - warmup)
+        assert f == pytest.approx(min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * progress)) / 2, abs=1e-12)
 
 
 def test_unknown_group_choice_lists_the_options():
@@ -46,73 +67,128 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
     assert ckpt.is_file()
     # model=small is overridden by the checkpoint's own config; init_from defaults to the newest last.ckpt
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path, "ft"), "logger=csv", "steps=3",
-                   "model=small", "trainer.val_check_interval=3")
-    assert "fine-tuning" in p.stderr + p.stdout
+                   "model=small", "trainer.val_check_interval=3", "log_every_n_steps=1")
+    assert f"[mcar][INFO] - fine-tuning {ckpt} (model tiny)\n" in p.stderr + p.stdout
+    # finetune.yaml's rate: optim.lr=1e-4 after lr_schedule.warmup_steps=50 (train/lr is logged before the step)
+    lrs = {int(r["step"]): float(r["train/lr"]) for r in metrics_rows(tmp_path / "ft") if r.get("train/lr")}
+    assert lrs == pytest.approx({0: 1e-4 / 50, 1: 2e-4 / 50, 2: 3e-4 / 50}, rel=1e-6)  # logged as float32
     ft = torch.load(tmp_path / "ckpt" / "finetune-tiny-synthetic-causal" / "last.ckpt", weights_only=False)
     assert ft["global_step"] == 3
     assert ft["hyper_parameters"]["arch"]["dim"] == 128  # tiny, from the checkpoint
+    assert ft["hyper_parameters"]["optim"]["lr"] == 1e-4
+    assert ft["hyper_parameters"]["lr_schedule"]["warmup_steps"] == 50
     pre = torch.load(ckpt, weights_only=False)["state_dict"]
     moved = [k for k in pre if not torch.equal(pre[k], ft["state_dict"][k])]
     assert moved, "fine-tuning did not start from the checkpoint or did not train"
 
 
+def val_losses(config_name: str, overrides: list[str], ckpt: Path, **schedule) -> dict[str, float]:
+    """val/loss and val/loss_diagd of a checkpoint on the run's validation clips (one batch), recomputed here with
+    the module that mcar.eval.evaluate rebuilds from the checkpoint's hyperparameters (`schedule`: fields changed)."""
+    cfg = compose(config_name, overrides)
+    data = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    data.prepare_data()
+    data.setup("fit")
+    batches = list(data.val_dataloader())
+    assert len(batches) == 1
+    module, hp = load_model(ckpt)
+    if schedule:
+        state = module.state_dict()
+        module = MCARModule(**hp | {"schedule": hp["schedule"] | schedule})
+        module.load_state_dict(state)
+    with torch.no_grad():
+        return {"val/loss": module.forward_loss(batches[0]["tokens"], module.val_mask_factory).item(),
+                "val/loss_diagd": module.forward_loss(batches[0]["tokens"], module.val_diagd_factory).item()}
+
+
 def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
+    """Issue 13 item 1: `finetune.py mask=diagd schedule.k=4` trains, validates (val/loss_diagd) and samples the
+    dashboard's DiagD on k=4, the one schedule."""
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
                "val_dashboard.n_clips=0")
-    run_script("finetune.py", "mask=diagd", "steps=20", *SMALL_DATA, *job_overrides(tmp_path, "ft"),
-               "logger=csv", "trainer.val_check_interval=10", "schedule.k=1")
-    rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
-    val = [r for r in rows if r.get("val/loss")]
-    assert len(val) == 2 and all(r["val/loss_diagd"] for r in val)
-    s_spa = (3 - 1) * 1 + 4  # (h-1)*k + w with k=1
+    overrides = ["mask=diagd", "steps=20", *SMALL_DATA, "schedule.k=4"]
+    run_script("finetune.py", *overrides, *job_overrides(tmp_path, "ft"), "logger=csv", "trainer.val_check_interval=10")
+    val = [r for r in metrics_rows(tmp_path / "ft") if r.get("val/loss")]
+    assert [int(r["step"]) for r in val] == [9, 19]
+    ckpt_path = tmp_path / "ckpt" / "finetune-tiny-synthetic-diagd" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["mask"]["name"] == "diagd"
+    assert ckpt["hyper_parameters"]["schedule"]["k"] == 4
+    module, _ = load_model(ckpt_path)
+    assert module.val_diagd_factory.schedule.k == module.mask_factory.schedule.k == 4
+    # the last validation's losses are the final weights' on the val clips: the k=4 DiagD loss, not another k's
+    want = val_losses("finetune", overrides, ckpt_path)
+    for name in ("val/loss", "val/loss_diagd"):
+        assert float(val[-1][name]) == pytest.approx(want[name], rel=1e-5), name
+    k1 = val_losses("finetune", overrides, ckpt_path, k=1)["val/loss_diagd"]
+    assert float(val[-1]["val/loss_diagd"]) != pytest.approx(k1, rel=1e-4)
+    # the dashboard sampled NTP and DiagD k=4: (T-P-1)*d + s_spa passes, d = s_spa = (h-1)*k + w = 12
+    s_spa = (3 - 1) * 4 + 4
     assert [float(r["val_speed/diagd_passes"]) for r in val] == [(3 - 1 - 1) * s_spa + s_spa] * 2
     assert [float(r["val_speed/ntp_passes"]) for r in val] == [2 * 3 * 4] * 2
-    assert all(0 <= float(r["val_gen/diagd_token_acc"]) <= 1 for r in val)
     saved = torch.load(tmp_path / "ft" / "val_generations" / "step0000020.pt")
-    assert sorted(saved["generated"]) == ["diagd k=1", "ntp"]
+    assert sorted(saved["generated"]) == ["diagd k=4", "ntp"]
+    gt = saved["ground_truth"]
     for tokens in saved["generated"].values():
-        assert tokens.shape == saved["ground_truth"].shape == (1, 3 * 14)
-        assert torch.equal(tokens[:, :14], saved["ground_truth"][:, :14])  # the prompt frame is kept
-    ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-synthetic-diagd" / "last.ckpt", weights_only=False)
-    assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["mask"]["name"] == "diagd"
+        assert tokens.shape == gt.shape == (1, 3 * 14)
+        assert torch.equal(tokens[:, :14], gt[:, :14])  # the prompt frame is kept
+    generated = Layout(3, 4, 2).is_image(3)  # the image slots of frames 1 and 2
+    generated[:14] = False
+    for label, name in (("diagd k=4", "diagd"), ("ntp", "ntp")):  # token accuracy of the saved generations
+        acc = (saved["generated"][label][:, generated] == gt[:, generated]).float().mean().item()
+        assert float(val[-1][f"val_gen/{name}_token_acc"]) == pytest.approx(acc, abs=1e-7)
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     # a missing init_from names the path
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
                    f"init_from={tmp_path}/nope.ckpt", check=False)
-    assert p.returncode != 0 and f"{tmp_path}/nope.ckpt" in p.stderr
+    assert p.returncode != 0 and f"FileNotFoundError: checkpoint not found: {tmp_path}/nope.ckpt\n" in p.stderr
     # ckpt_path=last with no run yet
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "ckpt_path=last", check=False)
-    assert p.returncode != 0 and "last.ckpt" in p.stderr
+    run = "train-tiny-synthetic-causal"
+    assert p.returncode != 0 and (f"FileNotFoundError: ckpt_path: checkpoint not found: {tmp_path}/ckpt/{run}/last.ckpt"
+                                  f" (run '{run}' has no last.ckpt yet)\n") in p.stderr
     # resuming a checkpoint of another model shape names the tensors that differ
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=1")
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
     assert torch.load(ckpt, weights_only=False)["global_step"] == 1, "the final state was not saved"
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "model=small",
                    f"ckpt_path={ckpt}", check=False)
-    assert p.returncode != 0 and "does not fit this model" in p.stderr
+    tiny, small = (build_module(compose("train", [*SMALL_DATA, f"model={m}"])).state_dict() for m in ("tiny", "small"))
+    differ = {k for k in tiny if k not in small or tiny[k].shape != small[k].shape} | set(small) - set(tiny)
+    assert len(differ) == len(small) > len(tiny)  # all of tiny's tensors differ in shape; small's blocks 4-7 missing
+    assert p.returncode != 0 and f"checkpoint {ckpt} does not fit this model ({len(differ)} tensors differ)" \
+        in p.stderr
     assert "tok_embeddings.weight: checkpoint (40, 128) vs model (40, 512)" in p.stderr
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     # an absurd learning rate blows the weights up within a few steps
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=200",
-                   "optim.lr=1e12", "optim.warmup_steps=1", "trainer.gradient_clip_val=null",
+                   "optim.lr=1e12", "lr_schedule.warmup_steps=1", "trainer.gradient_clip_val=null",
                    "checkpoint.every_n_steps=1", check=False)
     assert p.returncode != 0
-    assert "training loss is nan at step" in p.stderr or "training loss is inf at step" in p.stderr
-    last = torch.load(tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt", weights_only=False)
+    ckpt_dir = tmp_path / "ckpt" / "train-tiny-synthetic-causal"
+    found = re.findall(rf"FloatingPointError: training loss is (?:nan|inf) at step (\d+): stopping\. The last good "
+                       rf"checkpoint is kept in {re.escape(str(ckpt_dir))}\.\n", p.stderr)
+    assert len(found) == 1, p.stderr[-2000:]
+    last = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert last["global_step"] == int(found[0]) > 0  # the state the failing step started from
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
 
 
 @pytest.mark.parametrize("override,field", [("schedule.k=0", "k=0"), ("mask=diagd schedule.d=999", "d=999"),
                                             ("mask=diagd schedule.proxy=left", "proxy='left'"),
-                                            ("data.clip_frames=1", "clip_frames")])
+                                            ("data.clip_frames=1", "frames=1")])
 def test_bad_schedule_values_fail_before_training(tmp_path, override, field):
     p = run_script("train.py", *SMALL_DATA, *override.split(), *job_overrides(tmp_path), "logger=none",
                    check=False)
-    assert p.returncode != 0 and field in p.stderr
+    cfg = compose("train", [*SMALL_DATA, *override.split()])
+    with pytest.raises(ValueError, match=re.escape(field)) as e:  # the check train.py runs first
+        build_sampler(to_dict(cfg.sampler), Layout(cfg.data.h, cfg.data.w, cfg.data.n_a), cfg.data.clip_frames,
+                      schedule=to_dict(cfg.schedule))
+    assert p.returncode != 0 and f"ValueError: {e.value}\n" in p.stderr
     assert not (tmp_path / "ckpt").exists(), "work started before the config was checked"
 
 
@@ -125,7 +201,7 @@ def test_multirun_gives_one_run_dir_checkpoint_dir_and_wandb_run_per_job(tmp_pat
     assert len(runs) == 2 and runs[0].parent.parent != runs[1].parent.parent
     for run, model in zip(runs, ["tiny", "small"]):  # each run carries its own resolved config
         log = next(run.glob("*.wandb")).read_bytes()
-        assert b"run_name" in log and f"train-{model}-synthetic-causal-j".encode() in log
+        assert f"train-{model}-synthetic-causal-j{['tiny', 'small'].index(model)}".encode() in log
 
 
 @pytest.mark.slow

@@ -1,10 +1,17 @@
-"""The LightningModule: wires the model, a mask factory and the optimiser. No model or schedule logic here."""
+"""The LightningModule: wires the model, a mask factory and the optimiser. No model or schedule logic here.
+
+The optimiser and the learning-rate schedule come from the config (conf/optim/, conf/lr_schedule/): each is a
+`_target_` node with `_partial_: true`, kept as a plain dict in the module's hyperparameters and instantiated in
+`configure_optimizers`. What stays in code: the parameter groups (weight decay on 2-D weights only), fused AdamW
+unless fp16, the LambdaLR wrapper stepped every optimiser step, and `max_steps` as the schedule's length."""
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 
+import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -19,14 +26,42 @@ from mcar.train.parallel import apply_activation_checkpointing, apply_compile, a
 log = logging.getLogger("mcar")
 
 
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """lr multiplier: linear warm-up to 1, then cosine down to min_ratio at `total` steps."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if total <= warmup:
+def warmup_cosine(step: int, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
+    """lr multiplier (conf/lr_schedule/warmup_cosine.yaml): linear warm-up to 1 over `warmup_steps`, then cosine
+    down to min_lr_ratio at `total` steps (trainer.max_steps), flat after."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total <= warmup_steps:
         return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    progress = min(1.0, (step - warmup_steps) / (total - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def constant(step: int, total: int, warmup_steps: int = 0) -> float:
+    """lr multiplier (conf/lr_schedule/constant.yaml): linear warm-up over `warmup_steps` (0: none), then 1."""
+    return (step + 1) / warmup_steps if step < warmup_steps else 1.0
+
+
+# The defaults of conf/optim/adamw.yaml and conf/lr_schedule/warmup_cosine.yaml. Checkpoints written before those
+# groups existed hold a plain `optim` dict (lr, betas, weight_decay, eps, warmup_steps, min_lr_ratio): it is read
+# as these with its values (`legacy_optim`).
+ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3.0e-4, "betas": [0.9, 0.95],
+         "weight_decay": 0.1, "eps": 1.0e-8}
+WARMUP_COSINE = {"_target_": "mcar.train.module.warmup_cosine", "_partial_": True, "min_lr_ratio": 0.1}
+CONSTANT = {"_target_": "mcar.train.module.constant", "_partial_": True}
+
+
+def legacy_optim(optim: dict, lr_schedule: dict | None) -> tuple[dict, dict]:
+    """(optimizer config, lr schedule config) of a module's `optim` / `lr_schedule` hyperparameters, new or old.
+    An `optim` without `_target_` is the old hand-wired AdamW: its warmup_steps / min_lr_ratio were the schedule
+    (warm-up + cosine); with neither (and no lr_schedule) the rate is constant."""
+    optim = dict(optim or {})
+    if "_target_" in optim:
+        return optim, dict(lr_schedule) if lr_schedule is not None else dict(CONSTANT)
+    sched = {k: optim.pop(k) for k in ("warmup_steps", "min_lr_ratio") if k in optim}
+    if lr_schedule is None:
+        lr_schedule = WARMUP_COSINE | sched if "warmup_steps" in sched else CONSTANT
+    return ADAMW | optim, dict(lr_schedule)
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -38,11 +73,19 @@ class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
-                 sampler: dict | None = None):
-        """schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
+                 sampler: dict | None = None, lr_schedule: dict | None = None):
+        """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
+        checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
+
+        optim: the `optim` group, a `_target_` node with `_partial_: true` called with the parameter groups;
+        lr_schedule: the `lr_schedule` group, a `_partial_` lr multiplier f(step, total=max_steps). Checkpoints
+        written before those groups hold a plain AdamW `optim` dict with warmup_steps / min_lr_ratio: read as
+        AdamW + warmup_cosine (`legacy_optim`).
+        schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
         `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused)."""
         super().__init__()
         self.save_hyperparameters()
+        self.optim_config, self.lr_schedule_config = legacy_optim(optim, lr_schedule)
         self.model = Transformer(ModelConfig(**arch))
         self.layout = Layout(**layout)
         mask = dict(mask)
@@ -167,18 +210,34 @@ class MCARModule(L.LightningModule):
 
     # --- optimiser ---------------------------------------------------------------------------------------
 
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The configured optimiser on two parameter groups: 2-D weights (matmuls, embeddings) get the configured
+        weight decay, the rest (norm gains) none. `fused` is decided here unless the config sets it: one kernel,
+        no foreach temporaries (a 700M model fits in 20 GiB on CPU), but not under fp16's loss scaler, where a fused
+        step unscales inside, after clipping would have seen scaled gradients."""
+        cfg = dict(self.optim_config)
+        if isinstance(cfg.get("betas"), (list, tuple)):
+            cfg["betas"] = tuple(cfg["betas"])
+        factory = hydra.utils.instantiate(cfg, _convert_="all")
+        fp16 = self._trainer is not None and str(self.trainer.precision) == "16-mixed"
+        extra = {}
+        if "fused" in inspect.signature(factory.func).parameters:
+            if "fused" not in cfg:
+                extra["fused"] = not fp16
+            elif cfg["fused"] and fp16:
+                raise ValueError("optim.fused=true under trainer.precision=16-mixed: a fused step unscales the "
+                                 "gradients after clipping saw them scaled; leave optim.fused unset")
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]  # norms
+        return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **extra)
+
+    def lr_multiplier(self):
+        """step -> lr multiplier: the configured schedule over `max_steps` (trainer.max_steps)."""
+        fn = hydra.utils.instantiate(self.lr_schedule_config, _convert_="all")
+        total = self.hparams.max_steps
+        return lambda step: fn(step, total=total)
+
     def configure_optimizers(self):
-        o = self.hparams.optim
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]  # norms
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-            # one kernel, no foreach temporaries (a 700M model fits in 20 GiB on CPU). Not under fp16's loss
-            # scaler: a fused step unscales inside, after clipping would have seen scaled gradients.
-            fused=str(self.trainer.precision) != "16-mixed" if self._trainer is not None else True,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: warmup_cosine(s, o["warmup_steps"], self.hparams.max_steps, o["min_lr_ratio"])
-        )
+        opt = self.build_optimizer()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_multiplier())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,5 +1,6 @@
-"""The task wrapper behind train.py and finetune.py: builds data, module, logger and trainer from the Hydra
-config, resolves checkpoints, and always closes the W&B run (so multirun jobs each get their own run)."""
+"""The task wrapper behind train.py and finetune.py: builds data, module, callbacks, logger and trainer from the
+Hydra config (each a `_target_` node: `data`, `module`, `callbacks`, `logger`, `trainer`), resolves checkpoints,
+and always closes the W&B run (so multirun jobs each get their own run)."""
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.train.dashboard import ValDashboard
 from mcar.core.layout import Layout
 from mcar.train.module import MCARModule
 from mcar.core.sampler import build_sampler
@@ -63,6 +63,26 @@ class Checkpoints(ModelCheckpoint):
             self._last_global_step_saved = trainer.global_step
 
 
+def piped_progress_bar(refresh_rate: int = 1) -> TQDMProgressBar | None:
+    """tqdm lines when stdout is not a terminal (nohup logs, mcar.eval.table3 stages), where Lightning's default
+    rich bar draws nothing; None on a terminal (the rich bar stays)."""
+    if sys.stdout.isatty():
+        return None
+    return TQDMProgressBar(refresh_rate=max(1, int(refresh_rate)))
+
+
+# overrides of the keys that moved into config groups: train.py / finetune.py refuse them with the new name
+RENAMED = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_ratio"}
+
+
+def check_renamed_overrides(args: list[str]) -> None:
+    """Exit with the new name when a command line overrides a renamed key (Hydra would only say it is unknown)."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in RENAMED:
+            sys.exit(f"{key} is now {RENAMED[key]} (conf/lr_schedule/): pass {arg.replace(key, RENAMED[key], 1)}")
+
+
 def finish_wandb(fn):
     """Task wrapper: whatever happens, close the W&B run so the next multirun job opens its own."""
 
@@ -102,7 +122,9 @@ def finalize_run_name(cfg: DictConfig) -> None:
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.paths.checkpoint_root) / cfg.run_name
+    """checkpoint.dir (default <paths.checkpoint_root>/<run_name>): where Checkpoints writes and `last` resumes."""
+    return Path(OmegaConf.select(cfg, "checkpoint.dir", default=None) or
+                Path(cfg.paths.checkpoint_root) / cfg.run_name)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -148,43 +170,40 @@ def check_state_shapes(module: torch.nn.Module, state: dict, source: str) -> Non
 
 
 def build_module(cfg: DictConfig) -> MCARModule:
-    d = cfg.data
-    return MCARModule(
-        arch=to_dict(cfg.model.arch),
-        layout={"h": d.h, "w": d.w, "n_a": d.n_a},
-        clip_frames=d.clip_frames,
-        mask=to_dict(cfg.mask),
-        schedule=to_dict(cfg.schedule),
-        optim=to_dict(cfg.optim),
-        max_steps=cfg.trainer.max_steps,
-        action_loss=cfg.action_loss,
-        compile=cfg.compile,
-        peak_flops=cfg.get("peak_flops"),
-        model_name=cfg.model.name,
-        activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
-    )
+    """The configured `module` node (conf/train.yaml) instantiated with plain values: its `optim` and `lr_schedule`
+    stay config dicts (instantiated in configure_optimizers), checked here so a bad target fails before any work."""
+    for group in ("optim", "lr_schedule"):
+        hydra.utils.instantiate(cfg[group])
+    return hydra.utils.instantiate(cfg.module, _recursive_=False, _convert_="all")
+
+
+def build_callbacks(cfg: DictConfig | None) -> list[Callback]:
+    """The `callbacks` group, in order: a null entry, or one whose `enabled` is false / null / 0, is left out;
+    `enabled` is not an argument of the target; a target that returns None adds nothing."""
+    entries = {name: node for name, node in (cfg or {}).items() if node is not None}
+    for name, node in entries.items():
+        if "_target_" not in node:
+            raise ValueError(f"callbacks.{name}: no _target_ (a callback entry names its class with _target_)")
+    callbacks: list[Callback] = []
+    for node in entries.values():
+        if not node.get("enabled", True):  # read alone: a disabled entry's other values are never resolved
+            continue
+        node = to_dict(node)
+        node.pop("enabled", None)
+        callback = hydra.utils.instantiate(node, _convert_="all")
+        if callback is not None:
+            callbacks.append(callback)
+    return callbacks
 
 
 def build_trainer(cfg: DictConfig, output_dir: str, extra_callbacks: list[Callback] = ()) -> L.Trainer:
-    callbacks: list[Callback] = list(extra_callbacks)
-    checkpointing = cfg.checkpoint.every_n_steps is not None  # null: no checkpoints at all (benchmarks)
-    if checkpointing:
-        callbacks.append(Checkpoints(
-            dirpath=checkpoint_dir(cfg),
-            filename="step{step:07d}",
-            auto_insert_metric_name=False,
-            every_n_train_steps=cfg.checkpoint.every_n_steps,
-            save_top_k=-1,
-            save_last=True,
-        ))
-    if cfg.get("val_dashboard") and cfg.val_dashboard.n_clips > 0:  # videos, masks, speed rows (mcar/train/dashboard.py)
-        callbacks.append(ValDashboard(to_dict(cfg.sampler), output_dir, cfg.data.name, cfg.data.codebook_size,
-                                      OmegaConf.select(cfg, "vq.path", default=None), **to_dict(cfg.val_dashboard)))
-    if cfg.get("record_seen_clips"):
-        callbacks.append(SeenClips(output_dir))
-    if cfg.trainer.get("enable_progress_bar", True) and not sys.stdout.isatty():
-        # Lightning's default (rich) bar draws nothing into a pipe or log file: tqdm lines there show progress
-        callbacks.append(TQDMProgressBar(refresh_rate=max(1, int(cfg.log_every_n_steps))))
+    """The configured trainer with the `callbacks` group, then `extra_callbacks` (benchmarks). Lightning's own
+    checkpointing is off unless a configured callback checkpoints. output_dir: where the run writes (the callbacks
+    read ${paths.output_dir}, which is that directory under Hydra)."""
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+    callbacks = build_callbacks(cfg.get("callbacks")) + list(extra_callbacks)
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
     return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger, enable_checkpointing=checkpointing,
                                    plugins=[AtomicCheckpointIO()], _convert_="partial")

@@ -1,0 +1,215 @@
+"""The training task from the real config (conf/, composed as Hydra does): the optimiser (conf/optim/), the lr
+schedule (conf/lr_schedule/), the callbacks (conf/callbacks/) and the module's arguments (the `module` node)."""
+import math
+import sys
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+
+from mcar.train.module import MCARModule
+from mcar.train.task import Checkpoints, SeenClips, build_callbacks, build_module, build_trainer
+
+from .conftest import SMALL_DATA, compose, run_script
+
+
+def optimizer_and_lrs(overrides: list[str], steps: int) -> tuple[torch.optim.Optimizer, list[float]]:
+    """The configured module's optimiser and the lr of its first group at steps 0..steps (as Lightning steps it)."""
+    module = build_module(compose("train", [*SMALL_DATA, *overrides]))
+    conf = module.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    assert conf["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(steps + 1):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return opt, lrs
+
+
+def test_the_optimizer_is_the_configured_adamw_with_decay_on_2d_weights_only():
+    module = build_module(compose("train", SMALL_DATA))
+    opt = module.configure_optimizers()["optimizer"]
+    assert type(opt) is torch.optim.AdamW
+    decay, no_decay = opt.param_groups
+    for group, wd in ((decay, 0.1), (no_decay, 0.0)):
+        assert (group["initial_lr"], group["betas"], group["weight_decay"], group["eps"]) == (3e-4, (0.9, 0.95), wd,
+                                                                                               1e-8)
+        assert group["fused"] is True  # no trainer attached: not fp16
+    named = dict(module.model.named_parameters())
+    want_decay = {n for n, p in named.items() if p.dim() == 2}
+    assert {n for n, p in named.items() if p.dim() > 2} == set()
+    ids = {id(p): n for n, p in named.items()}
+    assert {ids[id(p)] for p in decay["params"]} == want_decay
+    assert {ids[id(p)] for p in no_decay["params"]} == set(named) - want_decay
+    assert all(n.endswith("norm.weight") for n in set(named) - want_decay) and len(named) > len(want_decay)
+
+
+def test_optim_overrides_change_the_optimizer():
+    module = build_module(compose("train", [*SMALL_DATA, "optim.lr=1e-3", "optim.weight_decay=0.05",
+                                            "optim.betas=[0.8,0.9]"]))
+    decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
+    assert (decay["initial_lr"], decay["betas"], decay["weight_decay"], no_decay["weight_decay"]) == (
+        1e-3, (0.8, 0.9), 0.05, 0.0)
+    assert module.hparams.optim == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3,
+                                    "betas": [0.8, 0.9], "weight_decay": 0.05, "eps": 1e-8}
+
+
+def test_fp16_gets_a_non_fused_adamw(monkeypatch):
+    module = build_module(compose("train", SMALL_DATA))
+    trainer = type("T", (), {"precision": "16-mixed"})()
+    monkeypatch.setattr(MCARModule, "trainer", property(lambda self: trainer))
+    module._trainer = trainer
+    assert [g["fused"] for g in module.configure_optimizers()["optimizer"].param_groups] == [False, False]
+    module.optim_config["fused"] = True
+    with pytest.raises(ValueError, match="optim.fused=true under trainer.precision=16-mixed"):
+        module.configure_optimizers()
+
+
+def test_warmup_cosine_schedule_from_the_config():
+    # warm-up from the model config (model.warmup_steps), cosine to min_lr_ratio=0.1 at trainer.max_steps
+    _, lrs = optimizer_and_lrs(["model.warmup_steps=4", "trainer.max_steps=10"], 12)
+    lr = 3e-4
+    assert lrs[0] == pytest.approx(lr / 4, rel=1e-12)  # step 0: (0 + 1) / warmup
+    assert lrs[3] == pytest.approx(lr, rel=1e-12)  # the end of the warm-up: the full rate
+    assert lrs[4] == pytest.approx(lr, rel=1e-12)  # the cosine starts at 1
+    assert lrs[7] == pytest.approx(lr * (0.1 + 0.9 * 0.5), rel=1e-12)  # half way: cos(pi / 2) = 0
+    assert lrs[10] == lrs[11] == lrs[12] == pytest.approx(lr * 0.1, rel=1e-12)  # max_steps and after: lr * 0.1
+    for s in range(4, 11):
+        assert lrs[s] == pytest.approx(lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 4) / 6))), rel=1e-12)
+    _, lrs = optimizer_and_lrs(["lr_schedule.warmup_steps=2", "lr_schedule.min_lr_ratio=0", "trainer.max_steps=4",
+                                "optim.lr=1e-3"], 4)
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4, 0.0], abs=1e-15)
+
+
+def test_constant_schedule_is_flat():
+    _, lrs = optimizer_and_lrs(["lr_schedule=constant", "trainer.max_steps=5"], 6)
+    assert lrs == [3e-4] * 7
+    _, lrs = optimizer_and_lrs(["lr_schedule=constant", "lr_schedule.warmup_steps=2", "optim.lr=1e-3"], 3)
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
+
+
+def test_finetune_config_sets_its_own_rate_and_warm_up():
+    cfg = compose("finetune", SMALL_DATA)
+    assert (cfg.optim.lr, cfg.lr_schedule.warmup_steps, cfg.trainer.max_steps) == (1e-4, 50, 1000)
+    assert compose("train", SMALL_DATA).lr_schedule.warmup_steps == 200  # tiny's model.warmup_steps
+
+
+def test_module_arguments_come_from_the_module_node():
+    cfg = compose("train", [*SMALL_DATA, "mask=diagd", "schedule.k=4", "trainer.max_steps=77", "action_loss=true",
+                            "model.activation_checkpointing=true"])
+    module = build_module(cfg)
+    hp = dict(module.hparams)
+    assert hp["layout"] == {"h": 3, "w": 4, "n_a": 2} and hp["clip_frames"] == 3
+    assert (hp["max_steps"], hp["action_loss"], hp["activation_checkpointing"], hp["model_name"]) == (77, True, True,
+                                                                                                      "tiny")
+    assert hp["arch"] == {"vocab_size": 32 + 8, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": None,
+                          "mlp_dim": 512}
+    assert hp["mask"]["name"] == "diagd" and hp["schedule"]["k"] == 4
+    assert hp["lr_schedule"] == {"_target_": "mcar.train.module.warmup_cosine", "_partial_": True,
+                                 "warmup_steps": 200, "min_lr_ratio": 0.1}
+    # plain values only: the checkpoint's hyperparameters rebuild the module (mcar.eval.evaluate.load_model)
+    assert all(type(v) in (dict, list, int, float, str, bool, type(None)) for v in hp.values())
+    again = MCARModule(**hp)
+    assert again.val_diagd_factory.schedule.k == 4 and again.mask_factory.schedule.k == 4
+
+
+def test_old_checkpoint_hyperparameters_give_the_same_optimizer_and_schedule():
+    """Checkpoints written before conf/optim and conf/lr_schedule hold a plain AdamW dict with the schedule's
+    warmup_steps / min_lr_ratio in it."""
+    hp = dict(build_module(compose("train", [*SMALL_DATA, "trainer.max_steps=10"])).hparams)
+    del hp["lr_schedule"]
+    hp["optim"] = {"lr": 2e-4, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-8, "warmup_steps": 2,
+                   "min_lr_ratio": 0.5}
+    conf = MCARModule(**hp).configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    assert [(g["initial_lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [
+        (2e-4, (0.9, 0.95), 0.1), (2e-4, (0.9, 0.95), 0.0)]
+    lrs = []
+    for _ in range(11):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(1e-4) and lrs[1] == pytest.approx(2e-4) and lrs[10] == pytest.approx(1e-4)
+    # unit-test modules built with optim={}: the AdamW defaults, a constant rate
+    hp["optim"] = {}
+    opt = MCARModule(**hp).configure_optimizers()["optimizer"]
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (3e-4, 0.1)
+
+
+def callbacks_of(overrides: list[str], tmp_path, extra=()) -> list[Callback]:
+    cfg = compose("train", [*SMALL_DATA, f"paths.checkpoint_root={tmp_path}/ckpt", "logger=none", *overrides])
+    return build_trainer(cfg, str(tmp_path / "out"), list(extra)).callbacks
+
+
+def configured(callbacks: list[Callback]) -> list[str]:
+    names = {Checkpoints: "model_checkpoint", SeenClips: "seen_clips", TQDMProgressBar: "progress_bar"}
+    return [names.get(type(c), type(c).__name__) for c in callbacks
+            if type(c) in names or type(c).__name__ in ("ValDashboard", "Marker")]
+
+
+class Marker(Callback):
+    pass
+
+
+def test_every_default_callback_is_instantiated(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    marker = Marker()
+    cbs = callbacks_of(["record_seen_clips=true", "checkpoint.every_n_steps=7", "log_every_n_steps=3",
+                        "val_dashboard.max_frames=2"], tmp_path, [marker])
+    # every one is in the trainer (Lightning moves checkpointing last), the benchmark's added once
+    assert sorted(configured(cbs)) == sorted(["model_checkpoint", "ValDashboard", "seen_clips", "progress_bar",
+                                              "Marker"])
+    by_type = {type(c).__name__: c for c in cbs}
+    ckpt = by_type["Checkpoints"]
+    assert (ckpt.dirpath, ckpt.filename, ckpt._every_n_train_steps, ckpt.save_top_k, ckpt.save_last) == (
+        str(tmp_path / "ckpt" / "train-tiny-synthetic-causal"), "step{step:07d}", 7, -1, True)
+    dash = by_type["ValDashboard"]
+    assert (dash.sampler_cfg["name"], dash.out, dash.data_name, dash.codebook_size, dash.vq_path, dash.n_clips,
+            dash.max_frames, dash.fps, dash.videos) == ("diagd", tmp_path / "out" / "dashboard", "synthetic", 32,
+                                                        None, 1, 2, 4, True)
+    assert by_type["SeenClips"].output_dir == tmp_path / "out"
+    assert by_type["TQDMProgressBar"].refresh_rate == 3
+    assert cbs.count(marker) == 1
+
+
+@pytest.mark.parametrize("override,gone", [
+    ("checkpoint.every_n_steps=null", "model_checkpoint"), ("val_dashboard.n_clips=0", "ValDashboard"),
+    ("record_seen_clips=false", "seen_clips"), ("+trainer.enable_progress_bar=false", "progress_bar"),
+    ("callbacks.model_checkpoint=null", "model_checkpoint"), ("callbacks.val_dashboard.enabled=false", "ValDashboard"),
+])
+def test_a_disabled_callback_is_absent(tmp_path, monkeypatch, override, gone):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    full = ["model_checkpoint", "ValDashboard", "seen_clips", "progress_bar"]
+    cbs = callbacks_of(["record_seen_clips=true", override], tmp_path)
+    assert sorted(configured(cbs)) == sorted(n for n in full if n != gone)
+    if gone == "model_checkpoint":  # Lightning adds no checkpointing of its own either
+        assert not any(isinstance(c, ModelCheckpoint) for c in cbs)
+
+
+def test_callbacks_are_built_in_the_groups_order(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    cfg = compose("train", [*SMALL_DATA, "record_seen_clips=true", "paths.output_dir=/tmp/out"])
+    assert configured(build_callbacks(cfg.callbacks)) == ["model_checkpoint", "ValDashboard", "seen_clips",
+                                                          "progress_bar"]
+
+
+def test_the_progress_bar_is_lightnings_default_on_a_terminal(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert "progress_bar" not in configured(callbacks_of([], tmp_path))
+    assert build_callbacks(compose("train", [*SMALL_DATA, "callbacks=none"]).callbacks) == []
+
+
+def test_a_callback_entry_without_target_is_refused():
+    cfg = compose("train", [*SMALL_DATA, "+callbacks.oops.x=1"])
+    with pytest.raises(ValueError, match="callbacks.oops: no _target_"):
+        build_callbacks(cfg.callbacks)
+
+
+@pytest.mark.parametrize("script", ["train.py", "finetune.py"])
+@pytest.mark.parametrize("old,new", [("optim.warmup_steps=5", "lr_schedule.warmup_steps=5"),
+                                     ("optim.min_lr_ratio=0", "lr_schedule.min_lr_ratio=0")])
+def test_renamed_overrides_name_their_new_key(script, old, new):
+    p = run_script(script, old, check=False)
+    assert p.returncode == 1
+    assert p.stderr == f"{old.split('=')[0]} is now {new.split('=')[0]} (conf/lr_schedule/): pass {new}\n"
