@@ -257,11 +257,14 @@ def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
                "val_dashboard.n_clips=0")
     run_script("finetune.py", "mask=diagd", "steps=20", *crafter, *job_overrides(tmp_path, "ft"), "logger=csv",
                "trainer.val_check_interval=20")
-    rows = list(csv.DictReader(open(next((tmp_path / "ft").glob("csv/version_*/metrics.csv")))))
-    val = [r for r in rows if r.get("val/loss")]
-    assert len(val) == 1 and float(val[0]["val/loss"]) > 0 and float(val[0]["val/loss_diagd"]) > 0
+    val = [r for r in metrics_rows(tmp_path / "ft") if r.get("val/loss")]
+    assert len(val) == 1
+    ckpt_path = tmp_path / "ckpt" / "finetune-tiny-crafter-diagd" / "last.ckpt"
+    want = val_losses("finetune", ["mask=diagd", "steps=20", *crafter], ckpt_path)  # the final weights' losses
+    for name in ("val/loss", "val/loss_diagd"):
+        assert float(val[0][name]) == pytest.approx(want[name], rel=1e-5), name
     assert list((tmp_path / "ft" / "dashboard").glob("val_step0000020.gif")), "no validation video"
-    ckpt = torch.load(tmp_path / "ckpt" / "finetune-tiny-crafter-diagd" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(ckpt_path, weights_only=False)
     assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["arch"]["vocab_size"] == 1024 + 17
 
 

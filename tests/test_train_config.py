@@ -206,9 +206,8 @@ def test_a_callback_entry_without_target_is_refused():
         build_callbacks(cfg.callbacks)
 
 
-@pytest.mark.parametrize("script", ["train.py", "finetune.py"])
-@pytest.mark.parametrize("old,new", [("optim.warmup_steps=5", "lr_schedule.warmup_steps=5"),
-                                     ("optim.min_lr_ratio=0", "lr_schedule.min_lr_ratio=0")])
+@pytest.mark.parametrize("script,old,new", [("train.py", "optim.warmup_steps=5", "lr_schedule.warmup_steps=5"),
+                                            ("finetune.py", "optim.min_lr_ratio=0", "lr_schedule.min_lr_ratio=0")])
 def test_renamed_overrides_name_their_new_key(script, old, new):
     p = run_script(script, old, check=False)
     assert p.returncode == 1
