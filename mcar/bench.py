@@ -31,13 +31,9 @@ from mcar.core.layout import Layout
 from mcar.core.masks import IGNORE, build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import build_sampler, forward_rows
+from mcar.tokenizer.devices import resolve_device, sync
 
 MODES = ("sampler", "train", "memory", "gpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, warmup: int, repeats: int):
@@ -46,17 +42,17 @@ def timed(fn, device: torch.device, warmup: int, repeats: int):
         fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         result = fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
 
 
 def setup(cfg: DictConfig):
     b = cfg.bench
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if b.device == "auto" else b.device)
+    device = resolve_device(b.device)
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if b.dtype == "auto" else getattr(torch, b.dtype)
     if b.threads:
         torch.set_num_threads(int(b.threads))
@@ -170,10 +166,10 @@ def pass_costs(model, calls, device, repeats: int) -> dict:
         model.reset_cache()
         run = []
         for forward, args, _, _ in calls:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(*args)
-            _sync(device)
+            sync(device)
             run.append(1000 * (time.perf_counter() - t0))
         if r:
             times.append(run)

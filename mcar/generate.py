@@ -5,9 +5,9 @@
     python -m mcar.generate ckpt=... prompt_image=frame.png 'actions=[move_left,move_left,do,noop]'
 
 prompt: a held-out clip id (0 .. number of validation clips - 1), or an episode name of the data's token
-folder with an optional first frame. prompt_image + actions: a first frame (any size; resized to the VQ's
-16h x 16w) and one action per generated frame (Crafter action names, or local action ids; n_a ids per frame
-as a list when n_a > 1); there is no ground truth then. Writes <output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
+folder with an optional first frame. prompt_image + actions: a first frame (any size; resized to the frame the
+VQ turns into the data's h x w tokens: x16, 224x384) and one action per generated frame (Crafter action names,
+or local action ids; n_a ids per frame as a list when n_a > 1); there is no ground truth then. Writes <output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
 """
 from __future__ import annotations
 
@@ -21,17 +21,22 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.eval.evaluate import check_data_fits, held_out_source, load_model, load_vq_for, sampler_label, sampling_dtype
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
-from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, side_by_side, split_clip, to_u8, write_gif,
-                      write_mp4)
+from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
+from mcar.eval.generation import held_out_source, load_vq_for, sampler_label
+from mcar.tokenizer.clips import join_clip, split_clip
+from mcar.tokenizer.devices import resolve_device
+from mcar.tokenizer.render import action_labels, decode_frames, invalid_image_tokens, side_by_side, to_u8, write_gif
+from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar.generate")
 
 
-def episode_clip(cfg: DictConfig, name: str, start: int, frames: int) -> torch.Tensor:
+def episode_clip(cfg: DictConfig, name: str, start: int, frames: int, layout: Layout) -> torch.Tensor:
     """(N,) clip of `frames` frames of episode `name` from the data's token folder, from frame `start`."""
+    from mcar.data.tokens import TokenClips
+
     dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
     if not hasattr(dm, "tokens_dir"):
         raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id (prompt=0)")
@@ -41,37 +46,36 @@ def episode_clip(cfg: DictConfig, name: str, start: int, frames: int) -> torch.T
         names = sorted(p.name[: -len(".frames.npy")] for p in Path(dm.tokens_dir).glob("*.frames.npy"))
         raise ValueError(f"prompt={name}: no episode {f}; episodes: {', '.join(names[:20])}"
                          + (" ..." if len(names) > 20 else ""))
-    toks = np.load(f, mmap_mode="r")
-    acts = np.load(f.with_name(f"{name}.actions.npy"), mmap_mode="r")
-    if not 0 <= start <= len(toks) - frames:
-        raise ValueError(f"prompt={name}:{start}: the episode has {len(toks)} frames; a {frames}-frame clip must "
-                         f"start in [0, {len(toks) - frames}]")
-    img = torch.from_numpy(np.asarray(toks[start:start + frames], np.int64)).flatten(1)  # (T, h*w)
-    act = torch.from_numpy(np.asarray(acts[start:start + frames], np.int64)) + cfg.data.codebook_size  # (T, n_a)
-    return torch.cat([img, act], 1).flatten()
+    source = TokenClips(dm.tokens_dir, [name], layout, frames, cfg.data.codebook_size)  # clip i starts at frame i
+    if not 0 <= start < len(source):
+        n = len(np.load(f, mmap_mode="r"))
+        raise ValueError(f"prompt={name}:{start}: the episode has {n} frames; a {frames}-frame clip must "
+                         f"start in [0, {n - frames}]")
+    return source.clip(start)
 
 
 def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
     """prompt_image + actions -> (N,) clip: the image's tokens, then zeros for the frames to generate."""
     from PIL import Image
 
-    from mcar.tokenizer.vq import encode_tokens
+    from mcar.tokenizer.vq import encode_tokens, frame_size
 
     path = Path(cfg.prompt_image)
     if not path.is_file():
         raise FileNotFoundError(f"prompt_image: file not found: {path}")
     if not cfg.actions:
         raise ValueError("prompt_image needs actions=[...]: one action per frame to generate")
-    img = Image.open(path).convert("RGB").resize((16 * layout.w, 16 * layout.h), Image.BICUBIC)
+    H, W = frame_size(vq, layout.h, layout.w)
+    img = Image.open(path).convert("RGB").resize((W, H), Image.BICUBIC)
     ids = encode_tokens(vq, torch.from_numpy(np.asarray(img))[None].to(vq.device))[0].flatten().cpu()  # (h*w,)
     if int(ids.max()) >= cfg.data.codebook_size:
         raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="
                          f"{cfg.data.codebook_size}: use the VQ the model's data was tokenised with (vq.path)")
-    per_frame = [parse_action(a, cfg.data.name, layout.n_a) for a in cfg.actions] + [[0] * layout.n_a]
-    out = []
-    for t, a in enumerate(per_frame):  # frame t's action leads to frame t+1; the last one is never used
-        out += [ids if t == 0 else torch.zeros_like(ids), torch.tensor(a) + cfg.data.codebook_size]
-    return torch.cat(out)
+    # frame t's action leads to frame t+1; the last one is never used
+    acts = torch.tensor([parse_action(a, cfg.data.name, layout.n_a) for a in cfg.actions] + [[0] * layout.n_a])
+    images = torch.zeros(len(acts), len(ids), dtype=torch.long)
+    images[0] = ids
+    return join_clip(images, acts, cfg.data.codebook_size)
 
 
 def parse_action(a, data_name: str, n_a: int) -> list[int]:
@@ -97,12 +101,12 @@ def prompt_clip(cfg: DictConfig, layout: Layout, frames: int, vq) -> tuple[torch
                              f"(ids 0..{len(source) - 1})")
         return source.clip(int(p)), True, f"clip{p}"
     name, _, start = p.partition(":")
-    return episode_clip(cfg, name, int(start or 0), frames), True, p.replace(":", "_")
+    return episode_clip(cfg, name, int(start or 0), frames, layout), True, p.replace(":", "_")
 
 
 def generate(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)

@@ -30,6 +30,7 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.train.memory import GiB, measure_step_peak, plan_training
 from mcar.core.model import ModelConfig, Transformer
+from mcar.tokenizer.devices import resolve_device, sync
 
 
 def training_shape(cfg: DictConfig) -> dict:
@@ -69,16 +70,12 @@ class StepTimes(Callback):
     def __init__(self, warmup: int):
         self.warmup, self.times, self._t = warmup, [], None
 
-    def _sync(self, pl_module):
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._sync(pl_module)
+        sync(pl_module.device)
         self._t = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._sync(pl_module)
+        sync(pl_module.device)
         if trainer.global_step > self.warmup:
             self.times.append(time.perf_counter() - self._t)
         if hasattr(self, "flops_per_token"):  # the same every step
@@ -135,7 +132,7 @@ def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
 
 def flex_check(cfg: DictConfig) -> dict:
     """DiagD mask of the configured clip: flex + BlockMask against SDPA + dense mask, in the training dtype."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device("auto")
     bf16 = str(cfg.trainer.precision).startswith("bf16") and dev.type == "cuda"
     dtype = torch.bfloat16 if bf16 else torch.float32
     arch = to_dict(cfg.model.arch) | {"n_layers": int(cfg.bench.gpu.flex_layers)}
@@ -183,7 +180,7 @@ def run_gpu(cfg: DictConfig) -> dict:
     shape = training_shape(cfg)
     plan = plan_training(to_dict(cfg.model.arch), first["seq_len"], first["batch_size"], bf16=shape["bf16"],
                          activation_checkpointing=first["activation_checkpointing"], budget_gib=None,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
+                         device=resolve_device("auto").type)
     result["memory"] = {"planned_peak_gib": plan["peak_gib"], "measured_peak_gib": first["peak_memory_gib"]}
     result["flex_vs_dense"] = flex_check(cfg)
     result["sampler"] = sampler_check(cfg)

@@ -113,7 +113,7 @@ def tiny_checkpoint(tmp_path):
 
 
 def test_load_model_dtype(tmp_path):
-    from mcar.eval.evaluate import load_model, sampling_dtype
+    from mcar.eval.checkpoint import load_model, sampling_dtype
     from mcar.core.layout import Layout
     from mcar.core.sampler import ScheduleSampler
 

@@ -1,20 +1,24 @@
 """Crafter episodes (seeded generator, policy mix) -> tokens -> clips in the DIAGD.md layout, split by episode."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from mcar.data.common import StepBatches
 from mcar.data.crafter import CrafterDataModule
 from mcar.data.crafter_gen import ACTIONS, generate, play_episode
-from mcar.data.video import read_mp4
+from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq import save_vq
 from tests.test_data_vpt import tiny_vq
 
+CRAFTER_CONF = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "crafter.yaml")
+
 
 def test_generator_is_seeded_and_cached(tmp_path):
-    names = generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1)
+    names = generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1, size=(224, 384))
     assert names == ["crafter_s3_e00000", "crafter_s3_e00001"]
     mp4, jsonl = tmp_path / "a" / f"{names[0]}.mp4", tmp_path / "a" / f"{names[0]}.jsonl"
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -23,16 +27,16 @@ def test_generator_is_seeded_and_cached(tmp_path):
     assert [r["frame"] for r in records] == list(range(len(records)))
     assert all(ACTIONS[r["action_id"]] == r["action"] for r in records)
     stamp = mp4.stat().st_mtime_ns
-    generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1)  # cached: not rewritten
+    generate(tmp_path / "a", episodes=2, frames=12, seed=3, workers=1, size=(224, 384))  # cached: not rewritten
     assert mp4.stat().st_mtime_ns == stamp
-    raw1, rec1 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75})
-    raw2, rec2 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75})
+    raw1, rec1 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75}, (224, 384))
+    raw2, rec2 = play_episode(3, 0, 12, {"random": 0.25, "explorer": 0.75}, (224, 384))
     assert rec1 == rec2 == records and np.array_equal(raw1, raw2)
     assert np.abs(frames.astype(int) - raw1.astype(int)).mean() < 3  # near-lossless mp4
 
 
 def test_explorer_holds_directions_and_acts():
-    _, records = play_episode(0, 1, 120, {"explorer": 1.0})
+    _, records = play_episode(0, 1, 120, {"explorer": 1.0}, (224, 384))
     acts = [r["action"] for r in records]
     assert records[0]["policy"] == "explorer"
     runs = [len(list(g)) for k, g in __import__("itertools").groupby(acts) if k.startswith("move")]
@@ -110,11 +114,20 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path):
             "vq.arch.latent_channels=4", "vq.arch.num_vq_embeddings=16", "vq.arch.vq_embed_dim=4"]
     dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
                            vq_train=True, vq_train_overrides=tiny, h=14, w=24, n_a=1, codebook_size=16,
-                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1)
+                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1,
+                           vq_trainer=CRAFTER_CONF.vq_trainer)  # its config, as data=crafter gives it
     dm.prepare_data()
     assert (tmp_path / "crafter" / "vq" / "best" / "config.json").exists()
     dm.setup()
     assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")
+
+
+def test_vq_train_without_a_trainer_names_the_field(tmp_path):
+    dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
+                           vq_train=True, h=14, w=24, n_a=1, codebook_size=16, action_vocab_size=17, clip_frames=4,
+                           batch_size=2, val_episodes=1)
+    with pytest.raises(ValueError, match="data.vq_trainer"):
+        dm.prepare_data()
 
 
 def test_fewer_episodes_reuse_the_cache(crafter_dm, capsys):

@@ -11,10 +11,11 @@ import torch
 from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.data.episodes import read_episode_actions
 from mcar.data.tokenize import tokenize_dir
-from mcar.data.video import write_mp4
+from mcar.tokenizer.video import write_mp4
 from mcar.data.vpt import parse_vpt
 from mcar.tokenizer.vq import build_vq
 
+SIZE = (224, 384)  # the frame size of data=vpt: 14 x 24 tokens, x16
 TINY_VQ = dict(block_out_channels=[8, 8, 8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 5,
                up_block_types=["UpDecoderBlock2D"] * 5, layers_per_block=1, latent_channels=4, norm_num_groups=4,
                num_vq_embeddings=16, vq_embed_dim=4)
@@ -64,7 +65,7 @@ def write_vpt(folder: Path, name: str, records, n_frames=None, size=(360, 640), 
     rng = np.random.default_rng(0)
     frames = [rng.integers(0, 256, (*size, 3), dtype=np.uint8) if noise else
               np.full((*size, 3), (i * 23) % 256, np.uint8) for i in range(n)]
-    write_mp4(folder / f"{name}.mp4", frames, fps=20, crf=23, pix_fmt="yuv420p")
+    write_mp4(frames, folder / f"{name}.mp4", fps=20, crf=23, pix_fmt="yuv420p")
     lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
     (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -89,7 +90,7 @@ def test_vpt_fixture_tokenised_exactly(tmp_path):
     ids, keep, _ = read_episode_actions(tmp_path / "fixture.jsonl", "vpt")
     np.testing.assert_array_equal(ids[keep], expected_ids())
     with pytest.warns(UserWarning, match=r"fixture\.mp4: ignored unknown key names \['key.keyboard.t'\]"):
-        index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "tiny", batch=4, min_frames=2)
+        index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "tiny", batch=4, min_frames=2, size=SIZE)
     assert index["episodes"] == [{"name": "fixture", "frames": len(EXPECTED)}]
     frames = np.load(tmp_path / "tok" / "fixture.frames.npy")
     actions = np.load(tmp_path / "tok" / "fixture.actions.npy")
@@ -105,7 +106,7 @@ def good_records(n):
 def run_tokenize(folder, **kw):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        index = tokenize_dir(folder, folder / "tok", "vpt", tiny_vq(), "tiny", batch=8, **kw)
+        index = tokenize_dir(folder, folder / "tok", "vpt", tiny_vq(), "tiny", batch=8, **kw, size=SIZE)
     return index, [str(w.message) for w in caught]
 
 
@@ -175,21 +176,21 @@ def test_nothing_usable_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="nothing usable in .*all 1 episodes skipped"):
         run_tokenize(tmp_path, min_frames=2)
     with pytest.raises(ValueError, match="no episodes"):
-        tokenize_dir(tmp_path / "tok", tmp_path / "tok2", "vpt", tiny_vq(), "tiny")
+        tokenize_dir(tmp_path / "tok", tmp_path / "tok2", "vpt", tiny_vq(), "tiny", size=SIZE)
 
 
 def test_tokens_of_another_vq_are_refused(tmp_path):
     write_vpt(tmp_path, "e1", good_records(4))
     run_tokenize(tmp_path, min_frames=2)
     with pytest.raises(ValueError, match="holds tokens made with"):
-        tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "another-vq")
+        tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "another-vq", size=SIZE)
 
 
 def test_ranks_split_the_episodes(tmp_path):
     for name in ["e1", "e2", "e3"]:
         write_vpt(tmp_path, name, good_records(4))
     vq = tiny_vq()
-    tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=1, world=2)
+    tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=1, world=2, size=SIZE)
     assert sorted(p.name for p in (tmp_path / "tok").glob("*.frames.npy")) == ["e2.frames.npy"]
-    index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2)
+    index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2, size=SIZE)
     assert [e["name"] for e in index["episodes"]] == ["e1", "e2", "e3"]  # the index covers every rank's shards

@@ -1,6 +1,7 @@
 """End-to-end: a tiny model trained by train.py (W&B offline), its training dashboard, `python -m mcar.evaluate`
 as a multirun over samplers (table columns, reference rows, W&B run dirs), `mcar.generate` and the IDM job."""
 import csv
+import json
 import math
 import re
 from pathlib import Path
@@ -49,7 +50,10 @@ def train_tiny_idm(tmp: Path) -> Path:
     cfg = compose("idm", [*SMALL_DATA, f"out={tmp}/idm/idm.pt", "steps=20", "eval_every=10", "batch_size=16",
                           f"paths.output_dir={tmp}/idm"])
     report = train_idm(cfg)
-    assert 0 <= report["val_accuracy"] <= 1 and (tmp / "idm" / "metrics.json").is_file()
+    saved = json.loads((tmp / "idm" / "metrics.json").read_text())
+    assert saved["val_accuracy"] == report["val_accuracy"] == report["history"][-1]["val_accuracy"]  # step 20 = final
+    right = report["val_accuracy"] * report["val_pairs"]  # a fraction of the held-out pairs
+    assert right == pytest.approx(round(right), abs=1e-9) and 0 <= round(right) <= report["val_pairs"]
     return tmp / "idm" / "idm.pt"
 
 
@@ -62,7 +66,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     run_script("-m mcar.evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
                "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
                f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"idm={idm}")
-    from mcar.eval.evaluate import COLUMNS
+    from mcar.eval.reporting import COLUMNS
 
     table = list(csv.DictReader(open(tmp / "multi" / "results.csv")))
     assert list(table[0].keys()) == COLUMNS
@@ -95,7 +99,8 @@ def test_evaluate_multirun_writes_the_results_table(trained):
 
 
 def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
-    from mcar.eval.evaluate import pick_clips, resolve_ckpt
+    from mcar.eval.checkpoint import resolve_ckpt
+    from mcar.eval.generation import pick_clips
 
     with pytest.raises(FileNotFoundError, match="ckpt: checkpoint not found: .*nope"):
         resolve_ckpt(str(tmp_path / "nope"))
@@ -103,7 +108,55 @@ def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
         resolve_ckpt(None)
     with pytest.raises(ValueError, match=r"clips=\[0, 9\]: ids \[9\] out of range.*3 clips"):
         pick_clips(range(3), 2, [0, 9])
-    assert pick_clips(range(10), 3) == [0, 4, 9] or pick_clips(range(10), 3) == [0, 5, 9]
+    assert pick_clips(range(10), 3) == [0, 4, 9]  # round(4.5) == 4: evenly spaced, ends included
+    assert pick_clips(range(10), 20) == list(range(10)) and pick_clips(range(10), 1) == [0]
+
+
+class ConstantIDM:
+    """An IDM that always predicts action `a` (n_a = 1)."""
+
+    def __init__(self, a: int):
+        self.a = a
+
+    def predict(self, x, y):
+        return torch.full((len(x), 1), self.a)
+
+
+def test_score_reference_rows_and_action_f1_exactly():
+    """ground truth scores PSNR inf and SSIM 1, noise far lower; a constant IDM gets the F1 worked out by hand;
+    missing nets become notes naming the columns."""
+    from mcar.core.layout import Layout
+    from mcar.eval import metrics as M
+    from mcar.eval.generation import reference_clips
+    from mcar.eval.scoring import Scorer, score, score_rows
+    from mcar.tokenizer.clips import join_clip
+    from .test_data_vpt import tiny_vq
+
+    layout, cb, T, P = Layout(2, 3, 1), 16, 5, 1
+    g = torch.Generator().manual_seed(0)
+    acts = torch.tensor([[0], [1], [0], [1], [0]])  # pairs t = 0..3 end in a generated frame: actions 0, 1, 0, 1
+    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), acts, cb) for _ in range(2)])
+    missing = M.Unavailable("no weights")
+    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=tiny_vq(),
+                    nets={"i3d": missing, "lpips": missing, "idm": ConstantIDM(0)}, names={0: "noop", 1: "left"})
+    row, curves, extra = score(gt.clone(), gt, scorer=scorer)
+    assert row["psnr"] == math.inf and row["ssim"] == pytest.approx(1, abs=1e-6)
+    assert curves["psnr"] == [math.inf] * (T - P) and "lpips" not in curves
+    # always 0 on targets 0, 1, 0, 1: action 0 precision 1/2, recall 1, F1 2/3; action 1 F1 0; macro F1 1/3
+    assert row["action_f1"] == pytest.approx(1 / 3) and row["action_acc"] == 0.5
+    assert row["action_f1_gt"] == row["action_f1"]
+    assert extra["per_action"]["noop"] == {"precision": 0.5, "recall": 1.0, "f1": pytest.approx(2 / 3), "support": 4}
+    assert row["notes"] == "lpips, fvd: no weights"
+
+    gen_slots = torch.tensor([i for i in range(P * layout.frame_len, T * layout.frame_len)
+                              if i % layout.frame_len < layout.frame_tokens])
+    noise = reference_clips("noise", gt, gen_slots, cb, seed=0)
+    assert torch.equal(noise[:, :layout.frame_len], gt[:, :layout.frame_len])  # the prompt frame is kept
+    rows, _, _ = score_rows({"ground_truth": (gt.clone(), {}), "noise": (noise, {})}, gt, scorer=scorer,
+                            common={"model": "m"})
+    by = {r["sampler"]: r for r in rows}
+    assert by["ground_truth"]["psnr"] == math.inf and math.isfinite(by["noise"]["psnr"])
+    assert by["noise"]["psnr"] < 25 and by["noise"]["ssim"] < 0.8  # tiny VQ: 20.1 dB, 0.73
 
 
 @pytest.mark.slow

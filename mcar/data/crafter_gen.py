@@ -1,12 +1,13 @@
 """Play Crafter episodes and write them as <name>.mp4 + <name>.jsonl (one record per frame), like VPT.
 
-Frame t is what the agent saw before taking the action of record t. Rendered directly at 224x384
-(`crafter.Env(size=(384, 224))`). Episodes are seeded: episode i of seed s is always the same.
+Frame t is what the agent saw before taking the action of record t. Rendered directly at the size asked for
+(`size` = (H, W): the data's token grid times the VQ's downsampling, 224x384 for data=crafter; `crafter.Env(size=(W,
+H))`). Episodes are seeded: episode i of seed s is always the same.
 
 Episodes are kept to Crafter's first day by default (`frames <= 140`): from step ~148 the night overlays
 fresh per-pixel random noise on every frame, which neither the VQ nor the world model can predict.
 
-    python -m mcar.data.crafter_gen --out data/crafter/episodes --episodes 24 --frames 128 --seed 0
+    python -m mcar.data.crafter_gen --out data/crafter/episodes --episodes 24 --frames 128 --seed 0 --size 224 384
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mcar.tokenizer.actions import CRAFTER_ACTIONS
-from mcar.data.video import FRAME_H, FRAME_W, write_mp4
+from mcar.tokenizer.video import write_mp4
 
 ACTIONS = CRAFTER_ACTIONS  # crafter's own order: the action id is the token
 MOVES = [1, 2, 3, 4]
@@ -78,15 +79,15 @@ def episode_name(seed: int, index: int) -> str:
     return f"crafter_s{seed}_e{index:05d}"
 
 
-def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float]):
-    """-> (frames (T, 224, 384, 3) uint8, records). T < frames when the player dies."""
+def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int]):
+    """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies."""
     import crafter  # imported here: worker processes
 
     rng = np.random.default_rng([seed, index])
     names = sorted(policy_mix)
     p = np.array([policy_mix[n] for n in names], float)
     policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
-    env = crafter.Env(size=(FRAME_W, FRAME_H), seed=int(rng.integers(2**31 - 1)))
+    env = crafter.Env(size=(int(size[1]), int(size[0])), seed=int(rng.integers(2**31 - 1)))
     obs, out, records = env.reset(), [], []
     for t in range(frames):
         action = policy(env)
@@ -101,13 +102,14 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
     return np.stack(out), records
 
 
-def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float]) -> str:
+def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float],
+                  size: tuple[int, int]) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
     if mp4.exists() and jsonl.exists():
         return name  # cached
-    video, records = play_episode(seed, index, frames, policy_mix)
-    write_mp4(mp4, video, fps=FPS)
+    video, records = play_episode(seed, index, frames, policy_mix, size)
+    write_mp4(video, mp4, fps=FPS, crf=12, pix_fmt="yuv444p", preset="veryfast")  # near-lossless pixel art
     tmp = jsonl.with_suffix(".part")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(jsonl)  # the jsonl appears last: both present == episode complete
@@ -115,8 +117,8 @@ def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix:
 
 
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
-             policy_mix: dict[str, float] | None = None, workers: int = 1) -> list[str]:
-    """Write `episodes` episodes into out_dir (finished ones are skipped). Returns their names."""
+             policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int]) -> list[str]:
+    """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
@@ -126,13 +128,13 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     names = []
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix) for i in range(episodes)]
+            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size) for i in range(episodes)]
             for f in futures:
                 names.append(f.result())
                 bar.update()
     else:
         for i in range(episodes):
-            names.append(write_episode(out_dir, seed, i, frames, policy_mix))
+            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size))
             bar.update()
     bar.close()
     return names
@@ -147,8 +149,11 @@ def main(argv=None):
     ap.add_argument("--random", type=float, default=0.25, help="policy mix weight of the random policy")
     ap.add_argument("--explorer", type=float, default=0.75, help="policy mix weight of the scripted explorer")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--size", type=int, nargs=2, required=True, metavar=("H", "W"),
+                    help="frame size: the data's token grid times the VQ's downsampling (data=crafter: 224 384)")
     a = ap.parse_args(argv)
-    generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers)
+    generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers,
+             size=tuple(a.size))
 
 
 if __name__ == "__main__":

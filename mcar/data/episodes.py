@@ -1,19 +1,17 @@
 """Episodes on disk: <name>.mp4 + <name>.jsonl (one record per frame). Reading that tolerates damage.
 
-`read_episode_actions` parses a jsonl into per-frame action token ids and a keep mask; `iter_frames` streams an
-mp4's frames and remembers why it stopped. Problems become notes (warnings naming the file), not exceptions,
-unless nothing is left: `EpisodeError`.
+`read_episode_actions` parses a jsonl into per-frame action token ids and a keep mask
+(`mcar.tokenizer.video.FrameStream` streams the mp4's frames and remembers why it stopped). Problems become notes
+(warnings naming the file), not exceptions, unless nothing is left: `EpisodeError`.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import av
 import numpy as np
 
 from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
-from mcar.data.video import FRAME_H, FRAME_W
 from mcar.data.vpt import parse_vpt
 
 
@@ -21,17 +19,16 @@ class EpisodeError(Exception):
     """An episode that cannot be used at all; the message is the reason."""
 
 
+def episode_files(folder: str | Path) -> list[Path]:
+    """Every finished <name>.mp4 in `folder` (none when it does not exist), sorted by name."""
+    return [f for f in sorted(Path(folder).glob("*.mp4")) if ".part" not in f.name]
+
+
 def list_episodes(folder: str | Path) -> list[tuple[str, Path, Path]]:
-    """(name, mp4, jsonl) for every <name>.mp4 with a <name>.jsonl, sorted by name."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    """(name, mp4, jsonl) for every <name>.mp4 (its <name>.jsonl may be missing), sorted by name."""
+    if not Path(folder).is_dir():
         raise FileNotFoundError(f"episode folder {folder} does not exist")
-    out = []
-    for mp4 in sorted(folder.glob("*.mp4")):
-        if ".part" in mp4.name:
-            continue
-        out.append((mp4.stem, mp4, mp4.with_suffix(".jsonl")))
-    return out
+    return [(mp4.stem, mp4, mp4.with_suffix(".jsonl")) for mp4 in episode_files(folder)]
 
 
 def read_jsonl(path: Path) -> tuple[list, list[str]]:
@@ -82,22 +79,3 @@ def read_episode_actions(jsonl: Path, source: str, drop_null: bool = True, drop_
         if a is not None and keep[i]:
             ids[i] = space.encode(a)
     return ids, np.array(keep, bool), notes + more
-
-
-class FrameStream:
-    """Iterates an mp4's frames as (224, 384, 3) uint8; afterwards `.count` and `.error` (None if it ended well)."""
-
-    def __init__(self, path: Path, size: tuple[int, int] = (FRAME_H, FRAME_W)):
-        self.path, self.size, self.count, self.error = path, size, 0, None
-
-    def __iter__(self):
-        h, w = self.size
-        try:
-            with av.open(str(self.path)) as container:
-                for frame in container.decode(video=0):
-                    self.count += 1
-                    yield frame.to_ndarray(format="rgb24", width=w, height=h)
-        except Exception as e:  # PyAV raises several error types for damaged files
-            self.error = f"{type(e).__name__}: {e}"
-        if self.count == 0 and self.error is None:
-            self.error = "no video frames"

@@ -10,8 +10,12 @@ Each shard is written to a temp name and renamed, frames last: a present frames 
 which later runs skip (resumable), and a failing episode never touches shards already written. Ranks split the
 episodes by index (`rank`, `world`); each rank rebuilds index.json from the shards on disk when it finishes.
 
-    python -m mcar.data.tokenize --episodes data/crafter/episodes --out data/crafter/tokens --source crafter
-    python -m mcar.data.tokenize --episodes /vpt --out data/vpt/tokens --source vpt --vq /path/vq [--rank r --world w]
+    python -m mcar.data.tokenize --episodes data/crafter/episodes --out data/crafter/tokens --source crafter \
+        --size 224 384
+    python -m mcar.data.tokenize --episodes /vpt --out data/vpt/tokens --source vpt --vq /path/vq --size 224 384 \
+        [--rank r --world w]
+
+Frames are resized to `size` = (H, W) (the data modules pass their token grid times the VQ's downsampling).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import torch
 from tqdm import tqdm
 
 from mcar.tokenizer.actions import action_space
-from mcar.data.episodes import EpisodeError, FrameStream, list_episodes, read_episode_actions
+from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
+from mcar.tokenizer.video import FrameStream
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
@@ -37,14 +42,16 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
-                     drop_gui: bool = True) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """-> (frame tokens (T, h, w) uint16, action ids (T, n_a) uint16, notes). Raises EpisodeError if unusable."""
+                     drop_gui: bool = True, size: tuple[int, int] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """-> (frame tokens (T, h, w) uint16 of the frames resized to size = (H, W) (None: as stored), action ids
+    (T, n_a) uint16, notes). Raises EpisodeError if unusable."""
     from mcar.tokenizer.vq import encode_tokens
 
     ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui)
     if len(ids) == 0:
         raise EpisodeError("jsonl has no records")
-    stream, buf, tokens, kept = FrameStream(mp4), [], [], []
+    stream, buf, tokens, kept = FrameStream(mp4, size), [], [], []
 
     def flush():
         if buf:
@@ -98,8 +105,9 @@ def check_meta(out: Path, meta: dict) -> None:
 
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
-                 world: int = 1) -> dict:
-    """Tokenise every episode (this rank's share) not already done. Returns the index."""
+                 world: int = 1, size: tuple[int, int] | None = None) -> dict:
+    """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
+    stored). -> the index."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     space = action_space(source)
@@ -115,7 +123,7 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
             done += 1
             continue
         try:
-            frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui)
+            frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui, size=size)
             if len(frames) < min_frames:
                 raise EpisodeError(f"only {len(frames)} usable frames, a clip needs {min_frames}")
         except EpisodeError as e:
@@ -152,12 +160,14 @@ def main(argv=None):
     ap.add_argument("--keep-gui", action="store_true")
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
     ap.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    ap.add_argument("--size", type=int, nargs=2, required=True, metavar=("H", "W"),
+                    help="frame size: the data's token grid times the VQ's downsampling (data=crafter, vpt: 224 384)")
     a = ap.parse_args(argv)
-    from mcar.tokenizer.vq import load_vq, vq_id
+    from mcar.tokenizer.vq import check_frame_size, load_vq, vq_id
 
     vq = load_vq(a.vq)
     tokenize_dir(a.episodes, a.out, a.source, vq, vq_id(a.vq), a.batch, a.min_frames, not a.keep_null,
-                 not a.keep_gui, a.rank, a.world)
+                 not a.keep_gui, a.rank, a.world, size=check_frame_size(vq, a.size, "--size"))
 
 
 if __name__ == "__main__":

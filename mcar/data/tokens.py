@@ -13,6 +13,7 @@ import torch
 
 from mcar.data.common import ClipDataModule
 from mcar.core.layout import Layout
+from mcar.tokenizer.clips import join_clip
 
 
 def read_index(folder: str | Path) -> dict:
@@ -55,9 +56,7 @@ class TokenClips:
     def clip(self, i: int) -> torch.Tensor:
         e, t = self.starts[i]
         toks, acts = self.episodes[e]
-        img = np.asarray(toks[t:t + self.frames], np.int64).reshape(self.frames, -1)  # (F, h*w)
-        act = np.asarray(acts[t:t + self.frames], np.int64) + self.codebook_size  # (F, n_a), after the codebook
-        return torch.from_numpy(np.concatenate([img, act], 1).reshape(-1))  # (F * frame_len,)
+        return join_clip(toks[t:t + self.frames], acts[t:t + self.frames], self.codebook_size)  # (F * frame_len,)
 
 
 class TokenDataModule(ClipDataModule):

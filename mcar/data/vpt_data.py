@@ -1,7 +1,8 @@
 """Real VPT recordings: `python train.py data=vpt data.root=/path/to/vpt vq=amused vq.path=/path/to/vq`.
 
 prepare_data() tokenises every <name>.mp4 + <name>.jsonl under `root` (resumable, skips damaged files with a
-warning) into `tokens_root/tokens_<vq id>`; clips then come from those shards, split by episode.
+warning) into `tokens_root/tokens_<vq id>`, frames resized to the token grid (data.h, data.w) times the VQ's
+downsampling (x16: 224x384); clips then come from those shards, split by episode.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ class VPTDataModule(TokenDataModule):
 
     def prepare_data(self) -> None:
         from mcar.data.tokenize import tokenize_dir
-        from mcar.tokenizer.vq import load_vq, vq_id
+        from mcar.tokenizer.vq import frame_size, load_vq, vq_id
 
         if self.vq_path is None:
             print("warning: data=vpt with the small Crafter VQ; set vq.path to a VQ trained on Minecraft")
-        tokenize_dir(self.root, self.tokens_dir, "vpt", load_vq(self.vq_path), vq_id(self.vq_path),
-                     self.tokenize_batch, self.clip_frames, self.drop_null, self.drop_gui)
+        vq = load_vq(self.vq_path)
+        tokenize_dir(self.root, self.tokens_dir, "vpt", vq, vq_id(self.vq_path), self.tokenize_batch,
+                     self.clip_frames, self.drop_null, self.drop_gui,
+                     size=frame_size(vq, self.layout.h, self.layout.w))  # data.h, data.w x the VQ's downsampling

@@ -30,6 +30,7 @@ from tqdm import tqdm
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.core.layout import Layout
 from mcar.eval.metrics import Unavailable
+from mcar.tokenizer.clips import split_clip
 
 log = logging.getLogger("mcar.eval.idm")
 
@@ -71,10 +72,8 @@ def frame_pairs(clips: torch.Tensor, layout: Layout, codebook_size: int, first: 
     Returns a, b (M, h, w) token ids and actions (M, n_a) local ids, M = B * (T - 1 - first); pairs are ordered
     clip-major (all pairs of clip 0, then clip 1, ...).
     """
-    B, T = clips.shape[0], clips.shape[1] // layout.frame_len
-    x = clips.view(B, T, layout.frame_len)
-    img = x[..., : layout.frame_tokens].reshape(B, T, layout.h, layout.w)
-    act = x[..., layout.frame_tokens:] - codebook_size  # (B, T, n_a)
+    img, act = split_clip(clips, layout, codebook_size)  # (B, T, h, w), (B, T, n_a)
+    T = img.shape[1]
     a, b = img[:, first:T - 1], img[:, first + 1:]
     return a.flatten(0, 1), b.flatten(0, 1), act[:, first:T - 1].flatten(0, 1)
 

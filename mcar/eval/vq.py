@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mcar.tokenizer.vq import decode_latents, load_vq, save_vq, to_input
-from mcar.train.vq import episode_files, frame_scores, load_frames, save_grid
+from mcar.data.episodes import episode_files
+from mcar.tokenizer.vq import check_frame_size, decode_latents, load_vq, save_vq, to_input
+from mcar.train.vq import frame_scores, load_frames, save_grid
 
 
 @torch.no_grad()
@@ -42,6 +43,8 @@ def main(argv=None):
     ap.add_argument("--show", type=int, default=3, help="frames in the PNG")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--export", default=None, help="store the VQ here (fp16 safetensors) and score that copy")
+    ap.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
+                    help="resize frames to H x W (multiples of the VQ's downsampling); default: as stored")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     vq = load_vq(a.vq)
@@ -49,7 +52,8 @@ def main(argv=None):
         save_vq(vq, a.export, half=True)
         vq = load_vq(a.export)
     files = episode_files(a.episodes)
-    frames = load_frames(files, a.stride, desc="held-out frames")
+    size = check_frame_size(vq, a.size, "--size") if a.size else None
+    frames = load_frames(files, a.stride, desc="held-out frames", size=size)
     m = evaluate(vq, frames)
     print(f"{len(files)} episodes, {m['frames']} frames: PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f}, "
           f"codebook usage {m['usage']:.1%} ({m['codes_used']} of {vq.quantize.n_e})")

@@ -1,5 +1,6 @@
 """Pictures for people: token clips -> decoded frames, side-by-side videos with the action under each frame,
-mp4 / gif writers, and the attention mask of a schedule as an image. Pure functions, no W&B here."""
+gif / png writers (mp4: mcar.tokenizer.video), and the attention mask of a schedule as an image. Pure functions,
+no W&B here."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,13 +13,6 @@ from mcar.core.layout import Layout
 
 
 # ------------------------------------------------------------------------------------------------ tokens -> pixels
-def split_clip(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, N) clips -> image ids (B, T, h, w) and local action ids (B, T, n_a)."""
-    B, T = clips.shape[0], clips.shape[1] // layout.frame_len
-    x = clips.view(B, T, layout.frame_len)
-    return x[..., : layout.frame_tokens].reshape(B, T, layout.h, layout.w), x[..., layout.frame_tokens:] - codebook_size
-
-
 def invalid_image_tokens(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, int]:
     """The sampler draws from the whole vocabulary: an image slot may get an action id. -> (clips with such ids
     replaced by code 0, how many there were). Counted in the row's notes, never silently."""
@@ -105,21 +99,6 @@ def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4
 
 
 # ------------------------------------------------------------------------------------------------ writers
-def _even(frames: np.ndarray) -> np.ndarray:
-    """Pad H and W to even sizes (H.264 with yuv420p needs them)."""
-    T, H, W, _ = frames.shape
-    return np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)))
-
-
-def write_mp4(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
-    import imageio.v3 as iio
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, _even(frames), fps=fps, codec="libx264", plugin="pyav")
-    return path
-
-
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The image tokenizer: a diffusers `VQModel`, x16 downsampling (224x384 frames -> 14x24 token ids).
+"""The image tokenizer: a diffusers `VQModel`; `downsample(vq)` pixels per token side, read from its architecture
+(x16 for both VQs of conf/vq: 224x384 frames -> 14x24 token ids).
 
 Token ids are always `vq.quantize(vq.encode(x).latents)[2][2]` with x in [-1, 1], (B, 3, H, W).
 
@@ -84,24 +85,50 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
 
 
+def downsample(vq_or_arch) -> int:
+    """Pixels per token side of a VQModel (or its `arch` kwargs): every encoder block but the last halves the
+    frame, so 2 ** (len(block_out_channels) - 1)."""
+    arch = vq_or_arch.config if isinstance(vq_or_arch, VQModel) else vq_or_arch
+    return 2 ** (len(arch["block_out_channels"]) - 1)
+
+
+def frame_size(vq_or_arch, h: int, w: int, what: str = "data.h, data.w") -> tuple[int, int]:
+    """The (H, W) pixel frame that the VQ turns into an h x w token grid (`what` names where h, w come from)."""
+    if h < 1 or w < 1:
+        raise ValueError(f"{what} = {h}, {w}: the token grid must be at least 1 x 1")
+    ds = downsample(vq_or_arch)
+    return h * ds, w * ds
+
+
+def check_frame_size(vq_or_arch, size, what: str) -> tuple[int, int]:
+    """(H, W) -> itself when the VQ's downsampling divides it, else a ValueError naming `what` (the config field)."""
+    H, W = (int(v) for v in size)
+    ds = downsample(vq_or_arch)
+    if H % ds or W % ds or H < ds or W < ds:
+        raise ValueError(f"{what} = {H}x{W} does not fit the VQ, which downsamples x{ds} "
+                         f"(2 ** (len(vq.arch.block_out_channels) - 1)): use multiples of {ds}")
+    return H, W
+
+
 @torch.no_grad()
 def encode_tokens(vq: VQModel, frames_u8: torch.Tensor) -> torch.Tensor:
-    """(B, H, W, 3) uint8 -> (B, H/16, W/16) long token ids."""
+    """(B, H, W, 3) uint8 -> (B, H/ds, W/ds) long token ids, ds = downsample(vq)."""
     x = to_input(frames_u8)
     ids = vq.quantize(vq.encode(x).latents)[2][2]  # (B*h*w,)
-    return ids.view(x.shape[0], x.shape[2] // 16, x.shape[3] // 16)
+    ds = downsample(vq)
+    return ids.view(x.shape[0], x.shape[2] // ds, x.shape[3] // ds)
 
 
 @torch.no_grad()
 def decode_tokens(vq: VQModel, ids: torch.Tensor) -> torch.Tensor:
-    """(B, h, w) token ids -> (B, 3, 16h, 16w) in [-1, 1]."""
+    """(B, h, w) token ids -> (B, 3, ds*h, ds*w) in [-1, 1]."""
     B, h, w = ids.shape
     z = vq.quantize.get_codebook_entry(ids.reshape(-1), (B, h, w, vq.quantize.vq_embed_dim))
     return decode_latents(vq, z)
 
 
 def decode_latents(vq: VQModel, z_q: torch.Tensor) -> torch.Tensor:
-    """(B, D, h, w) quantised latents -> (B, 3, 16h, 16w). VQModel.decode without its lookup branches (aMUSEd's
+    """(B, D, h, w) quantised latents -> (B, 3, ds*h, ds*w). VQModel.decode without its lookup branches (aMUSEd's
     `lookup_from_codebook` would read z_q as ids)."""
     spatial = z_q if vq.config.norm_type == "spatial" else None
     return vq.decoder(vq.post_quant_conv(z_q), spatial)

@@ -15,8 +15,10 @@ from lightning.pytorch.callbacks import Callback
 
 from mcar.train.parallel import is_sharded
 from mcar.core.sampler import build_sampler
-from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table, side_by_side,
-                      split_clip, to_u8, write_gif, write_mp4, write_png)
+from mcar.tokenizer.clips import split_clip
+from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table,
+                                   side_by_side, to_u8, write_gif, write_png)
+from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar")
 SPEED_COLUMNS = ["step", "sampler", "passes", "fps", "tp", "seconds"]

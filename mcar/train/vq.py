@@ -28,22 +28,22 @@ from torchmetrics.functional.image import structural_similarity_index_measure as
 from tqdm import tqdm
 
 from mcar.data.common import StepsFrom
-from mcar.data.video import read_mp4
-from mcar.tokenizer.vq import L2Quantizer, build_vq, decode_latents, load_vq, save_vq, to_input, to_uint8, use_l2_quantizer
+from mcar.data.episodes import episode_files
+from mcar.tokenizer.video import read_mp4
+from mcar.tokenizer.vq import (L2Quantizer, build_vq, check_frame_size, decode_latents, frame_size, load_vq, save_vq,
+                               to_input, to_uint8, use_l2_quantizer)
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def episode_files(folder: str | Path) -> list[Path]:
-    files = sorted(Path(folder).glob("*.mp4"))
-    return [f for f in files if ".part" not in f.name]
-
-
-def load_frames(files: list[Path], stride: int, max_per_episode: int | None = None, desc: str = "frames"
-                ) -> torch.Tensor:
-    """(N, 224, 384, 3) uint8: every `stride`-th frame of each file; damaged files are skipped with a warning."""
+def load_frames(files: list[Path], stride: int, max_per_episode: int | None = None, desc: str = "frames",
+                size: tuple[int, int] | None = None) -> torch.Tensor:
+    """(N, H, W, 3) uint8: every `stride`-th frame of each file, resized to size = (H, W) when given (None: as
+    stored); damaged files are skipped with a warning."""
     out = []
     for f in tqdm(files, desc=desc, unit="ep"):
-        frames, err = read_mp4(f)
+        frames, err = read_mp4(f, size)
         if err:
             print(f"warning: {f}: {err} (kept {len(frames)} decoded frames)")
         frames = frames[::stride][:max_per_episode]
@@ -228,17 +228,19 @@ def save_grid(path: Path, originals: torch.Tensor, recons: torch.Tensor) -> None
 # ---------------------------------------------------------------------------------------------------- main
 def make_data(cfg: DictConfig):
     folder = Path(cfg.episodes)
+    size = check_frame_size(cfg.vq.arch, cfg.frame_size, "frame_size")
     files = episode_files(folder)
     if not files and cfg.generate.episodes:
         from mcar.data.crafter_gen import generate
 
-        generate(folder, cfg.generate.episodes, cfg.generate.frames, cfg.generate.seed, workers=cfg.generate.workers)
+        generate(folder, cfg.generate.episodes, cfg.generate.frames, cfg.generate.seed, workers=cfg.generate.workers,
+                 size=size)
         files = episode_files(folder)
     if len(files) <= cfg.val_episodes:
         raise ValueError(f"{folder}: {len(files)} episodes, need more than val_episodes={cfg.val_episodes}")
     train_files, val_files = files[:-cfg.val_episodes], files[-cfg.val_episodes:]  # split by episode
-    train = load_frames(train_files, cfg.frame_stride, desc="train frames")
-    val = load_frames(val_files, cfg.val_stride, cfg.val_per_episode, desc="held-out frames")
+    train = load_frames(train_files, cfg.frame_stride, desc="train frames", size=size)
+    val = load_frames(val_files, cfg.val_stride, cfg.val_per_episode, desc="held-out frames", size=size)
     print(f"{len(train_files)} train episodes ({len(train)} frames), {len(val_files)} held-out ({len(val)} frames)")
     return train, val
 
@@ -268,6 +270,28 @@ def train(cfg: DictConfig) -> VQLit:
     val_loader = DataLoader([to_input(b) for b in val_frames.split(cfg.val_batch)], batch_size=None)
     trainer.fit(lit, loader, val_loader, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return lit
+
+
+def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]) -> VQLit:
+    """The VQ a data module trains (data.vq_train=true): conf/vq_train.yaml + `overrides`, on Crafter episodes
+    under root/vq_episodes, into root/vq; frames are the data's token grid (h, w) times the VQ's downsampling."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    root = Path(root)
+    args = [f"paths.data_dir={root.parent}", f"paths.checkpoint_root={root}", f"episodes={root / 'vq_episodes'}",
+            f"out={root / 'vq'}", *overrides]
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra job (train.py): its search path holds conf/
+        cfg = compose("vq_train", overrides=args)
+    else:
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("vq_train", overrides=args)
+    cfg.frame_size = list(frame_size(cfg.vq.arch, *grid, what="data.h, data.w"))
+    threads = torch.get_num_threads()
+    try:
+        return train(cfg)
+    finally:
+        torch.set_num_threads(threads)  # vq_train's thread count is for its own background runs
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="vq_train")

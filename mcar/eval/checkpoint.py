@@ -1,0 +1,71 @@
+"""Loading a trained world model for sampling: the checkpoint file, the sampling dtype, the module, and the check
+that the data config fits it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from mcar.core.layout import Layout
+from mcar.train.task import check_state_shapes, load_checkpoint
+
+
+def resolve_ckpt(ckpt: str | None) -> Path:
+    """ckpt=<file.ckpt> or ckpt=<run dir holding last.ckpt> -> the file; clear errors otherwise."""
+    if not ckpt:
+        raise ValueError("ckpt is required: ckpt=checkpoints/<run_name>/last.ckpt (or the run's folder)")
+    p = Path(ckpt)
+    if p.is_dir():
+        p = p / "last.ckpt"
+    if not p.is_file():
+        raise FileNotFoundError(f"ckpt: checkpoint not found: {p}")
+    return p
+
+
+SAMPLING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sampling_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """dtype=auto|float32|bfloat16 (None: auto) -> the weights' and KV cache's dtype for sampling on `device`.
+    auto: bfloat16 on CUDA (half the bytes a memory-bound pass reads), float32 elsewhere (CPUs lack fast bf16)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in SAMPLING_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid; choose auto, {', '.join(SAMPLING_DTYPES)}")
+    return SAMPLING_DTYPES[dtype]
+
+
+def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None):
+    """A Lightning checkpoint of train.py / finetune.py -> (MCARModule in eval mode, its hyper-parameters).
+
+    Parameters are cast to `dtype` (see `sampling_dtype`; default bfloat16 on CUDA, float32 on CPU), buffers are
+    not: RoPE's frequencies stay float32, as in mixed-precision training. The samplers' KV cache follows the
+    weights' dtype."""
+    from mcar.train.module import MCARModule
+
+    path = resolve_ckpt(None if ckpt is None else str(ckpt))
+    state = load_checkpoint(path)
+    hp = dict(state.get("hyper_parameters") or {})
+    if "arch" not in hp or "layout" not in hp:
+        raise ValueError(f"{path} has no mcar hyper_parameters (arch, layout): not a train.py checkpoint")
+    hp["compile"] = False
+    module = MCARModule(**hp)
+    check_state_shapes(module, state["state_dict"], str(path))
+    module.load_state_dict(state["state_dict"])
+    module = module.to(device).eval()
+    dtype = sampling_dtype(dtype, device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = p.data.to(dtype)
+    return module, hp
+
+
+def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
+    own = Layout(**hp["layout"])
+    if (own.h, own.w, own.n_a) != (data.h, data.w, data.n_a) or hp["arch"]["vocab_size"] < data.vocab_size:
+        raise ValueError(f"data={data.name} (h, w, n_a, vocab) = ({data.h}, {data.w}, {data.n_a}, {data.vocab_size}) "
+                         f"does not fit the checkpoint's ({own.h}, {own.w}, {own.n_a}, {hp['arch']['vocab_size']}): "
+                         f"pass the data config the model was trained on (data=..., data.h=...)")

@@ -1,0 +1,92 @@
+"""Generation for evaluation: the held-out clips, which of them to use, the VQ that decodes them, timed sampling,
+the teacher-forced loss on the sampler's schedule and the reference rows (ground truth, noise)."""
+from __future__ import annotations
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
+
+from mcar.tokenizer.devices import sync
+
+
+def held_out_data(cfg: DictConfig, frames: int):
+    """The data module of the configured data, set up with `frames`-frame clips (val_source: held-out clips)."""
+    with open_dict(cfg):
+        cfg.data.clip_frames = frames
+    dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    dm.prepare_data()
+    dm.setup("validate")
+    return dm
+
+
+def held_out_source(cfg: DictConfig, frames: int):
+    """The validation clips (held-out episodes) of the configured data, `frames` frames long."""
+    return held_out_data(cfg, frames).val_source
+
+
+def pick_clips(source, n_clips: int, ids=None) -> list[int]:
+    """Explicit `clips` ids, else n_clips evenly spaced over the held-out set (little overlap between clips)."""
+    n = len(source)
+    if ids:
+        bad = [i for i in ids if not 0 <= int(i) < n]
+        if bad:
+            raise ValueError(f"clips={list(ids)}: ids {bad} out of range; the held-out set has {n} clips (0..{n - 1})")
+        return [int(i) for i in ids]
+    if n == 0:
+        raise ValueError("the held-out set has no clip of that length (lower frames=, or use more val episodes)")
+    k = min(n_clips, n)
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
+    """The VQ that decodes the data's tokens (vq.path; the committed small VQ when the data names none)."""
+    from mcar.tokenizer.vq import load_vq
+
+    return load_vq(OmegaConf.select(cfg, "vq.path", default=None)).to(device)
+
+
+@torch.no_grad()
+def generate_clips(model, sampler, clips: torch.Tensor, batch_size: int, warmup: bool = True):
+    """clips (n, N) -> generated (n, N) and speed {fps, tp, step, seconds}; timing excludes the warm-up."""
+    if warmup:
+        sampler.generate(model, clips[:batch_size])
+    out, seconds, tokens, passes = [], 0.0, 0, 0
+    for batch in tqdm(clips.split(batch_size), desc=f"generate {sampler.name}", mininterval=5):
+        sync(batch.device)
+        tokens_b, stats = sampler.generate(model, batch)  # times itself, synchronised on GPU
+        out.append(tokens_b)
+        seconds, tokens, passes = seconds + stats.seconds, tokens + stats.tokens, max(passes, stats.passes)
+    model.clear_cache()
+    sched = sampler.schedule()
+    frames = len(clips) * (sched.frames - sched.prompt_frames)
+    return torch.cat(out), {"fps": frames / seconds, "tp": tokens / seconds, "step": passes, "seconds": seconds}
+
+
+@torch.no_grad()
+def teacher_forced_loss(model, sampler, clips: torch.Tensor, batch_size: int) -> float:
+    """Mean cross-entropy of every generated image token, the clips' own tokens fed on the sampler's schedule."""
+    nll = torch.cat([sampler.teacher_forced(model, b, keep_logits=False).nll for b in clips.split(batch_size)])
+    model.clear_cache()
+    return float(nll.double().mean())
+
+
+def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, codebook_size: int, seed: int = 0):
+    """Reference rows: 'ground_truth' (the clips themselves: PSNR inf) or 'noise' (random generated tokens)."""
+    if kind == "ground_truth":
+        return clips.clone()
+    if kind == "noise":
+        out = clips.clone()
+        g = torch.Generator().manual_seed(seed)
+        out[:, gen_slots] = torch.randint(0, codebook_size, (len(clips), len(gen_slots)), generator=g).to(out)
+        return out
+    raise ValueError(f"references: unknown {kind!r}; choose from ground_truth, noise")
+
+
+def sampler_label(sampler) -> str:
+    """'ntp', or 'diagd k=2[ d=28][ proxy=above][ full]': the sampler and its schedule."""
+    if sampler.name != "diagd":
+        return sampler.name
+    c = sampler.config
+    return (f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
+            + (f" proxy={c.proxy}" if c.proxy != "prev_frame" else "") + (" full" if c.full else ""))

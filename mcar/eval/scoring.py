@@ -1,0 +1,91 @@
+"""Scoring generated clips against the ground truth: PSNR / SSIM / LPIPS per frame, FVD per clip (frames decoded
+by the VQ) and the inverse-dynamics model's action-following scores (on tokens)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcar.core.layout import Layout
+from mcar.eval import metrics as M
+from mcar.eval.idm import action_scores, frame_pairs
+from mcar.tokenizer.clips import split_clip
+from mcar.tokenizer.render import decode_frames, invalid_image_tokens
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """What scoring needs besides the clips: the layout, the codebook size, P prompt frames (not scored), the VQ
+    (or M.Unavailable), the nets {i3d, lpips, idm} (each a net or M.Unavailable) and the IDM's action names."""
+
+    layout: Layout
+    codebook_size: int
+    prompt_frames: int
+    vq: object
+    nets: dict
+    names: dict
+
+
+def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
+    """Both clips decoded, (n, T, 3, H, W) each, or one M.Unavailable for both."""
+    if isinstance(scorer.vq, M.Unavailable):
+        return scorer.vq, scorer.vq
+    try:
+        return tuple(decode_frames(scorer.vq, split_clip(x.cpu(), scorer.layout, scorer.codebook_size)[0])
+                     for x in (gen, gt))
+    except ValueError as e:
+        return (M.Unavailable(str(e)),) * 2
+
+
+def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
+    """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action}) for generated vs gt."""
+    layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
+    row, curves, extra = {}, {}, {}
+    pix_gen, pix_gt = _pixels(scorer, gen, gt)
+    if isinstance(pix_gen, M.Unavailable):
+        for k in ("psnr", "ssim", "lpips", "fvd"):
+            row[k] = pix_gen
+    else:
+        g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
+        psnr, ssim = M.psnr_per_frame(g, t), M.ssim_per_frame(g, t)
+        curves["psnr"], curves["ssim"] = M.mean_over_clips(psnr), M.mean_over_clips(ssim)
+        row["psnr"], row["ssim"] = float(psnr.double().mean()), float(ssim.double().mean())
+        lp = M.lpips_per_frame(nets["lpips"], g, t)
+        row["lpips"] = lp if isinstance(lp, M.Unavailable) else float(lp.mean())
+        if not isinstance(lp, M.Unavailable):
+            curves["lpips"] = M.mean_over_clips(lp)
+        row["fvd"] = M.fvd(nets["i3d"], pix_gen, pix_gt)  # whole clips, as MineWorld
+    idm = nets["idm"]
+    if isinstance(idm, M.Unavailable):
+        row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
+    else:
+        a, b, act = frame_pairs(gen.cpu(), layout, cb, first=P - 1)  # pairs ending in a generated frame
+        s = action_scores(idm.predict(a, b), act, scorer.names)
+        a, b, _ = frame_pairs(gt.cpu(), layout, cb, first=P - 1)
+        s_gt = action_scores(idm.predict(a, b), act, scorer.names)
+        row.update(action_f1=s["macro_f1"], action_acc=s["accuracy"], action_f1_gt=s_gt["macro_f1"])
+        extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
+    by_reason: dict[str, list[str]] = {}
+    for k, v in row.items():
+        if isinstance(v, M.Unavailable):
+            by_reason.setdefault(v.reason, []).append(k)
+    row["notes"] = "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items())
+    return row, curves, extra
+
+
+def score_rows(outputs: dict, gt: torch.Tensor, *, scorer: Scorer, common: dict):
+    """{label: (clips, speed)} -> table rows, per-frame curves and per-action extras, one per label. Image slots
+    that got an action id are scored as code 0 (and counted in the row's notes); `outputs` then holds those clips,
+    so videos show what was scored."""
+    layout, cb, P = scorer.layout, scorer.codebook_size, scorer.prompt_frames
+    rows, curves, extras = [], {}, {}
+    for label, (clips, spd) in outputs.items():
+        clips, n_bad = invalid_image_tokens(clips, layout, cb)
+        outputs[label] = (clips, spd)  # videos show what was scored
+        row, curves[label], extras[label] = score(clips, gt, scorer=scorer)
+        if n_bad:
+            n_img = len(clips) * (gt.shape[1] // layout.frame_len - P) * layout.frame_tokens
+            row["notes"] = "; ".join(filter(None, [f"{n_bad}/{n_img} generated image tokens were action ids "
+                                                   f"(scored as code 0)", row["notes"]]))
+        rows.append({**common, "sampler": label, **row, **{k: spd.get(k) for k in ("loss_tf", "fps", "tp", "step")}})
+    return rows, curves, extras

@@ -1,0 +1,20 @@
+"""Device helpers shared by every layer above core: the `device=auto` choice and a CUDA synchronisation point."""
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """device=auto|cpu|cuda|cuda:1 (None: auto) -> a torch.device; auto: CUDA when present, else CPU."""
+    if isinstance(name, torch.device):
+        return name
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (timing on GPU); nothing on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
