@@ -1,0 +1,108 @@
+"""`python -m mcar.convert mineworld`: a randomly initialised, reduced LlamaForCausalLM with MineWorld's config
+shape (GQA, 1D RoPE, untied head, image codes then action ids) is saved, converted and compared on the same clip."""
+import json
+
+import pytest
+import torch
+
+from mcar.convert import convert_mineworld, main
+from mcar.core.layout import Layout
+from mcar.core.masks import CausalMask
+from mcar.core.sampler import ScheduleSampler
+
+transformers = pytest.importorskip("transformers", reason="the parity test needs transformers: pip install -e '.[convert]'")
+
+LAYOUT, FRAMES, CODES = Layout(3, 4, 2), 3, 32  # 14 slots per frame: 12 image tokens then 2 actions
+
+
+def tiny_llama(tmp_path, tie=False):
+    cfg = transformers.LlamaConfig(
+        vocab_size=CODES + 6, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+        num_hidden_layers=2, max_position_embeddings=LAYOUT.n_slots(FRAMES), rope_theta=1000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, initializer_range=0.2, attention_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so a swapped norm weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    return hf
+
+
+def clip(batch=2):
+    g = torch.Generator().manual_seed(1)
+    c = torch.randint(0, CODES, (batch, LAYOUT.n_slots(FRAMES)), generator=g)
+    act = ~LAYOUT.is_image(FRAMES)
+    c[:, act] = CODES + torch.randint(0, 6, (batch, int(act.sum())), generator=g)
+    return c
+
+
+def converted(tmp_path, tie=False):
+    hf = tiny_llama(tmp_path, tie)
+    path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+    from mcar.eval.checkpoint import load_model  # the loader mcar.generate and mcar.evaluate use
+
+    return hf, path, load_model(path, "cpu")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_converted_logits_equal_transformers(tmp_path, tie):
+    hf, path, (module, hp) = converted(tmp_path, tie)
+    model, x = module.model.eval(), clip()
+    assert hp["arch"]["rope"] == "1d" and hp["arch"]["n_kv_heads"] == 2 and hp["clip_frames"] == FRAMES
+    with torch.no_grad():
+        want = hf(input_ids=x, position_ids=torch.arange(x.shape[1])[None].expand_as(x)).logits
+        batch = CausalMask(LAYOUT, FRAMES)(x)
+        got = model(batch.tokens, batch.coords, batch.mask)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, err
+    assert want.abs().max() > 1  # logits that say something (not all ~0)
+
+
+def test_ntp_and_diagd_k_equal_w_sample_the_same_tokens(tmp_path):
+    """On the converted model, DiagD with k = w (no proxies, one image token per pass) is NTP: same tokens,
+    greedy and seeded."""
+    _, _, (module, _) = converted(tmp_path)
+    model = module.model.eval()
+    for rule in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        ntp = ScheduleSampler.ntp(LAYOUT, FRAMES, 1, codebook_size=CODES, **rule)
+        diag = ScheduleSampler(LAYOUT, FRAMES, 1, k=LAYOUT.w, d=None, codebook_size=CODES, **rule)
+        (a, sa), (b, sb) = ntp.generate(model, clip()), diag.generate(model, clip())
+        assert torch.equal(a, b) and sa.passes == sb.passes
+        assert not torch.equal(a, clip())  # it generated something
+
+
+def test_mineworld_ckpt_wrapper_and_cli(tmp_path, capsys):
+    """MineWorld's own .ckpt: {"state_dict": {"transformer.<llama keys>", "tokenizer.<VQ keys>"}}, no config.json:
+    the shape comes from heads=; the VQ keys are left out."""
+    hf = tiny_llama(tmp_path)
+    state = {f"transformer.{k}": v for k, v in hf.state_dict().items()}
+    state["tokenizer.model.quantize.embedding.weight"] = torch.zeros(4, 2)
+    torch.save({"state_dict": state}, tmp_path / "mineworld.ckpt")
+    main(["mineworld", str(tmp_path / "mineworld.ckpt"), f"out={tmp_path / 'cli'}", "heads=8", f"frames={FRAMES}",
+          "h=3", "w=4", "n_a=2"])
+    path = capsys.readouterr().out.strip().splitlines()[-1]
+    ckpt = torch.load(path, weights_only=False)
+    assert ckpt["hyper_parameters"]["arch"]["n_heads"] == 8 and ckpt["hyper_parameters"]["arch"]["n_kv_heads"] == 2
+    assert not any("tokenizer" in k for k in ckpt["state_dict"])
+    with pytest.raises(ValueError, match="heads="):  # no config.json, no model=, no heads=: says what to pass
+        convert_mineworld(tmp_path / "mineworld.ckpt", tmp_path / "x", frames=FRAMES, h=3, w=4, n_a=2)
+
+
+def test_unsupported_configs_are_refused(tmp_path):
+    tiny_llama(tmp_path)
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for scaled in ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                   {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "yarn", "factor": 2.0}}):
+        cfg_path.write_text(json.dumps(cfg | scaled))
+        with pytest.raises(ValueError, match="rope_scaling"):
+            convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+    cfg_path.write_text(json.dumps(cfg | {"num_attention_heads": 4}))
+    with pytest.raises(ValueError, match="head_dim=8 is not hidden_size / num_attention_heads = 16"):
+        convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+    cfg_path.write_text(json.dumps(cfg | {"num_attention_heads": 4, "head_dim": None}))
+    with pytest.raises(ValueError, match="k_proj.weight has shape"):
+        convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+    assert not (tmp_path / "out" / "last.ckpt").exists()  # nothing written for a refused conversion
