@@ -24,6 +24,7 @@ import hydra
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
@@ -54,10 +55,10 @@ class InverseDynamics(nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a, b (B, h, w) token ids of frames t and t+1 -> logits (B, n_a, action_vocab_size)."""
         ea, eb = self.embed(a), self.embed(b)  # (B, h, w, dim)
-        x = torch.cat([ea, eb, eb - ea], -1).permute(0, 3, 1, 2)  # (B, 3*dim, h, w)
+        x = rearrange(torch.cat([ea, eb, eb - ea], -1), "b h w c -> b c h w")  # c = 3 * dim
         x = self.cnn(x)  # (B, hidden, h/2, w/2)
         x = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)  # (B, 2*hidden)
-        return self.head(x).view(-1, self.n_a, self.action_vocab_size)
+        return rearrange(self.head(x), "b (slot v) -> b slot v", slot=self.n_a)
 
     @torch.no_grad()
     def predict(self, a: torch.Tensor, b: torch.Tensor, batch_size: int = 256) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 
@@ -109,7 +110,7 @@ def i3d_features(i3d, videos: torch.Tensor, batch_size: int = 8) -> torch.Tensor
     """(N, T, 3, H, W) in [0, 1] -> (N, D) I3D features (StyleGAN-V's calling convention)."""
     out = []
     for chunk in videos.split(batch_size):
-        x = chunk.permute(0, 2, 1, 3, 4).float().mul(2).sub(1)  # (b, 3, T, H, W) in [-1, 1]
+        x = rearrange(chunk, "b t c h w -> b c t h w").float().mul(2).sub(1)  # in [-1, 1]
         out.append(i3d(x, rescale=False, resize=True, return_features=True).double().cpu())
     return torch.cat(out)
 

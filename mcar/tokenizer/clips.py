@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from einops import rearrange
 
 from mcar.core.layout import Layout
 
@@ -12,11 +13,12 @@ def join_clip(images, actions, codebook_size: int) -> torch.Tensor:
     """images (T, h, w) or (T, h*w) token ids, actions (T, n_a) local action ids -> (T * frame_len,) long clip."""
     img = torch.as_tensor(np.asarray(images, np.int64) if isinstance(images, np.ndarray) else images).long()
     act = torch.as_tensor(np.asarray(actions, np.int64) if isinstance(actions, np.ndarray) else actions).long()
-    return torch.cat([img.reshape(len(img), -1), act.reshape(len(act), -1) + codebook_size], 1).reshape(-1)
+    frames = torch.cat([img.reshape(len(img), -1), act.reshape(len(act), -1) + codebook_size], 1)  # (T, frame_len)
+    return rearrange(frames, "t slot -> (t slot)")
 
 
 def split_clip(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N) clips -> image ids (B, T, h, w) and local action ids (B, T, n_a)."""
-    B, T = clips.shape[0], clips.shape[1] // layout.frame_len
-    x = clips.view(B, T, layout.frame_len)
-    return x[..., : layout.frame_tokens].reshape(B, T, layout.h, layout.w), x[..., layout.frame_tokens:] - codebook_size
+    x = rearrange(clips, "b (t slot) -> b t slot", slot=layout.frame_len)
+    images = rearrange(x[..., : layout.frame_tokens], "b t (h w) -> b t h w", h=layout.h, w=layout.w)
+    return images, x[..., layout.frame_tokens:] - codebook_size

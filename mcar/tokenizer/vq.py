@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from diffusers import VQModel
 from diffusers.models.autoencoders.vae import VectorQuantizer
 
@@ -28,14 +29,14 @@ class L2Quantizer(VectorQuantizer):
 
     def forward(self, z: torch.Tensor):
         B, D, H, W = z.shape
-        z = F.normalize(z.permute(0, 2, 3, 1).reshape(-1, D), dim=-1)  # (B*H*W, D) on the unit sphere
+        z = F.normalize(rearrange(z, "b d h w -> (b h w) d"), dim=-1)  # on the unit sphere
         codes = F.normalize(self.embedding.weight, dim=-1)  # (K, D)
         idx = (z @ codes.t()).argmax(1)  # (B*H*W,)
         z_q = codes[idx]
         loss = F.mse_loss(z_q, z.detach()) + self.beta * F.mse_loss(z, z_q.detach())  # codebook + commitment
         self.last_z, self.last_idx = z.detach(), idx.detach()
         z_q = z + (z_q - z).detach()  # straight-through
-        return z_q.view(B, H, W, D).permute(0, 3, 1, 2), loss, (None, None, idx)
+        return rearrange(z_q, "(b h w) d -> b d h w", b=B, h=H, w=W), loss, (None, None, idx)
 
 
 def build_vq(arch: dict, l2_codes: bool = True) -> VQModel:
@@ -77,12 +78,12 @@ def load_vq(path: str | Path | None = None) -> VQModel:
 
 def to_input(frames_u8: torch.Tensor) -> torch.Tensor:
     """(B, H, W, 3) uint8 -> (B, 3, H, W) float in [-1, 1]."""
-    return frames_u8.permute(0, 3, 1, 2).float().div(127.5).sub(1)
+    return rearrange(frames_u8, "b h w c -> b c h w").float().div(127.5).sub(1)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """(B, 3, H, W) in [-1, 1] -> (B, H, W, 3) uint8."""
-    return x.clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    return rearrange(x.clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8), "b c h w -> b h w c")
 
 
 def downsample(vq_or_arch) -> int:
