@@ -27,7 +27,7 @@ from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
 from mcar.eval.generation import held_out_source, load_vq_for, sampler_label
 from mcar.tokenizer.clips import join_clip, split_clip
 from mcar.tokenizer.devices import resolve_device
-from mcar.tokenizer.render import action_labels, decode_frames, invalid_image_tokens, side_by_side, to_u8, write_gif
+from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, invalid_image_tokens, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar.generate")
@@ -127,7 +127,7 @@ def generate(cfg: DictConfig) -> dict:
     cols = {label: to_u8(decode_frames(vq, ids)[0])}
     if has_gt:
         cols = {"ground truth": to_u8(decode_frames(vq, split_clip(clip[None], layout, cb)[0])[0]), **cols}
-    video = side_by_side(cols, action_labels(acts[0], cfg.data.name if cfg.data.name in ("crafter", "vpt") else None))
+    video = side_by_side(cols, action_labels(acts[0], data_action_space(cfg.data)))
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
     mp4, gif = write_mp4(video, base.with_suffix(".mp4"), cfg.fps), write_gif(video, base.with_suffix(".gif"), cfg.fps)

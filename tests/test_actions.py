@@ -50,3 +50,29 @@ def test_crafter_round_trip():
         space.encode({"action": "fly"})
     with pytest.raises(ValueError, match="unknown action space"):
         action_space("doom")
+
+
+def test_mineworld_ids_are_its_vocabulary():
+    """MineWorld's ids (its mcdataset.py, minus the 8,192 codes): buttons use 0 ... hotbar.9 22, cam_0 (pitch)
+    23-43, cam_1 (yaw) 44-64, <act_bos> 65, <null_act> 66, <act_eos> 67; written out, not derived."""
+    space = action_space("mineworld")
+    assert space.n_a == 11 and space.vocab_size == 70
+    assert space.encode({}) == [65, 23 + 10, 44 + 10, 66, 66, 66, 66, 66, 66, 66, 67]
+    ids = space.encode({"camera": (-1.95, 90.0), "hotbar": 7, "back": 1, "right": 1, "sneak": 1, "attack": 1,
+                        "jump": 1, "pickItem": 1})
+    assert ids == [65, 23 + 9, 44 + 20, 20, 3, 5, 7, 1, 6, 11, 67]
+    ids = space.encode({"forward": 1, "back": 1, "left": 1, "sprint": 1, "use": 1, "drop": 1, "hotbar": 1})
+    assert ids == [65, 33, 54, 14, 66, 4, 8, 0, 66, 9, 67]  # forward+back pressed together: null
+
+
+def test_mineworld_and_vpt_carry_the_same_actions():
+    vpt, mw, rng = VPTActions(), action_space("mineworld"), np.random.default_rng(1)
+    for _ in range(200):
+        ids = [off + int(rng.integers(0, n)) for off, (_, n) in zip(VPT_OFFSETS, VPT_SLOTS)]
+        ids[0], ids[-1] = 0, 70
+        action = vpt.decode(ids)
+        assert mw.decode(mw.encode(action)) == action and vpt.encode(mw.decode(mw.encode(action))) == ids
+    for bad in ([0] * 11, [65, 33, 54, 66, 66, 66, 66, 66, 66, 66, 66], [65, 33, 54, 0, 66, 66, 66, 66, 66, 66, 67],
+                [65, 33, 54, 66, 0, 66, 66, 66, 66, 66, 67]):
+        with pytest.raises(ValueError):
+            mw.decode(bad)

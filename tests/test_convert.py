@@ -106,3 +106,20 @@ def test_unsupported_configs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="k_proj.weight has shape"):
         convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
     assert not (tmp_path / "out" / "last.ckpt").exists()  # nothing written for a refused conversion
+
+
+def test_data_mineworld_has_the_mineworld_vocabulary():
+    """data=mineworld vq=amused composes to MineWorld's 8,262-token vocabulary and a model=mineworld_700m of its
+    shape (GQA 32/4, 1D RoPE): the converted checkpoint fits it; the data module checks its action ids."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose
+
+    cfg = compose("generate", ["data=mineworld", "data.root=/nonexistent", "vq=amused", "ckpt=x"])
+    assert cfg.data.vocab_size == 8262 and cfg.data.actions == "mineworld" and cfg.data.n_a == 11
+    train = compose("train", ["data=mineworld", "data.root=/nonexistent", "vq=amused", "model=mineworld_700m"])
+    arch = train.model.arch
+    assert (arch.dim, arch.n_heads, arch.n_kv_heads, arch.mlp_dim, arch.rope, arch.vocab_size) == \
+        (2048, 32, 4, 4096, "1d", 8262)
+    with pytest.raises(Exception, match="data.action_vocab_size=71 but data.actions=mineworld has 70"):
+        instantiate(train.data, action_vocab_size=71, _recursive_=False)

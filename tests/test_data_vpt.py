@@ -85,6 +85,24 @@ def test_parse_vpt_fixture_exact():
     assert all(keep_all) and kept_all[3]["camera"] == (0.0, 0.0)  # GUI: the mouse moves a cursor, not the camera
 
 
+def test_vpt_fixture_tokenised_with_mineworld_ids(tmp_path):
+    """data=mineworld: the same records, MineWorld's action ids; its tokens folder says so in its meta."""
+    from mcar.tokenizer.actions import VPTActions, action_space
+
+    write_vpt(tmp_path, "fixture", RECORDS)
+    ids, keep, _ = read_episode_actions(tmp_path / "fixture.jsonl", "vpt", space="mineworld")
+    vpt, mw = VPTActions(), action_space("mineworld")
+    np.testing.assert_array_equal(ids[keep], [mw.encode(vpt.decode(row)) for row in expected_ids()])
+    with pytest.warns(UserWarning):
+        tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "tiny", batch=4, min_frames=2, size=SIZE,
+                     space="mineworld")
+    np.testing.assert_array_equal(np.load(tmp_path / "tok" / "fixture.actions.npy"), ids[keep])
+    meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    assert meta["actions"] == "mineworld" and meta["action_vocab_size"] == 70
+    with pytest.raises(ValueError, match="holds tokens made with"):  # not mixed with our ids in one folder
+        tokenize_dir(tmp_path, tmp_path / "tok", "vpt", tiny_vq(), "tiny", batch=4, min_frames=2, size=SIZE)
+
+
 def test_vpt_fixture_tokenised_exactly(tmp_path):
     write_vpt(tmp_path, "fixture", RECORDS)
     ids, keep, _ = read_episode_actions(tmp_path / "fixture.jsonl", "vpt")

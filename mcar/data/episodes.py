@@ -63,9 +63,11 @@ def parse_crafter(records: list):
     return actions, keep, [f"dropped frames with unknown actions {sorted(unknown)}"] if unknown else []
 
 
-def read_episode_actions(jsonl: Path, source: str, drop_null: bool = True, drop_gui: bool = True
-                         ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """-> (action ids (R, n_a) int64 (zeros where dropped), keep (R,) bool, notes) for the R records."""
+def read_episode_actions(jsonl: Path, source: str, drop_null: bool = True, drop_gui: bool = True,
+                         space: str | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """-> (action ids (R, n_a) int64 (zeros where dropped), keep (R,) bool, notes) for the R records, parsed as
+    `source` records and encoded in the action space `space` (None: the source's own; vpt records can also be
+    encoded as mineworld ids)."""
     records, notes = read_jsonl(jsonl)
     if source == "vpt":
         actions, keep, more = parse_vpt(records, drop_null, drop_gui)
@@ -73,9 +75,9 @@ def read_episode_actions(jsonl: Path, source: str, drop_null: bool = True, drop_
         actions, keep, more = parse_crafter(records)
     else:
         raise ValueError(f"unknown episode source {source!r} (vpt or crafter)")
-    space = action_space(source)
-    ids = np.zeros((len(records), space.n_a), np.int64)
+    encoder = action_space(space or source)
+    ids = np.zeros((len(records), encoder.n_a), np.int64)
     for i, a in enumerate(actions):
         if a is not None and keep[i]:
-            ids[i] = space.encode(a)
+            ids[i] = encoder.encode(a)
     return ids, np.array(keep, bool), notes + more

@@ -42,13 +42,13 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
-                     drop_gui: bool = True, size: tuple[int, int] | None = None
+                     drop_gui: bool = True, size: tuple[int, int] | None = None, space: str | None = None
                      ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """-> (frame tokens (T, h, w) uint16 of the frames resized to size = (H, W) (None: as stored), action ids
-    (T, n_a) uint16, notes). Raises EpisodeError if unusable."""
+    (T, n_a) uint16 in the action space `space` (None: the source's), notes). Raises EpisodeError if unusable."""
     from mcar.tokenizer.vq import encode_tokens
 
-    ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui)
+    ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui, space)
     if len(ids) == 0:
         raise EpisodeError("jsonl has no records")
     stream, buf, tokens, kept = FrameStream(mp4, size), [], [], []
@@ -105,14 +105,16 @@ def check_meta(out: Path, meta: dict) -> None:
 
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
-                 world: int = 1, size: tuple[int, int] | None = None) -> dict:
+                 world: int = 1, size: tuple[int, int] | None = None, space: str | None = None) -> dict:
     """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
     stored). -> the index."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    space = action_space(source)
-    meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": space.n_a,
-            "action_vocab_size": space.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
+    encoder = action_space(space or source)
+    meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
+            "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
+    if space not in (None, source):  # only then: folders tokenised before this option keep their meta
+        meta["actions"] = space
     check_meta(out, meta)
     todo = list_episodes(episodes)[rank::world]
     if not todo and rank == 0:
@@ -123,7 +125,8 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
             done += 1
             continue
         try:
-            frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui, size=size)
+            frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui, size=size,
+                                                      space=space)
             if len(frames) < min_frames:
                 raise EpisodeError(f"only {len(frames)} usable frames, a clip needs {min_frames}")
         except EpisodeError as e:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcar.eval import metrics as M
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import action_labels, decode_frames, side_by_side, to_u8, write_gif
+from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
 from mcar.train.task import hydra_job
 
@@ -114,7 +114,7 @@ def write_videos(cfg, gt, outputs, layout, cb, vq, out: Path) -> dict:
     if isinstance(vq, M.Unavailable) or cfg.videos <= 0:
         return {}
     media = {}
-    space = cfg.data.name if cfg.data.name in ("crafter", "vpt") else None
+    space = data_action_space(cfg.data)
     for i in range(min(cfg.videos, len(gt))):
         ids, acts = split_clip(gt[i:i + 1].cpu(), layout, cb)
         try:

@@ -8,6 +8,10 @@ The data pipeline adds the image codebook size to these ids, so actions live aft
   Each slot owns a contiguous id range (`VPT_SLOTS`), so a token id alone says what it is. A pair with both
   keys pressed is null. Camera degrees are mu-law quantised (maxval 90, binsize 9, mu 11.4887: 21 bins, 0° at
   bin 10), as VPT's CameraQuantizer does.
+- `mineworld`: the same 11 slots and action dicts with the public MineWorld code's ids (its mcdataset.py): 23
+  buttons (use, attack, forward, back, left, right, jump, sneak, sprint, drop, swapHands, pickItem, inventory,
+  ESC, hotbar.1-9), the pitch and yaw bins, then <act_bos>, <null_act>, <act_eos>; 70 ids (its vocabulary of 8,262
+  = 8,192 codes + 70), for checkpoints converted with `python -m mcar.convert mineworld`.
 - `crafter`: one token per frame, the id of Crafter's action (17). Crafter's action is a single discrete choice,
   so one token carries it exactly and keeps frames short (336 + 1 slots).
 """
@@ -72,6 +76,52 @@ class VPTActions:
         return out
 
 
+# ------------------------------------------------------------------------------------------------ mineworld
+MW_BUTTONS = ["use", "attack", "forward", "back", "left", "right", "jump", "sneak", "sprint", "drop", "swapHands",
+              "pickItem", "inventory", "ESC"] + [f"hotbar.{i}" for i in range(1, 10)]
+MW_PITCH, MW_YAW = len(MW_BUTTONS), len(MW_BUTTONS) + CAM_BINS  # first id of cam_0 (pitch) and cam_1 (yaw) bins
+MW_BOS, MW_NULL, MW_EOS = MW_YAW + CAM_BINS, MW_YAW + CAM_BINS + 1, MW_YAW + CAM_BINS + 2  # 65, 66, 67
+MINEWORLD_VOCAB = 70  # 8,262 - 8,192: two ids after <act_eos> are never used
+
+
+class MineWorldActions:
+    """The VPT action dict <-> MineWorld's 11 ids: [bos, pitch, yaw, hotbar, forward|back, left|right,
+    sprint|sneak, use|attack, jump, drop|pickItem, eos]; an unpressed (or doubly pressed) pair is <null_act>."""
+
+    n_a, vocab_size = len(VPT_SLOTS), MINEWORLD_VOCAB
+
+    def encode(self, action: dict) -> list[int]:
+        pitch, yaw = action.get("camera", (0.0, 0.0))
+        hotbar = int(action.get("hotbar", 0))
+        ids = [MW_BOS, MW_PITCH + camera_to_bin(pitch), MW_YAW + camera_to_bin(yaw),
+               MW_BUTTONS.index(f"hotbar.{hotbar}") if hotbar else MW_NULL]
+        for a, b in PAIRS:
+            on_a, on_b = bool(action.get(a, 0)), bool(b and action.get(b, 0))
+            ids.append(MW_NULL if on_a == on_b else MW_BUTTONS.index(a if on_a else b))
+        return ids + [MW_EOS]
+
+    def decode(self, ids) -> dict:
+        ids = [int(i) for i in ids]
+        if len(ids) != self.n_a or ids[0] != MW_BOS or ids[-1] != MW_EOS:
+            raise ValueError(f"{ids} is not 11 MineWorld action ids from <act_bos> to <act_eos>")
+        if not (MW_PITCH <= ids[1] < MW_YAW and MW_YAW <= ids[2] < MW_BOS):
+            raise ValueError(f"{ids[1:3]} are not MineWorld camera ids")
+        out = {"camera": (bin_to_camera(ids[1] - MW_PITCH), bin_to_camera(ids[2] - MW_YAW)), "hotbar": 0}
+        if ids[3] != MW_NULL:
+            name = MW_BUTTONS[ids[3]] if ids[3] < MW_PITCH else ""
+            if not name.startswith("hotbar."):
+                raise ValueError(f"id {ids[3]} is not a hotbar id")
+            out["hotbar"] = int(name.split(".")[1])
+        for (a, b), i in zip(PAIRS, ids[4:-1]):
+            pressed = None if i == MW_NULL else MW_BUTTONS[i] if i < MW_PITCH else "?"
+            if pressed not in (None, a, b):
+                raise ValueError(f"id {i} is not {a}, {b} or <null_act>")
+            out[a] = int(pressed == a)
+            if b:
+                out[b] = int(pressed == b)
+        return out
+
+
 # ------------------------------------------------------------------------------------------------ crafter
 CRAFTER_ACTIONS = ["noop", "move_left", "move_right", "move_up", "move_down", "do", "sleep", "place_stone",
                    "place_table", "place_furnace", "place_plant", "make_wood_pickaxe", "make_stone_pickaxe",
@@ -96,7 +146,7 @@ class CrafterActions:
         return {"action": CRAFTER_ACTIONS[int(i)]}
 
 
-ACTION_SPACES = {"vpt": VPTActions, "crafter": CrafterActions}
+ACTION_SPACES = {"vpt": VPTActions, "mineworld": MineWorldActions, "crafter": CrafterActions}
 
 
 def action_space(name: str):

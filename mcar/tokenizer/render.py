@@ -41,6 +41,12 @@ def to_u8(frames: torch.Tensor) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ action text
+def data_action_space(data) -> str | None:
+    """The action space of a data config (crafter, vpt, mineworld), None for synthetic data: labels show ids."""
+    space = data.get("actions") or data.get("name")
+    return space if space in ("crafter", "vpt", "mineworld") else None
+
+
 def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
     """(T, n_a) local action ids -> one short label per frame."""
     from mcar.tokenizer.actions import action_space
@@ -51,8 +57,8 @@ def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
             if space == "crafter":
                 out.append(action_space("crafter").decode(ids)["action"])
                 continue
-            if space == "vpt":
-                a = action_space("vpt").decode(ids)
+            if space in ("vpt", "mineworld"):
+                a = action_space(space).decode(ids)
                 keys = [k for k, v in a.items() if k not in ("camera", "hotbar") and v]
                 cam = a["camera"]
                 if abs(cam[0]) > 0.5 or abs(cam[1]) > 0.5:

@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from mcar.train.parallel import is_sharded
 from mcar.core.sampler import build_sampler
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import (action_labels, decode_frames, invalid_image_tokens, mask_image, schedule_table,
-                                   side_by_side, to_u8, write_gif, write_png)
+from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, mask_image,
+                                   schedule_table, side_by_side, to_u8, write_gif, write_png)
 from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar")
@@ -51,8 +51,10 @@ def generate_eager(sampler, model, clips: torch.Tensor):
 class ValDashboard(Callback):
     def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
                  vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
-                 videos: bool = True):
+                 videos: bool = True, actions: str | None = None):
+        """actions: the data's action space when it is not named by data_name (data.actions: vpt | mineworld)."""
         self.sampler_cfg, self.data_name, self.codebook_size = dict(sampler), data_name, codebook_size
+        self.action_space = data_action_space({"name": data_name, "actions": actions})
         self.vq_path, self.n_clips, self.max_frames, self.fps, self.videos = vq_path, n_clips, max_frames, fps, videos
         self.out = Path(output_dir) / "dashboard"
         self._samplers, self._vq, self._speed_rows, self._layout = None, None, [], None
@@ -170,7 +172,7 @@ class ValDashboard(Callback):
         vq = self.vq() if self.videos else False
         if not vq:
             return None
-        space = self.data_name if self.data_name in ("crafter", "vpt") else None
+        space = self.action_space
         parts = []
         for i in range(len(clips)):
             ids, acts = split_clip(clips[i:i + 1].cpu(), self._layout, self.codebook_size)
