@@ -17,7 +17,7 @@ LAYOUT, FRAMES, CODES = Layout(3, 4, 2), 3, 32  # 14 slots per frame: 12 image t
 
 def tiny_llama(tmp_path, tie=False):
     cfg = transformers.LlamaConfig(
-        vocab_size=CODES + 6, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=CODES + 8, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
         num_hidden_layers=2, max_position_embeddings=LAYOUT.n_slots(FRAMES), rope_theta=1000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=tie, initializer_range=0.2, attention_bias=False, mlp_bias=False)
     torch.manual_seed(0)
@@ -123,3 +123,24 @@ def test_data_mineworld_has_the_mineworld_vocabulary():
         (2048, 32, 4, 4096, "1d", 8262)
     with pytest.raises(Exception, match="data.action_vocab_size=71 but data.actions=mineworld has 70"):
         instantiate(train.data, action_vocab_size=71, _recursive_=False)
+
+
+@pytest.mark.slow
+def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_path):
+    """The converted checkpoint is a starting point like any other: finetune.py init_from= (mask=diagd, the
+    prompt proxy) adopts its 1D-RoPE GQA config and trains; mcar.generate samples it with DiagD."""
+    from mcar.generate import generate
+    from tests.conftest import SMALL_DATA, compose, job_overrides, run_script
+
+    tiny_llama(tmp_path)
+    path = convert_mineworld(tmp_path / "hf", tmp_path / "conv", h=3, w=4, n_a=2)
+    run_script("finetune.py", *SMALL_DATA, "mask=diagd", "schedule.proxy=prompt", "steps=2", f"init_from={path}",
+               "run_name=ft-mineworld", "logger=none", "val_dashboard.n_clips=0", *job_overrides(tmp_path))
+    tuned = torch.load(tmp_path / "ckpt" / "ft-mineworld" / "last.ckpt", weights_only=False)
+    hp = tuned["hyper_parameters"]
+    assert hp["arch"]["rope"] == "1d" and hp["arch"]["n_kv_heads"] == 2 and hp["schedule"]["proxy"] == "prompt"
+    assert tuned["global_step"] == 2
+    cfg = compose("generate", [*SMALL_DATA, f"ckpt={path}", "sampler=diagd", "schedule.proxy=prompt", "prompt=1",
+                               f"paths.output_dir={tmp_path / 'gen'}"])
+    res = generate(cfg)
+    assert res["passes"] == (FRAMES - 2) * 8 + 8  # DiagD k=2 on 3x4 frames: s_spa = 2*2 + 4
