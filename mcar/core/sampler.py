@@ -297,8 +297,7 @@ class ScheduleSampler:
         """Next-token prediction: the raster schedule (k = w, d = h*w, no proxies), prompt frames from
         `schedule` unless given."""
         P = ScheduleConfig.of(schedule, prompt_frames=prompt_frames).prompt_frames
-        return cls(layout, frames, P, name="ntp", k=layout.w, d=layout.h * layout.w, proxy="prev_frame",
-                   full=False, **kw)
+        return cls(layout, frames, P, name="ntp", k=layout.w, d=layout.h * layout.w, full=False, **kw)
 
     def compiles(self, device) -> bool:
         """Whether generate() on `device` runs the compiled (CUDA graph) step: compile=auto means on CUDA."""

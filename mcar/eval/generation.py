@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
+from mcar.core.schedule import ScheduleConfig
 from mcar.tokenizer.devices import sync
 
 
@@ -89,4 +90,4 @@ def sampler_label(sampler) -> str:
         return sampler.name
     c = sampler.config
     return (f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
-            + (f" proxy={c.proxy}" if c.proxy != "prev_frame" else "") + (" full" if c.full else ""))
+            + (f" proxy={c.proxy}" if c.proxy != ScheduleConfig.proxy else "") + (" full" if c.full else ""))
