@@ -159,6 +159,34 @@ def test_score_reference_rows_and_action_f1_exactly():
     assert by["noise"]["psnr"] < 25 and by["noise"]["ssim"] < 0.8  # tiny VQ: 20.1 dB, 0.73
 
 
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_copy_last_reference_repeats_the_last_prompt_frame(P):
+    """copy_last: every generated frame's image is the last prompt frame's, exactly; the prompt frames and every
+    action token stay the ground truth's (the schedule's own gen_slots, as mcar.evaluate passes them)."""
+    from mcar.core.layout import Layout
+    from mcar.core.sampler import ScheduleSampler
+    from mcar.eval.generation import reference_clips
+    from mcar.tokenizer.clips import join_clip, split_clip
+
+    layout, cb, T = Layout(2, 3, 2), 16, 5
+    g = torch.Generator().manual_seed(P)
+    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.randint(0, 4, (T, 2), generator=g),
+                                cb) for _ in range(3)])
+    gen_slots = ScheduleSampler(layout, T, P, k=2).schedule().gen_slots
+    out = reference_clips("copy_last", gt, gen_slots, cb)
+    assert out.shape == gt.shape and not torch.equal(out, gt)
+    ids, acts = split_clip(out, layout, cb)
+    gt_ids, gt_acts = split_clip(gt, layout, cb)
+    assert torch.equal(ids[:, :P], gt_ids[:, :P])  # prompt untouched
+    assert torch.equal(acts, gt_acts)  # every action is the ground truth's
+    for t in range(P, T):
+        assert torch.equal(ids[:, t], gt_ids[:, P - 1])  # nothing moves
+    assert torch.equal(gt, reference_clips("ground_truth", gt, gen_slots, cb))  # the input is not modified
+    with pytest.raises(ValueError, match="copy_last"):
+        reference_clips("nope", gt, gen_slots, cb)
+
+
 @pytest.mark.slow
 def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
     from mcar.generate import generate

@@ -1,5 +1,5 @@
 """Generation for evaluation: the held-out clips, which of them to use, the VQ that decodes them, timed sampling,
-the teacher-forced loss on the sampler's schedule and the reference rows (ground truth, noise)."""
+the teacher-forced loss on the sampler's schedule and the reference rows (ground truth, noise, copy_last)."""
 from __future__ import annotations
 
 import hydra
@@ -72,8 +72,13 @@ def teacher_forced_loss(model, sampler, clips: torch.Tensor, batch_size: int) ->
     return float(nll.double().mean())
 
 
+REFERENCES = ("ground_truth", "noise", "copy_last")
+
+
 def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, codebook_size: int, seed: int = 0):
-    """Reference rows: 'ground_truth' (the clips themselves: PSNR inf) or 'noise' (random generated tokens)."""
+    """Reference rows: 'ground_truth' (the clips themselves: PSNR inf, the ceiling), 'noise' (random generated
+    tokens, the floor) or 'copy_last' (every generated frame is the last prompt frame's image: "nothing moves").
+    Prompt frames and every action stay the clips' own."""
     if kind == "ground_truth":
         return clips.clone()
     if kind == "noise":
@@ -81,7 +86,33 @@ def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, cod
         g = torch.Generator().manual_seed(seed)
         out[:, gen_slots] = torch.randint(0, codebook_size, (len(clips), len(gen_slots)), generator=g).to(out)
         return out
-    raise ValueError(f"references: unknown {kind!r}; choose from ground_truth, noise")
+    if kind == "copy_last":
+        return copy_last(clips, gen_slots)
+    raise ValueError(f"references: unknown {kind!r}; choose from {', '.join(REFERENCES)}")
+
+
+def copy_last(clips: torch.Tensor, gen_slots: torch.Tensor) -> torch.Tensor:
+    """clips (B, N) -> each generated frame's image tokens replaced by the last prompt frame's.
+
+    The geometry comes from gen_slots (the image slots of frames P..T-1, in layout order, the last frame
+    included): a frame's image slots are one contiguous run of frame_tokens, and the last generated frame ends
+    at slot N, so frame_len = N - (its first slot). The last prompt frame's image sits one frame_len before
+    the first generated frame's."""
+    gen_slots = gen_slots.to(clips.device)
+    out = clips.clone()
+    if len(gen_slots) == 0:
+        return out
+    breaks = torch.nonzero(gen_slots[1:] - gen_slots[:-1] != 1)
+    ft = int(breaks[0]) + 1 if len(breaks) else len(gen_slots)  # image tokens per frame
+    if len(gen_slots) % ft:
+        raise ValueError(f"copy_last: {len(gen_slots)} generated slots are not whole frames of {ft} tokens")
+    frame_len = clips.shape[1] - int(gen_slots[-ft])
+    first = gen_slots[:ft]
+    if int(first[0]) < frame_len:
+        raise ValueError("copy_last: no prompt frame before the first generated frame")
+    last_prompt = clips[:, first - frame_len]  # (B, ft)
+    out[:, gen_slots] = last_prompt.repeat(1, len(gen_slots) // ft)
+    return out
 
 
 def sampler_label(sampler) -> str:
