@@ -212,3 +212,59 @@ def test_ranks_split_the_episodes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "tok").glob("*.frames.npy")) == ["e2.frames.npy"]
     index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2, size=SIZE)
     assert [e["name"] for e in index["episodes"]] == ["e1", "e2", "e3"]  # the index covers every rank's shards
+
+
+# ---------------------------------------------------------------------------------------------- out-of-range values
+def test_out_of_range_hotbar_and_camera_are_dropped_with_their_lines(tmp_path):
+    """A hotbar outside VPT's slots 0..8 (a scroll past the end, a negative or huge value, a bool or a string)
+    used to become another slot's id (9 -> the forward|back slot) or an id past the vocabulary; an infinite or
+    non-numeric mouse delta clipped to +-90 degrees. Now such records are dropped and the notes name their lines."""
+    from mcar.tokenizer.actions import VPT_VOCAB
+
+    records = [rec(keys=[K + "w"]), rec(keys=[K + "w"], hotbar=9), rec(keys=[K + "a"], hotbar=-3),
+               rec(keys=[K + "a"], hotbar=110), rec(keys=[K + "d"], hotbar=True), rec(keys=[K + "d"], hotbar="3"),
+               rec(keys=[K + "w"], dx=float("inf")), rec(keys=[K + "w"], dy="x"), rec(keys=[K + "w"], dx=5)]
+    del records[-1]["mouse"]["dy"]
+    actions, keep, notes = parse_vpt(records)
+    assert keep == [True, False, False, False, False, False, False, False, True]
+    assert "5 records with hotbar outside 0..8 dropped (jsonl line: value 2: 9, 3: -3, 4: 110, 5: True, 6: '3')" \
+        in notes
+    assert "2 records with a non-numeric or infinite mouse dx/dy dropped (jsonl line: (dy, dx) 7: (0, inf), " \
+           "8: ('x', 0))" in notes
+    assert "1 records without mouse dx/dy read as no camera motion (jsonl lines [9])" in notes
+    write_vpt(tmp_path, "bad", records)
+    ids, keep2, _ = read_episode_actions(tmp_path / "bad.jsonl", "vpt")
+    assert keep2.tolist() == keep and ids.max() < VPT_VOCAB
+
+
+@pytest.mark.parametrize("space", ["vpt", "mineworld"])
+def test_action_encoders_check_their_ranges(space):
+    from mcar.tokenizer.actions import action_space
+
+    enc = action_space(space)
+    for bad, field in [({"hotbar": 10}, "hotbar=10"), ({"hotbar": -1}, "hotbar=-1"), ({"hotbar": 2.5}, "hotbar=2.5"),
+                       ({"camera": (float("inf"), 0.0)}, "camera="), ({"camera": (1.0,)}, "camera="),
+                       ({"forward": 2}, "forward=2")]:
+        with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+            enc.encode(bad)
+    assert len(enc.encode({"hotbar": 9, "camera": (90.0, -90.0), "forward": 1})) == 11
+
+
+def test_a_shard_with_out_of_range_ids_is_named(tmp_path):
+    """A shard cached before these checks (or by another tool) with ids past the vocabulary fails at load time,
+    naming the file, the id and the config field, not as an IndexError in the embedding at step 0."""
+    from mcar.core.layout import Layout
+    from mcar.data.tokens import TokenClips
+
+    lay = Layout(14, 24, 11)
+    np.save(tmp_path / "ep.frames.npy", np.zeros((4, 14, 24), np.uint16))
+    acts = np.zeros((4, 11), np.uint16)
+    acts[2, 3] = 154
+    np.save(tmp_path / "ep.actions.npy", acts)
+    assert len(TokenClips(tmp_path, ["ep"], lay, 2, 16)) == 3  # without a vocabulary to check actions against
+    with pytest.raises(ValueError, match=r"ep\.actions\.npy: action id 154 \(first at frame 2\) is out of range for "
+                                         r"data\.action_vocab_size=71"):
+        TokenClips(tmp_path, ["ep"], lay, 2, 16, action_vocab_size=71)
+    np.save(tmp_path / "ep.frames.npy", np.full((4, 14, 24), 16, np.uint16))
+    with pytest.raises(ValueError, match=r"ep\.frames\.npy: image token 16 .* data\.codebook_size=16"):
+        TokenClips(tmp_path, ["ep"], lay, 2, 16)

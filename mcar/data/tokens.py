@@ -32,11 +32,20 @@ def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], li
     return names[:-val_episodes], names[-val_episodes:]
 
 
+def check_ids(path: Path, ids: np.ndarray, vocab: int, what: str, field: str) -> None:
+    if ids.size and int(ids.max()) >= vocab:
+        frame = int(np.argwhere(ids >= vocab)[0][0])
+        raise ValueError(f"{path}: {what} {int(ids.max())} (first at frame {frame}) is out of range for {field}={vocab}:"
+                         f" a corrupt or foreign shard; delete it (and its entry in index.json) to re-tokenise it")
+
+
 class TokenClips:
     """ClipSource over token shards of the given episodes."""
 
     def __init__(self, folder: str | Path, names: list[str], layout: Layout, frames: int, codebook_size: int,
-                 clip_stride: int = 1):
+                 clip_stride: int = 1, action_vocab_size: int | None = None):
+        """Every shard's ids are checked against codebook_size (and action_vocab_size when given): a bad shard
+        is named, not found as an IndexError inside the model at step 0."""
         self.layout, self.frames, self.codebook_size = layout, frames, codebook_size
         folder = Path(folder)
         self.episodes, self.starts = [], []  # starts: (episode index, first frame)
@@ -46,6 +55,10 @@ class TokenClips:
             if toks.shape[1:] != (layout.h, layout.w) or acts.shape[1] != layout.n_a:
                 raise ValueError(f"{folder}/{name}: tokens {toks.shape[1:]} x {acts.shape[1]} actions per frame, "
                                  f"but data.h, data.w, data.n_a = {layout.h}, {layout.w}, {layout.n_a}")
+            check_ids(folder / f"{name}.frames.npy", toks, codebook_size, "image token", "data.codebook_size")
+            if action_vocab_size is not None:
+                check_ids(folder / f"{name}.actions.npy", acts, action_vocab_size, "action id",
+                          "data.action_vocab_size")
             e = len(self.episodes)
             self.episodes.append((toks, acts))
             self.starts += [(e, t) for t in range(0, len(toks) - frames + 1, clip_stride)]
@@ -94,6 +107,6 @@ class TokenDataModule(ClipDataModule):
                              f"({len(index['episodes'])} episodes)")
         train, val = split_by_episode(usable, self.val_episodes)
         make = lambda names, stride: TokenClips(self.tokens_dir, names, self.layout, self.clip_frames,
-                                                self.codebook_size, stride)
+                                                self.codebook_size, stride, self.action_vocab_size)
         # validation clips do not overlap: the first val_clips of them cover different frames
         return make(train, self.clip_stride), make(val, self.clip_frames)

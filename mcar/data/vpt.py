@@ -18,6 +18,8 @@ and a keep mask, following VPT's own loader (data_loader.py, run_inverse_dynamic
 """
 from __future__ import annotations
 
+import numpy as np
+
 CAMERA_SCALE = 360.0 / 2400.0  # degrees per mouse count (MineRL's sensitivity)
 
 KEY_MAP = {
@@ -40,10 +42,18 @@ def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
     -> (actions: list of action dicts or None, keep: list[bool], notes: list[str]). `actions[i]` belongs to frame i.
     """
     actions, keep, unknown, invalid = [], [], set(), 0
+    bad_hotbar, bad_camera, no_camera = {}, {}, []  # jsonl line -> value
     stuck_attack, last_hotbar = False, None
     for i, r in enumerate(records):
-        if not _valid(r):
-            invalid += r is not None  # malformed json lines are counted by the jsonl reader
+        if _valid(r):
+            hotbar, mouse = r.get("hotbar"), r["mouse"]
+            if hotbar is not None and (isinstance(hotbar, bool) or not isinstance(hotbar, int)
+                                       or not 0 <= hotbar <= 8):
+                bad_hotbar[i + 1] = hotbar  # VPT's hotbar is a slot 0..8: anything else would become a wrong id
+            elif not all(np.isfinite(_number(mouse.get(k, 0))) for k in ("dx", "dy")):
+                bad_camera[i + 1] = (mouse.get("dy"), mouse.get("dx"))
+        if not _valid(r) or i + 1 in bad_hotbar or i + 1 in bad_camera:
+            invalid += r is not None and not _valid(r)  # malformed json lines are counted by the jsonl reader
             actions.append(None)
             keep.append(False)
             continue
@@ -67,6 +77,8 @@ def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
             if b in MOUSE_BUTTONS:
                 act[MOUSE_BUTTONS[b]], pressed = 1, True
         gui = bool(r.get("isGuiOpen", False))
+        if "dx" not in mouse or "dy" not in mouse:
+            no_camera.append(i + 1)
         dx, dy = float(mouse.get("dx", 0) or 0), float(mouse.get("dy", 0) or 0)
         act["camera"] = (0.0, 0.0) if gui else (dy * CAMERA_SCALE, dx * CAMERA_SCALE)
 
@@ -87,5 +99,25 @@ def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
         notes.append(f"ignored unknown key names {sorted(unknown)}")
     if invalid:
         notes.append(f"{invalid} records without mouse/keyboard dicts dropped")
+    if bad_hotbar:
+        notes.append(f"{len(bad_hotbar)} records with hotbar outside 0..8 dropped (jsonl line: value "
+                     f"{_first(bad_hotbar)})")
+    if bad_camera:
+        notes.append(f"{len(bad_camera)} records with a non-numeric or infinite mouse dx/dy dropped (jsonl line: "
+                     f"(dy, dx) {_first(bad_camera)})")
+    if no_camera:
+        notes.append(f"{len(no_camera)} records without mouse dx/dy read as no camera motion (jsonl lines "
+                     f"{no_camera[:5]}{' ...' if len(no_camera) > 5 else ''})")
     return actions, keep, notes
+
+
+def _number(v) -> float:
+    try:
+        return float(v or 0)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _first(d: dict, n: int = 5) -> str:
+    return ", ".join(f"{k}: {v!r}" for k, v in list(d.items())[:n]) + (" ..." if len(d) > n else "")
 

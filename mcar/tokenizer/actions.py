@@ -49,14 +49,29 @@ VPT_VOCAB = sum(n for _, n in VPT_SLOTS)  # 71
 BUTTONS = [b for pair in PAIRS for b in pair if b]
 
 
+def checked_vpt_action(action: dict) -> tuple[float, float, int]:
+    """(pitch, yaw, hotbar) of a VPT action dict, or a ValueError naming the bad field: a finite camera (degrees;
+    clipped to +-90 by the quantiser), hotbar an int in 0..9 (0 = none), keys 0/1."""
+    cam = action.get("camera", (0.0, 0.0))
+    if len(cam) != 2 or not all(np.isfinite(float(c)) for c in cam):
+        raise ValueError(f"action camera={cam!r} is invalid: two finite angles in degrees (pitch, yaw)")
+    hotbar = action.get("hotbar", 0)
+    if isinstance(hotbar, bool) or not isinstance(hotbar, (int, np.integer)) or not 0 <= hotbar <= 9:
+        raise ValueError(f"action hotbar={hotbar!r} is invalid: an int in 0..9 (0 = no hotbar key)")
+    for name in BUTTONS:
+        if action.get(name, 0) not in (0, 1, True, False):
+            raise ValueError(f"action {name}={action[name]!r} is invalid: 0 or 1")
+    return float(cam[0]), float(cam[1]), int(hotbar)
+
+
 class VPTActions:
     """Action dict {camera: (pitch, yaw) degrees, hotbar: 0..9 (0 = none), forward, back, ...: 0/1} <-> 11 ids."""
 
     n_a, vocab_size = len(VPT_SLOTS), VPT_VOCAB
 
     def encode(self, action: dict) -> list[int]:
-        pitch, yaw = action.get("camera", (0.0, 0.0))
-        local = [0, camera_to_bin(pitch), camera_to_bin(yaw), int(action.get("hotbar", 0))]
+        pitch, yaw, hotbar = checked_vpt_action(action)
+        local = [0, camera_to_bin(pitch), camera_to_bin(yaw), hotbar]
         for a, b in PAIRS:
             on_a, on_b = bool(action.get(a, 0)), bool(b and action.get(b, 0))
             local.append(0 if on_a == on_b else (1 if on_a else 2))  # both pressed -> null
@@ -91,8 +106,7 @@ class MineWorldActions:
     n_a, vocab_size = len(VPT_SLOTS), MINEWORLD_VOCAB
 
     def encode(self, action: dict) -> list[int]:
-        pitch, yaw = action.get("camera", (0.0, 0.0))
-        hotbar = int(action.get("hotbar", 0))
+        pitch, yaw, hotbar = checked_vpt_action(action)
         ids = [MW_BOS, MW_PITCH + camera_to_bin(pitch), MW_YAW + camera_to_bin(yaw),
                MW_BUTTONS.index(f"hotbar.{hotbar}") if hotbar else MW_NULL]
         for a, b in PAIRS:
