@@ -22,6 +22,7 @@ import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
 from mcar.core.layout import Layout
 from mcar.train.module import MCARModule
+from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 from mcar.core.sampler import build_sampler
 
 log = logging.getLogger("mcar")
@@ -214,10 +215,11 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning); callbacks:
     added to the configured ones (benchmarks)."""
     finalize_run_name(cfg)
-    output_dir = cfg.paths.output_dir
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks)
+
+
+def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks) -> dict:
     L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = resolve_ckpt_path(cfg)
 
     layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
     # bad sampler or schedule values fail now, not at the first validation
@@ -235,6 +237,20 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     log.info("model %s: %.2fM parameters (%.2fM without embeddings)", cfg.model.name,
              module.num_params() / 1e6, module.num_params(embeddings=False) / 1e6)
 
+    # the config is checked: now this run takes its directories (owned, writable) before any step
+    locks = [claim(output_dir, "output dir", cfg.run_name)]
+    try:
+        if cfg.checkpoint.every_n_steps is not None:
+            if ckpt_path is None:  # a fresh run (or fine-tuning) writes into an empty checkpoint dir only
+                check_fresh_checkpoint_dir(checkpoint_dir(cfg), cfg.run_name)
+            locks.append(claim(checkpoint_dir(cfg), "checkpoint dir", cfg.run_name))
+        return _train(cfg, output_dir, module, datamodule, ckpt_path, callbacks)
+    finally:
+        for lock in locks:
+            release(lock)
+
+
+def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str | None, callbacks) -> dict:
     trainer = build_trainer(cfg, output_dir, callbacks)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if trainer.logger:

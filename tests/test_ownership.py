@@ -1,0 +1,77 @@
+"""A run owns its directories (issue 15 items 3, 4): a second live run is refused naming the owner, a killed
+run's lock is taken over, an unwritable location fails before any work, a fresh run never writes beside another
+run's checkpoints."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mcar.train.ownership import LOCK, check_fresh_checkpoint_dir, claim, release
+from tests.conftest import SMALL_DATA, job_overrides, run_script
+
+
+def test_a_live_owner_is_refused_and_a_dead_one_taken_over(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK).write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename,
+                                                 "started": "2026-11-22 10:00:00", "run_name": "seed1"}))
+        with pytest.raises(RuntimeError, match=rf"output dir {tmp_path} belongs to another run that is still going "
+                                               rf"\(run_name='seed1', pid {other.pid}"):
+            claim(tmp_path, "output dir", "seed2")
+    finally:
+        other.kill()
+        other.wait()
+    lock = claim(tmp_path, "output dir", "seed2")  # the owner is gone (kill -9): taken over
+    assert json.loads(lock.read_text())["pid"] == os.getpid() and claim(tmp_path, "output dir", "x") == lock
+    release(lock)
+    assert not lock.exists()
+
+
+def test_only_global_rank_zero_locks(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert claim(tmp_path / "d", "output dir", "r") is None and not (tmp_path / "d" / LOCK).exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_folder_fails_at_once(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match=f"checkpoint dir {ro}/run is not writable|cannot be created"):
+            claim(ro / "run", "checkpoint dir", "r")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_unwritable_checkpoint_root_stops_train_before_the_first_step(tmp_path):
+    """Root ignores permissions here, so a regular file stands where the checkpoint root should be."""
+    (tmp_path / "ckpt").write_text("a file, not a folder")
+    p = run_script("train.py", *SMALL_DATA, f"paths.checkpoint_root={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/out",
+                   "logger=none", "trainer.max_steps=2", check=False)
+    assert p.returncode != 0
+    assert f"checkpoint dir {tmp_path}/ckpt/train-tiny-synthetic-causal cannot be created" in p.stderr
+    assert "Epoch" not in p.stderr  # no training step ran
+
+
+def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    with pytest.raises(FileExistsError, match="already holds checkpoints of run 'seed1' \\(last.ckpt\\): resume it "
+                                              "with ckpt_path=last, or start a new run with another run_name"):
+        check_fresh_checkpoint_dir(tmp_path, "seed1")
+    check_fresh_checkpoint_dir(tmp_path / "new", "seed2")  # absent or empty: fine
+
+
+def test_second_run_with_the_same_run_name_is_refused(tmp_path):
+    """Two runs, one run_name: the second fresh one is refused (it used to share the dirs, write -v1 checkpoints,
+    and a later ckpt_path=last resumed the first run's weights)."""
+    common = [*SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=2",
+              "checkpoint.every_n_steps=1", "run_name=same"]
+    run_script("train.py", *common, "seed=1")
+    p = run_script("train.py", *common, "seed=2", f"hydra.run.dir={tmp_path}/out2", check=False)
+    assert p.returncode != 0 and "already holds checkpoints of run 'same'" in p.stderr
+    assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("*.ckpt")) == \
+        ["last.ckpt", "step0000001.ckpt", "step0000002.ckpt"]
+    assert not (tmp_path / "ckpt" / "same" / LOCK).exists()  # released at the end of the first run
