@@ -75,3 +75,25 @@ def test_second_run_with_the_same_run_name_is_refused(tmp_path):
     assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("*.ckpt")) == \
         ["last.ckpt", "step0000001.ckpt", "step0000002.ckpt"]
     assert not (tmp_path / "ckpt" / "same" / LOCK).exists()  # released at the end of the first run
+
+
+# ---------------------------------------------------------------------------------------------- silent surprises
+def test_surprises_are_messages(tmp_path):
+    """Issue 15 item 6: each of these used to pass silently or with torch's own text."""
+    common = [*SMALL_DATA, "logger=none", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
+    p = run_script("train.py", *common, *job_overrides(tmp_path, "a"), "optim.lr=-1", check=False)
+    assert p.returncode != 0 and "optim.lr is invalid: Invalid learning rate: -1" in p.stderr
+    p = run_script("train.py", *common, *job_overrides(tmp_path, "b"), "trainer.max_steps=0", check=False)
+    assert p.returncode != 0 and "trainer.max_steps=0: nothing to train" in p.stderr
+    run_script("train.py", *common, *job_overrides(tmp_path, "c"), "run_name=done")
+    p = run_script("train.py", *common, *job_overrides(tmp_path, "d"), "run_name=done", "ckpt_path=last")
+    assert "this run already finished (step 2, trainer.max_steps=2): nothing to train" in p.stdout + p.stderr
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    p = run_script("finetune.py", *common, *job_overrides(tmp_path, "e"), f"init_from={text}", check=False)
+    assert p.returncode != 0 and f"{text} is not a checkpoint written by torch.save: it starts with b'not '" \
+        in p.stderr
+    ckpt = tmp_path / "ckpt" / "done" / "last.ckpt"
+    p = run_script("finetune.py", *common, *job_overrides(tmp_path, "f"), f"init_from={ckpt}", "model=small",
+                   check=False)
+    assert p.returncode != 0 and "model=small: fine-tuning keeps the model of init_from" in p.stderr

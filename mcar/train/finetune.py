@@ -22,6 +22,13 @@ def newest_pretrained(checkpoint_root: str | Path) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
+def command_line_overrides() -> list[str]:
+    """The Hydra job's command-line overrides ([] outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def prepare_finetune(cfg: DictConfig) -> str:
     """Resolve cfg.init_from and copy the checkpoint's model config and layout checks into cfg."""
     path = Path(cfg.init_from) if cfg.get("init_from") else newest_pretrained(cfg.paths.checkpoint_root)
@@ -36,6 +43,11 @@ def prepare_finetune(cfg: DictConfig) -> str:
     if hp["arch"]["vocab_size"] != data.vocab_size:
         raise ValueError(f"init_from: {path} has vocab_size={hp['arch']['vocab_size']}, "
                          f"but data.vocab_size={data.vocab_size}")
+    asked = [o for o in command_line_overrides() if o.split("=")[0].lstrip("+~") == "model"]
+    if asked and asked[-1].split("=", 1)[1] != hp.get("model_name"):
+        raise ValueError(f"{asked[-1]}: fine-tuning keeps the model of init_from ({path}: "
+                         f"{hp.get('model_name', 'its own config')}); drop {asked[-1]}, or pass init_from= a checkpoint of "
+                         f"that model")
     with open_dict(cfg):
         cfg.init_from = str(path)
         cfg.model.arch = hp["arch"]

@@ -69,6 +69,11 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+# words of torch's optimiser errors -> the config field they are about
+OPTIM_FIELDS = [("learning rate", "optim.lr"), ("beta", "optim.betas"), ("weight_decay", "optim.weight_decay"),
+                ("epsilon", "optim.eps")]
+
+
 class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
@@ -229,7 +234,11 @@ class MCARModule(L.LightningModule):
                                  "gradients after clipping saw them scaled; leave optim.fused unset")
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]  # norms
-        return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **extra)
+        try:
+            return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **extra)
+        except ValueError as e:  # torch's "Invalid learning rate: -1" names no config field
+            field = next((f for key, f in OPTIM_FIELDS if key in str(e).lower()), "optim")
+            raise ValueError(f"{field} is invalid: {e} (conf/optim/)") from e
 
     def lr_multiplier(self):
         """step -> lr multiplier: the configured schedule over `max_steps` (trainer.max_steps)."""

@@ -150,6 +150,11 @@ def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save's zip archive, or its legacy pickle
+        raise ValueError(f"{path} is not a checkpoint written by torch.save: it starts with {head!r}, not a zip "
+                         f"archive (a text file, or the wrong path?)")
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # truncated or not a checkpoint at all
@@ -236,6 +241,17 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
         module.load_state_dict(state)
     log.info("model %s: %.2fM parameters (%.2fM without embeddings)", cfg.model.name,
              module.num_params() / 1e6, module.num_params(embeddings=False) / 1e6)
+    module.build_optimizer()  # bad optim values fail now, naming the field, not at the first step
+    max_steps = int(cfg.trainer.max_steps)
+    if max_steps == 0 or max_steps < -1:
+        raise ValueError(f"trainer.max_steps={max_steps}: nothing to train (a positive number of steps, or -1 "
+                         f"for max_epochs)")
+    if ckpt_path and not is_sharded_checkpoint(Path(ckpt_path)):
+        done = int(load_checkpoint(ckpt_path).get("global_step", 0))
+        if 0 < max_steps <= done:
+            log.warning("ckpt_path=%s: this run already finished (step %d, trainer.max_steps=%d): nothing to "
+                        "train; raise trainer.max_steps to train on", ckpt_path, done, max_steps)
+            return {}
 
     # the config is checked: now this run takes its directories (owned, writable) before any step
     locks = [claim(output_dir, "output dir", cfg.run_name)]
