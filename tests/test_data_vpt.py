@@ -268,3 +268,14 @@ def test_a_shard_with_out_of_range_ids_is_named(tmp_path):
     np.save(tmp_path / "ep.frames.npy", np.full((4, 14, 24), 16, np.uint16))
     with pytest.raises(ValueError, match=r"ep\.frames\.npy: image token 16 .* data\.codebook_size=16"):
         TokenClips(tmp_path, ["ep"], lay, 2, 16)
+
+
+def test_other_resolutions_and_orphan_jsonl_are_reported(tmp_path):
+    """Issue 15 item 6: a video at another size than VPT's 640x360 is resized with a note, and a jsonl without
+    its mp4 is named instead of ignored in silence."""
+    write_vpt(tmp_path, "small", good_records(4), size=(180, 320))
+    (tmp_path / "lonely.jsonl").write_text(json.dumps(rec(keys=[K + "w"])) + "\n")
+    index, warned = run_tokenize(tmp_path, min_frames=2)
+    assert index["episodes"] == [{"name": "small", "frames": 4}]
+    assert any("1 jsonl files without an mp4 ignored: ['lonely']" in w for w in warned)
+    assert any("video is 320x180, not VPT's 640x360: resized to 384x224" in w for w in warned)

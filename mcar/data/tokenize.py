@@ -41,6 +41,9 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+VPT_SIZE = (360, 640)  # (H, W) of VPT's recordings
+
+
 def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
                      drop_gui: bool = True, size: tuple[int, int] | None = None, space: str | None = None
                      ) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -69,6 +72,10 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
         raise EpisodeError(f"unreadable mp4 ({stream.error})")
     if stream.error:
         notes.append(f"mp4 decoding stopped after {stream.count} frames ({stream.error}); trimmed")
+    if source == "vpt" and stream.stored_size not in (None, VPT_SIZE):
+        h, w = stream.stored_size
+        notes.append(f"video is {w}x{h}, not VPT's {VPT_SIZE[1]}x{VPT_SIZE[0]}" +
+                     (f": resized to {size[1]}x{size[0]}" if size else ""))
     if stream.count != len(ids):
         notes.append(f"frame/record count mismatch: {stream.count} frames, {len(ids)} records; "
                      f"trimmed to {min(stream.count, len(ids))}")
@@ -116,7 +123,12 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
     if space not in (None, source):  # only then: folders tokenised before this option keep their meta
         meta["actions"] = space
     check_meta(out, meta)
-    todo = list_episodes(episodes)[rank::world]
+    found = list_episodes(episodes)
+    orphans = sorted({p.stem for p in Path(episodes).glob("*.jsonl")} - {name for name, _, _ in found})
+    if orphans and rank == 0:
+        warnings.warn(f"{episodes}: {len(orphans)} jsonl files without an mp4 ignored: {orphans[:5]}"
+                      f"{' ...' if len(orphans) > 5 else ''}")
+    todo = found[rank::world]
     if not todo and rank == 0:
         raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
     skipped, done = {}, 0

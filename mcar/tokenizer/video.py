@@ -49,10 +49,10 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
 
 class FrameStream:
     """Iterates an mp4's frames as (H, W, 3) uint8, resized to `size` = (H, W) when given (None: as stored);
-    afterwards `.count` and `.error` (None if it ended well)."""
+    afterwards `.count`, `.error` (None if it ended well) and `.stored_size` (H, W as stored; None: no frame)."""
 
     def __init__(self, path: str | Path, size: tuple[int, int] | None = None):
-        self.path, self.size, self.count, self.error = Path(path), size, 0, None
+        self.path, self.size, self.count, self.error, self.stored_size = Path(path), size, 0, None, None
 
     def __iter__(self):
         h, w = self.size or (None, None)
@@ -60,6 +60,7 @@ class FrameStream:
             with av.open(str(self.path)) as container:
                 for frame in container.decode(video=0):
                     self.count += 1
+                    self.stored_size = self.stored_size or (frame.height, frame.width)
                     yield frame.to_ndarray(format="rgb24", width=w, height=h)
         except Exception as e:  # PyAV raises several error types for damaged files
             self.error = f"{type(e).__name__}: {e}"
