@@ -1,5 +1,6 @@
 """Crafter episodes (seeded generator, policy mix) -> tokens -> clips in the DIAGD.md layout, split by episode."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,43 @@ def test_fewer_episodes_reuse_the_cache(crafter_dm, capsys):
     assert "cached" in capsys.readouterr().out
     dm.setup()
     assert len(dm.train_source.episodes) == 1 and len(dm.val_source.episodes) == 1  # only the 2 asked for
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
+def test_generation_workers_die_with_a_killed_parent(tmp_path):
+    """Issue 15 item 2: kill -9 of the generating process used to leave its workers running their queue."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from mcar.data.crafter_gen import generate; "
+            f"generate({str(tmp_path)!r}, episodes=200, frames=400, workers=2, size=(64, 64))")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.time() + 60
+        while len(workers := _children(parent.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(workers) >= 2, "the workers did not start"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + 15
+        while (alive := {w for w in workers if Path(f"/proc/{w}").exists()
+                         and Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}) \
+                and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"workers {alive} outlived their parent"
+    finally:
+        parent.kill()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -116,6 +118,29 @@ def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix:
     return name
 
 
+def die_with_parent(parent: int) -> None:
+    """Worker initializer: a worker must not outlive a parent killed with kill -9 (it would finish its queue and
+    then sit idle). Linux: the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); elsewhere a thread
+    polls the parent's pid."""
+    import signal
+    import threading
+
+    try:
+        import ctypes
+
+        if ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
              policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int]) -> list[str]:
     """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names."""
@@ -127,7 +152,7 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     bar = tqdm(total=episodes, desc=f"crafter episodes -> {out_dir}", unit="ep")
     names = []
     if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
+        with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
             futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size) for i in range(episodes)]
             for f in futures:
                 names.append(f.result())
