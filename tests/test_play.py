@@ -1,0 +1,268 @@
+"""mcar.play: PlaySession driven in-process on a tiny random model (Crafter geometry, the committed small VQ, a
+start frame from an image; and a held-out synthetic clip), the gradio page built over it, and a headless Chromium
+that presses a key on the served page and sees a new frame."""
+import base64
+import io
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import SMALL_DATA, compose
+
+H, W, CB = 14, 24, 1024  # data=crafter: 14x24 tokens of the committed small VQ, 224x384 frames
+
+
+@pytest.fixture(scope="module")
+def crafter_files(tmp_path_factory):
+    """A tiny random model in data=crafter geometry (window 3) and a start image."""
+    from PIL import Image
+
+    from mcar.train.module import MCARModule
+
+    tmp = tmp_path_factory.mktemp("play")
+    torch.manual_seed(0)
+    hp = dict(arch=dict(vocab_size=CB + 17, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64),
+              layout=dict(h=H, w=W, n_a=1), clip_frames=3, mask={"name": "causal"}, optim={}, max_steps=1)
+    torch.save({"hyper_parameters": hp, "state_dict": MCARModule(**hp).state_dict()}, tmp / "tiny.ckpt")
+    img = np.zeros((224, 384, 3), np.uint8)
+    img[:, :, 1] = 120  # grass-ish, with a block
+    img[80:140, 150:230] = (90, 90, 90)
+    Image.fromarray(img).save(tmp / "start.png")
+    return tmp
+
+
+def crafter_session(files, *overrides):
+    from mcar.play import build_session
+
+    return build_session(compose("play", [f"ckpt={files}/tiny.ckpt", f"prompt_image={files}/start.png",
+                                          "schedule.k=2", *overrides]))
+
+
+def test_steps_give_frames_and_the_context_window_slides(crafter_files):
+    from mcar.tokenizer.actions import CRAFTER_ACTIONS
+
+    s = crafter_session(crafter_files)
+    assert s.window == 3 and s.context.shape == (1, H * W + 1)
+    start = s.frame.copy()
+    assert start.shape == (224, 384, 3) and start.dtype == np.uint8
+    frames, ctxs = [], []
+    for a in ["move_left", "do", "noop", "move_up"]:
+        frame, info = s.step(a)
+        assert frame.shape == (224, 384, 3) and frame.dtype == np.uint8
+        assert info["action"] == a and info["k"] == 2 and info["fps"] > 0 and info["passes"] == (H - 1) * 2 + W
+        frames.append(frame.copy())
+        ctxs.append(s.context.clone())
+    ft = H * W
+    assert [len(c) for c in ctxs] == [2, 2, 2, 2]  # at most window - 1 frames: the window slides
+    assert torch.equal(ctxs[0][0, :ft], s.start[0, :ft])  # the start frame, then it drops out
+    for i in (1, 2, 3):
+        assert torch.equal(ctxs[i][0, :ft], ctxs[i - 1][1, :ft])  # the newest frame moves down one place
+        # ... carrying the action taken from it
+        assert int(ctxs[i][0, ft]) == CB + CRAFTER_ACTIONS.index(["move_left", "do", "noop", "move_up"][i])
+    assert (ctxs[-1][:, :ft] < CB).all()  # image slots hold image codes
+    assert not np.array_equal(frames[0], start)  # a random model draws something else
+    assert s.step(CRAFTER_ACTIONS.index("sleep"))[1]["action"] == "sleep"  # an id, labelled by its name
+    with pytest.raises(ValueError, match="move_left"):
+        s.step("jump")
+
+
+def test_reset_restores_the_start_frame_and_replays_the_same_frames(crafter_files):
+    s = crafter_session(crafter_files)
+    start, start_ctx = s.frame.copy(), s.context.clone()
+    first = [s.step(a)[0].copy() for a in ["move_right", "do"]]
+    frame, info = s.reset()
+    assert np.array_equal(frame, start) and torch.equal(s.context, start_ctx)
+    assert info["step"] == 0 and info["action"] == "reset" and s.steps == 0
+    again = [s.step(a)[0].copy() for a in ["move_right", "do"]]
+    assert all(np.array_equal(x, y) for x, y in zip(first, again))  # seeded per step: replayed exactly
+
+
+def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
+    s = crafter_session(crafter_files)
+    assert s.sampler().config.k == 2
+    assert s.step("noop")[1]["passes"] == (H - 1) * 2 + W
+    s.set_k(1)
+    assert s.sampler().config.k == 1 and s.info["k"] == 1
+    _, info = s.step("noop")
+    assert info["k"] == 1 and info["passes"] == (H - 1) * 1 + W
+    s.set_k(4)
+    assert s.step("noop")[1]["passes"] == (H - 1) * 4 + W
+    with pytest.raises(ValueError, match="k=0"):
+        s.set_k(0)
+    assert s.k == 4
+
+
+def test_start_frames_from_a_held_out_clip():
+    """prompt=<held-out clip id> with 2 start frames (schedule.prompt_frames=2), local action ids (n_a = 2)."""
+    from mcar.eval.generation import held_out_source
+    from mcar.play import build_session
+    from .test_cached_attention import tiny_checkpoint
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_checkpoint(Path(tmp))  # h=3, w=4, n_a=2, clip_frames=3
+        cfg = compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
+                               f"paths.data_dir={tmp}/data"])
+        s = build_session(cfg)
+        clip = held_out_source(cfg, 3).clip(1)
+    L = 3 * 4 + 2
+    assert torch.equal(s.start.flatten(), clip[: 2 * L]) and s.window == 3 and s.frame.shape == (48, 64, 3)
+    frame, info = s.step([1, 2])
+    assert frame.shape == (48, 64, 3) and info["action"] == "[1, 2]" and len(s.context) == 2
+    assert torch.equal(s.context[0, :12], clip[L:L + 12])  # the first start frame dropped out
+    assert s.context[0, 12:].tolist() == [32 + 1, 32 + 2]
+    with pytest.raises(ValueError, match="2 local action id"):
+        s.step(3)
+
+
+def test_the_page_binds_crafter_keys_to_buttons(crafter_files):
+    pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
+    from mcar.play import KEYS, build_app, key_script
+
+    s = crafter_session(crafter_files)
+    demo = build_app(s, buttons=["noop", "sleep", "place_stone"], ks=[1, 2, 3])
+    ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
+    assert {"play-move_left", "play-do", "play-sleep", "play-place_stone", "play-reset", "play-frame"} <= ids
+    js = key_script(KEYS)
+    table = json.loads(js[js.index("{", js.index("keys =")):js.index(";", js.index("keys ="))])
+    assert table["ArrowLeft"] == table["a"] == table["A"] == "move_left" and table[" "] == "do"
+    assert table["s"] == "move_down" and table["W"] == "move_up"
+
+
+# ---- the browser check ------------------------------------------------------------------------------------
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on --remote-debugging-pipe (fd 3 in, fd 4 out:
+    NUL-terminated JSON), so no websocket client is needed."""
+
+    def __init__(self, exe: str, profile, width: int = 1280, height: int = 1000):
+        to_r, self._w = os.pipe()
+        self._r, from_w = os.pipe()
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--remote-debugging-pipe", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+                "about:blank"]
+        self.proc = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{to_r} 4>&{from_w}', exe, *args],
+                                     pass_fds=(to_r, from_w), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_r), os.close(from_w)
+        self._id, self._buf, self.session = 0, b"", None
+
+    def send(self, method: str, timeout: float = 30, **params):
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params}
+        if self.session and not method.startswith("Target."):
+            msg["sessionId"] = self.session
+        os.write(self._w, json.dumps(msg).encode() + b"\0")
+        end = time.monotonic() + timeout
+        while True:
+            while b"\0" not in self._buf:
+                left = end - time.monotonic()
+                if left <= 0 or not select.select([self._r], [], [], left)[0]:
+                    raise TimeoutError(f"chromium: no answer to {method}")
+                chunk = os.read(self._r, 1 << 20)
+                if not chunk:
+                    raise RuntimeError("chromium closed the pipe")
+                self._buf += chunk
+            raw, _, self._buf = self._buf.partition(b"\0")
+            reply = json.loads(raw)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    def open(self, url: str):
+        target = self.send("Target.createTarget", url=url)["targetId"]
+        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def eval(self, expr: str):
+        return self.send("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
+
+    def wait(self, expr: str, timeout: float = 60):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            value = self.eval(expr)
+            if value:
+                return value
+            time.sleep(0.2)
+        raise TimeoutError(f"page: {expr} stayed false for {timeout}s")
+
+    def screenshot(self, selector: str) -> np.ndarray:
+        from PIL import Image
+
+        r = self.eval(f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect();"
+                      "return {x: r.x, y: r.y, width: r.width, height: r.height}; })()")
+        png = self.send("Page.captureScreenshot", format="png", clip={**r, "scale": 1})["data"]
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB"))
+
+    def key(self, key: str, code: str, vk: int):
+        for kind in ("keyDown", "keyUp"):
+            self.send("Input.dispatchKeyEvent", type=kind, key=key, code=code, windowsVirtualKeyCode=vk,
+                      nativeVirtualKeyCode=vk)
+
+    def close(self):
+        try:
+            self.send("Browser.close", timeout=5)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.close(self._w), os.close(self._r)
+
+
+def chromium_exe():
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatch):
+    """The page served on localhost, a headless Chromium presses ArrowLeft: the session steps (move_left) and a
+    screenshot of the frame differs from the one before."""
+    pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
+    exe = chromium_exe()
+    if exe is None:
+        pytest.skip("no chromium binary (apt-get install chromium) for the headless browser check")
+    from mcar.play import build_app
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    s = crafter_session(crafter_files)
+    demo = build_app(s, buttons=["noop"], ks=[1, 2])
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    browser = Chromium(exe, tmp_path / "profile")
+    try:
+        browser.open(f"http://127.0.0.1:{port}/")
+        browser.wait("!!document.querySelector('#play-frame img') && window.__mcarPlayKeys === true")
+        browser.wait("document.querySelector('#play-frame img').complete")
+        src0 = browser.eval("document.querySelector('#play-frame img').src")
+        before = browser.screenshot("#play-frame img")
+        browser.key("ArrowLeft", "ArrowLeft", 37)
+        end = time.monotonic() + 60
+        while s.steps < 1 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert s.steps == 1 and s.info["action"] == "move_left"
+        browser.wait(f"document.querySelector('#play-frame img').src !== {json.dumps(src0)} && "
+                     "document.querySelector('#play-frame img').complete")
+        assert "move_left" in browser.wait("document.getElementById('play-info').innerText")
+        after = browser.screenshot("#play-frame img")
+        assert before.shape == after.shape and before.size > 0
+        diff = np.abs(before.astype(int) - after.astype(int)).mean()
+        assert diff > 5, f"the frame on the page did not change (mean abs difference {diff:.2f})"
+    finally:
+        browser.close()
+        demo.close()
