@@ -180,3 +180,21 @@ def test_generation_workers_die_with_a_killed_parent(tmp_path):
         assert not alive, f"workers {alive} outlived their parent"
     finally:
         parent.kill()
+
+
+@pytest.mark.slow
+def test_episodes_are_the_same_in_every_process():
+    """Issue 15 item 5: Crafter's despawning picked from a set iterated in memory-address order, so episode i of
+    seed s differed between processes. Two fresh processes with different heap layouts (junk allocated first)
+    must now render identical frames (before the fix episodes 1-3 here differed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hashlib; junk = [bytearray(int(sys.argv[1]) * 37 % 4096 + 1) for _ in "
+            "range(int(sys.argv[1]) * 101)]\n"
+            "from mcar.data.crafter_gen import play_episode\n"
+            "print([hashlib.md5(play_episode(0, e, 300, {'random': 0.25, 'explorer': 0.75}, (64, 64))[0].tobytes())"
+            ".hexdigest() for e in range(4)])")
+    runs = {subprocess.run([sys.executable, "-c", code, str(j)], capture_output=True, text=True, check=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout for j in (0, 7, 13)}
+    assert len(runs) == 1, runs

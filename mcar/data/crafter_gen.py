@@ -81,6 +81,49 @@ def episode_name(seed: int, index: int) -> str:
     return f"crafter_s{seed}_e{index:05d}"
 
 
+class InsertionOrderedSet:
+    """The set operations Crafter's world uses on a chunk's objects (add, remove, iterate), iterated in insertion
+    order. Crafter keeps them in a plain set, iterated in the order of the objects' memory addresses, and its
+    despawning picks `creatures[random.randint(len)]` from that order: the same seed gave other frames in another
+    process (another heap layout)."""
+
+    def __init__(self, items=()):
+        self._items = dict.fromkeys(items)
+
+    def add(self, obj) -> None:
+        self._items[obj] = None
+
+    def remove(self, obj) -> None:
+        del self._items[obj]
+
+    def discard(self, obj) -> None:
+        self._items.pop(obj, None)
+
+    def __iter__(self):
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, obj) -> bool:
+        return obj in self._items
+
+    def copy(self) -> "InsertionOrderedSet":
+        return InsertionOrderedSet(self._items)
+
+
+def deterministic_chunks(world) -> None:
+    """Rebuild a freshly reset Crafter world's chunk -> objects map with insertion-ordered sets, the objects in the
+    world's own (creation) order."""
+    import collections
+
+    chunks = collections.defaultdict(InsertionOrderedSet)
+    for obj in world._objects:
+        if obj is not None:
+            chunks[world.chunk_key(obj.pos)].add(obj)
+    world._chunks = chunks
+
+
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int]):
     """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies."""
     import crafter  # imported here: worker processes
@@ -91,6 +134,7 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
     policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
     env = crafter.Env(size=(int(size[1]), int(size[0])), seed=int(rng.integers(2**31 - 1)))
     obs, out, records = env.reset(), [], []
+    deterministic_chunks(env._world)  # episode i of seed s is the same in every process
     for t in range(frames):
         action = policy(env)
         out.append(obs)
