@@ -23,11 +23,10 @@ import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
-from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
-from mcar.eval.generation import held_out_source, load_vq_for, sampler_label
+from mcar.eval.generation import held_out_source, load_for_sampling, sampler_label
 from mcar.tokenizer.clips import join_clip, split_clip
-from mcar.tokenizer.devices import resolve_device
-from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, invalid_image_tokens, side_by_side, to_u8, write_gif
+from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, side_by_side,
+                                   to_u8, write_gif)
 from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar.generate")
@@ -106,11 +105,8 @@ def prompt_clip(cfg: DictConfig, layout: Layout, frames: int, vq) -> tuple[torch
 
 def generate(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+    module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
-    check_data_fits(layout, hp, cfg.data)
-    vq = load_vq_for(cfg, device)
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
     scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
     if cfg.prompt_image:

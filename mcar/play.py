@@ -174,18 +174,13 @@ def start_clip(cfg: DictConfig, layout: Layout, frames: int, vq, prompt_frames: 
 
 def build_session(cfg: DictConfig) -> PlaySession:
     """play.yaml -> a PlaySession on the checkpoint, its data's VQ and the start frame(s)."""
-    from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
-    from mcar.eval.generation import load_vq_for
-    from mcar.tokenizer.devices import resolve_device
+    from mcar.eval.generation import load_for_sampling
 
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+    module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
-    check_data_fits(layout, hp, cfg.data)
-    vq = load_vq_for(cfg, device)
     window = int(cfg.window or hp["clip_frames"])
     schedule = to_dict(cfg.schedule)
     P = int(schedule.get("prompt_frames", 1))

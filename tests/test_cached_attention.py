@@ -153,7 +153,11 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
         seen.update(device=torch.device(device), dtype=dtype)
         raise Loaded
 
-    monkeypatch.setattr(mod, "load_model", fake_load_model)
+    import mcar.eval.checkpoint
+
+    for where in (mod, mcar.eval.checkpoint):  # evaluate imports it; generate loads through load_for_sampling
+        if hasattr(where, "load_model"):
+            monkeypatch.setattr(where, "load_model", fake_load_model)
     cfg = compose(entry, [*SMALL_DATA, "ckpt=unused.ckpt", f"device={device}", f"dtype={dtype}",
                           f"paths.output_dir={tmp_path}", *overrides])
     with pytest.raises(Loaded):

@@ -47,6 +47,18 @@ def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
     return load_vq(OmegaConf.select(cfg, "vq.path", default=None)).to(device)
 
 
+def load_for_sampling(cfg: DictConfig):
+    """A sampling job's (module, hyperparameters, VQ, device): cfg.ckpt on cfg.device in cfg.dtype, checked against
+    cfg.data, and the VQ that decodes the data's tokens (mcar.generate, mcar.play)."""
+    from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
+    from mcar.tokenizer.devices import resolve_device
+
+    device = resolve_device(cfg.device)
+    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+    check_data_fits(module.layout, hp, cfg.data)
+    return module, hp, load_vq_for(cfg, device), device
+
+
 @torch.no_grad()
 def generate_clips(model, sampler, clips: torch.Tensor, batch_size: int, warmup: bool = True):
     """clips (n, N) -> generated (n, N) and speed {fps, tp, step, seconds}; timing excludes the warm-up."""
