@@ -86,6 +86,8 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     assert gt["loss_tf"] == "" and 0 < float(rows["ntp"]["loss_tf"]) < 2 * math.log(40)
     assert gt["action_f1"] == gt["action_f1_gt"]  # the IDM on ground truth is the reference
     assert "| FVD | PSNR | SSIM | LPIPS |" in (tmp / "multi" / "results.md").read_text()
+    assert "| action_f1_gt | move_left P/R | move_right P/R |" in (tmp / "multi" / "results.md").read_text()
+    assert gt["prec_move_left"] == "" and "prec_move_left" in gt  # synthetic data: no movement actions
 
     for job in ("0", "1"):  # each job: its own output dir with everything W&B shows, and its own W&B run
         out = tmp / "multi" / job
@@ -138,7 +140,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), acts, cb) for _ in range(2)])
     missing = M.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=tiny_vq(),
-                    nets={"i3d": missing, "lpips": missing, "idm": ConstantIDM(0)}, names={0: "noop", 1: "left"})
+                    nets={"i3d": missing, "lpips": missing, "idm": ConstantIDM(0)}, names={0: "noop", 1: "move_left"})
     row, curves, extra = score(gt.clone(), gt, scorer=scorer)
     assert row["psnr"] == math.inf and row["ssim"] == pytest.approx(1, abs=1e-6)
     assert curves["psnr"] == [math.inf] * (T - P) and "lpips" not in curves
@@ -146,6 +148,9 @@ def test_score_reference_rows_and_action_f1_exactly():
     assert row["action_f1"] == pytest.approx(1 / 3) and row["action_acc"] == 0.5
     assert row["action_f1_gt"] == row["action_f1"]
     assert extra["per_action"]["noop"] == {"precision": 0.5, "recall": 1.0, "f1": pytest.approx(2 / 3), "support": 4}
+    # move_left is never predicted (precision undefined) and never found; the other moves are not in the clips
+    assert (row["prec_move_left"], row["rec_move_left"], row["prec_move_up"], row["rec_move_up"]) == (None, 0.0,
+                                                                                                     None, None)
     assert row["notes"] == "lpips, fvd: no weights"
 
     gen_slots = torch.tensor([i for i in range(P * layout.frame_len, T * layout.frame_len)

@@ -36,29 +36,77 @@ from mcar.tokenizer.clips import split_clip
 log = logging.getLogger("mcar.eval.idm")
 
 
-class InverseDynamics(nn.Module):
-    """Embed both frames' tokens, a small CNN over [e_t, e_t+1, e_t+1 - e_t], pool, one linear head per slot."""
+def random_codebook(codebook_size: int, code_dim: int, seed: int = 0) -> torch.Tensor:
+    """A fixed seeded unit-norm codebook (K, D): the code vectors of data that has no VQ (synthetic data, tests)."""
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(codebook_size, code_dim, generator=g), dim=-1)
 
-    def __init__(self, codebook_size: int, n_a: int, action_vocab_size: int, dim: int = 32, hidden: int = 128):
+
+def vq_codebook(vq) -> torch.Tensor:
+    """A diffusers VQModel's code vectors (K, D), l2-normalised (the committed VQs' lookup is on the unit sphere)."""
+    return F.normalize(vq.quantize.embedding.weight.detach().float().cpu(), dim=-1)
+
+
+class InverseDynamics(nn.Module):
+    """Frozen VQ code vectors of both frames -> [e_t, e_t+1, e_t+1 - e_t, local correlation volume] -> CNN -> heads.
+
+    The token ids are looked up in the VQ's codebook (a frozen buffer `codebook` (K, D), saved with the IDM, so
+    evaluation sees the same vectors): synonyms (two codes for one texture) get near vectors, and nothing per id is
+    learned, which overfit on the ~1k pairs of a small dataset. The correlation volume holds, for every shift
+    (dy, dx) within +-max_shift tokens, the cosine of e_t+1(y, x) with e_t(y + dy, x + dx), and its softmax over
+    the shifts (`temperature`): each position's vote for where its content came from. A whole-view shift (Crafter
+    moves the view one tile, 1.5 x 2.6 tokens) lights up one shift wherever the view is not uniform. The head
+    reads the CNN's mean and max over the grid, a coarse pooled grid (where things changed: the player is in the
+    centre) and the correlation and votes pooled by a learned attention over positions (content and coordinates:
+    it learns to skip Crafter's inventory rows, whose changes are not motion), standardised.
+    """
+
+    def __init__(self, codebook_size: int, n_a: int, action_vocab_size: int, dim: int = 8, hidden: int = 64,
+                 max_shift: tuple = (3, 4), grid: tuple = (3, 3), dropout: float = 0.1, temperature: float = 20.0,
+                 codebook: torch.Tensor | None = None):
         super().__init__()
+        cbk = random_codebook(codebook_size, dim) if codebook is None else codebook.detach().float().cpu()
+        if cbk.shape[0] != codebook_size:
+            raise ValueError(f"the codebook has {cbk.shape[0]} codes, not codebook_size={codebook_size}")
+        dim = cbk.shape[1]  # the code width (the VQ's vq_embed_dim)
         self.config = dict(codebook_size=codebook_size, n_a=n_a, action_vocab_size=action_vocab_size, dim=dim,
-                           hidden=hidden)
+                           hidden=hidden, max_shift=tuple(max_shift), grid=tuple(grid), dropout=dropout,
+                           temperature=temperature)
         self.n_a, self.action_vocab_size = n_a, action_vocab_size
-        self.embed = nn.Embedding(codebook_size, dim)
+        self.max_shift, self.grid, self.temperature = tuple(max_shift), tuple(grid), temperature
+        self.register_buffer("codebook", cbk)  # frozen: not a parameter, saved in the state dict
+        n_shift = (2 * self.max_shift[0] + 1) * (2 * self.max_shift[1] + 1)
         self.cnn = nn.Sequential(
-            nn.Conv2d(3 * dim, hidden, 3, padding=1), nn.GELU(),
+            nn.Conv2d(3 * dim + 2 * n_shift, hidden, 1), nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, padding=1), nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, stride=2, padding=1), nn.GELU(),
         )
-        self.head = nn.Linear(2 * hidden, n_a * action_vocab_size)
+        self.drop = nn.Dropout(dropout)
+        self.attend = nn.Conv2d(3 * dim + 2 * n_shift + 2, 1, 1)  # where to pool the votes (content + position)
+        nn.init.zeros_(self.attend.weight), nn.init.zeros_(self.attend.bias)  # starts as the plain mean
+        self.norm = nn.BatchNorm1d(2 * n_shift)  # the pooled correlation and votes, standardised
+        self.head = nn.Linear(hidden * (2 + grid[0] * grid[1]) + 2 * n_shift, n_a * action_vocab_size)
+
+    def correlation(self, ea: torch.Tensor, eb: torch.Tensor) -> torch.Tensor:
+        """(B, D, h, w) x 2 -> (B, n_shift, h, w): eb(y, x) . ea(y + dy, x + dx), zero outside the frame."""
+        (sy, sx), (B, D, h, w) = self.max_shift, ea.shape
+        win = F.unfold(ea, (2 * sy + 1, 2 * sx + 1), padding=(sy, sx)).view(B, D, -1, h * w)  # (B, D, n_shift, hw)
+        return torch.einsum("bdsn,bdn->bsn", win, eb.flatten(2)).view(B, -1, h, w)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a, b (B, h, w) token ids of frames t and t+1 -> logits (B, n_a, action_vocab_size)."""
-        ea, eb = self.embed(a), self.embed(b)  # (B, h, w, dim)
-        x = rearrange(torch.cat([ea, eb, eb - ea], -1), "b h w c -> b c h w")  # c = 3 * dim
-        x = self.cnn(x)  # (B, hidden, h/2, w/2)
-        x = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)  # (B, 2*hidden)
-        return rearrange(self.head(x), "b (slot v) -> b slot v", slot=self.n_a)
+        ea = rearrange(self.codebook[a], "b h w d -> b d h w")
+        eb = rearrange(self.codebook[b], "b h w d -> b d h w")
+        corr = self.correlation(ea, eb)
+        votes = torch.softmax(self.temperature * corr, 1)  # where each position's content came from
+        feats = torch.cat([ea, eb, eb - ea, corr, votes], 1)
+        x = self.cnn(feats)  # (B, hidden, h/2, w/2)
+        B, _, h, w = feats.shape
+        yx = torch.stack(torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij"))
+        att = torch.softmax(self.attend(torch.cat([feats, yx.expand(B, 2, h, w)], 1)).flatten(1), 1)  # (B, hw)
+        pooled = self.norm(torch.einsum("bcn,bn->bc", torch.cat([corr, votes], 1).flatten(2), att))
+        x = torch.cat([x.mean((2, 3)), x.amax((2, 3)), F.adaptive_avg_pool2d(x, self.grid).flatten(1), pooled], 1)
+        return rearrange(self.head(self.drop(x)), "b (slot v) -> b slot v", slot=self.n_a)
 
     @torch.no_grad()
     def predict(self, a: torch.Tensor, b: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
@@ -108,6 +156,27 @@ def action_scores(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str
                 macro_f1=sum(f1s) / max(len(f1s), 1), n=len(pred2), per_action=per)
 
 
+MOVES = ("move_left", "move_right", "move_up", "move_down")  # the actions with precision/recall table columns
+PR_COLUMNS = [f"{k}_{name}" for name in MOVES for k in ("prec", "rec")]  # prec_move_left, rec_move_left, ...
+
+
+def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | None = None,
+              actions=MOVES) -> dict:
+    """{prec_<name>, rec_<name>} for each named action (elementwise over all slots): precision = right / predicted,
+    recall = right / true; None when undefined (never predicted, never true, or a name the data does not have)."""
+    p, t = pred.flatten(), target.flatten()
+    ids = {n: i for i, n in (names or {}).items()}
+    out = {}
+    for name in actions:
+        a = ids.get(name)
+        n_pred = int((p == a).sum()) if a is not None else 0
+        n_true = int((t == a).sum()) if a is not None else 0
+        tp = int(((p == a) & (t == a)).sum()) if a is not None else 0
+        out[f"prec_{name}"] = tp / n_pred if n_pred else None
+        out[f"rec_{name}"] = tp / n_true if n_true else None
+    return out
+
+
 def action_names(data_name: str, action_vocab_size: int) -> dict[int, str]:
     """Readable names of local action ids where we know the action space (Crafter), else the ids."""
     if data_name == "crafter":
@@ -155,7 +224,10 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
     if not Path(path).is_file():
         return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: python -m mcar.idm)")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    model = InverseDynamics(**ckpt["config"])
+    if "codebook" not in ckpt["state_dict"]:  # the token-id IDM (learned id embeddings) of before 2026-11-22
+        return Unavailable(f"{config_key}={path} is an old token-id IDM (no VQ codebook in it): retrain it "
+                           f"(python -m mcar.idm)")
+    model = InverseDynamics(**ckpt["config"], codebook=ckpt["state_dict"]["codebook"])
     model.load_state_dict(ckpt["state_dict"])
     model.meta = ckpt.get("meta", {})
     return model.eval()
@@ -163,13 +235,60 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
 
 # ------------------------------------------------------------------------------------------------ training
 def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str]) -> dict:
+    """action_scores on the pairs + majority_baseline and moves_accuracy (pairs whose true action is a movement:
+    the fraction predicted right; None when the data has no movement actions or none in these pairs)."""
+    was_training = model.training
     model.eval()
     a, b, act = pairs
-    scores = action_scores(model.predict(a, b), act, names)
+    pred = model.predict(a, b)
+    scores = action_scores(pred, act, names)
     majority = act.mode(0).values  # (n_a,) the most common action per slot: the trivial baseline
     scores["majority_baseline"] = float((act == majority).all(-1).float().mean())
-    model.train()
+    ids = torch.tensor([i for i, n in names.items() if n in MOVES])
+    is_move = torch.isin(act, ids).flatten() if len(ids) else torch.zeros(act.numel(), dtype=torch.bool)
+    scores["moves_accuracy"] = float((pred.flatten() == act.flatten())[is_move].float().mean()) if is_move.any() \
+        else None
+    model.train(was_training)
     return scores
+
+
+def fit(model: InverseDynamics, train, val, names: dict[int, str], *, steps: int, batch_size: int, lr: float,
+        weight_decay: float, seed: int = 0, eval_every: int = 250) -> list[dict]:
+    """AdamW on random batches of the train pairs (a, b, actions), linear warm-up then cosine to 0; the held-out
+    pairs are scored every `eval_every` steps and at the end -> history [{step, loss, val_accuracy, ...}]."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    warm = max(1, steps // 20)
+    lr_at = lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    g = torch.Generator().manual_seed(seed)
+    history = []
+    model.train()
+    for step in (bar := tqdm(range(steps), desc="idm", mininterval=5)):
+        idx = torch.randint(0, len(train[0]), (batch_size,), generator=g)
+        logits = model(train[0][idx], train[1][idx])  # (B, n_a, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), train[2][idx].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            s = evaluate_idm(model, val, names)
+            history.append({"step": step + 1, "loss": loss.item(), "val_accuracy": s["accuracy"],
+                            "val_macro_f1": s["macro_f1"], "val_moves": s["moves_accuracy"]})
+            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{s['accuracy']:.3f}")
+    model.eval()
+    return history
+
+
+def idm_codebook(datamodule, codebook_size: int, code_dim: int) -> tuple[torch.Tensor, str | None]:
+    """The code vectors of the VQ that made the data's tokens (the data module's `resolved_vq_path()`, e.g. Crafter's),
+    and its vq_id; data without a VQ (synthetic): a fixed random codebook of `code_dim` and None."""
+    if not hasattr(datamodule, "resolved_vq_path"):
+        return random_codebook(codebook_size, code_dim), None
+    from mcar.tokenizer.vq import load_vq, vq_id
+
+    path = datamodule.resolved_vq_path()
+    return vq_codebook(load_vq(path)), vq_id(path)
 
 
 def train_idm(cfg: DictConfig) -> dict:
@@ -186,39 +305,26 @@ def train_idm(cfg: DictConfig) -> dict:
     names = action_names(cfg.data.name, V)
     log.info("IDM data: %d train pairs, %d held-out pairs (%s)", len(train[0]), len(val[0]), cfg.data.name)
 
-    model = InverseDynamics(cb, lay.n_a, V, cfg.dim, cfg.hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warm = max(1, cfg.steps // 20)  # linear warm-up, then cosine to 0
-    lr_at = lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    g = torch.Generator().manual_seed(cfg.seed)
-    t0, history = time.time(), []
-    for step in (bar := tqdm(range(cfg.steps), desc="idm", mininterval=5)):
-        idx = torch.randint(0, len(train[0]), (cfg.batch_size,), generator=g)
-        logits = model(train[0][idx], train[1][idx])  # (B, n_a, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), train[2][idx].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            s = evaluate_idm(model, val, names)
-            history.append({"step": step + 1, "loss": loss.item(), "val_accuracy": s["accuracy"],
-                            "val_macro_f1": s["macro_f1"]})
-            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{s['accuracy']:.3f}")
+    codebook, vq = idm_codebook(dm, cb, cfg.dim)
+    model = InverseDynamics(cb, lay.n_a, V, hidden=cfg.hidden, max_shift=tuple(cfg.max_shift), grid=tuple(cfg.grid),
+                            dropout=cfg.dropout, temperature=cfg.temperature, codebook=codebook)
+    t0 = time.time()
+    history = fit(model, train, val, names, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                  weight_decay=cfg.weight_decay, seed=cfg.seed, eval_every=cfg.eval_every)
+    seconds = time.time() - t0
     final = evaluate_idm(model, val, names)
     final_train = evaluate_idm(model, tuple(x[:len(val[0]) * 4] for x in train), names)
-    meta = {"data": cfg.data.name, "tokens": tokens_name(dm), "steps": cfg.steps, "train_pairs": len(train[0]),
-            "val_pairs": len(val[0]),
+    meta = {"data": cfg.data.name, "tokens": tokens_name(dm), "vq": vq, "input": "vq code vectors",
+            "steps": cfg.steps, "train_pairs": len(train[0]), "val_pairs": len(val[0]),
             "val_accuracy": final["accuracy"], "val_macro_f1": final["macro_f1"],
-            "majority_baseline": final["majority_baseline"], "train_accuracy": final_train["accuracy"],
-            "seconds": time.time() - t0}
+            "val_moves_accuracy": final["moves_accuracy"], "majority_baseline": final["majority_baseline"],
+            "train_accuracy": final_train["accuracy"], "seconds": seconds}
     out = Path(cfg.out)
     save_idm(model, out, meta)
     report = {**meta, "per_action": final["per_action"], "history": history}
     (out.parent / "metrics.json").write_text(json.dumps(report, indent=2))
-    log.info("IDM held-out accuracy %.3f (majority baseline %.3f, macro F1 %.3f) -> %s", final["accuracy"],
-             final["majority_baseline"], final["macro_f1"], out)
+    log.info("IDM held-out accuracy %.3f, movement actions %s (majority baseline %.3f, macro F1 %.3f) -> %s",
+             final["accuracy"], final["moves_accuracy"], final["majority_baseline"], final["macro_f1"], out)
     return report
 
 

@@ -11,14 +11,15 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mcar.eval import metrics as M
+from mcar.eval.idm import PR_COLUMNS
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
 from mcar.train.task import hydra_job
 
 log = logging.getLogger("mcar.eval.evaluate")
-COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt", "loss_tf",
-           "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
+COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt",
+           *PR_COLUMNS, "loss_tf", "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
 INT_COLUMNS = ("step", "clips", "frames", "prompt_frames")
 
 
@@ -30,12 +31,11 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
         w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows([{k: _csv_cell(r.get(k)) for k in COLUMNS} for r in rows])
-    head = [c for c in COLUMNS if c != "notes"]
+    head = md_columns()
     lines = ["| " + " | ".join(c.upper() if c in ("fvd", "psnr", "ssim", "lpips", "fps", "tp", "step") else c
                                for c in head) + " |", "|" + " --- |" * len(head)]
-    digits = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3, "tp": 0}
     for r in rows:
-        lines.append("| " + " | ".join(M.fmt(r.get(c), digits.get(c, 2)) for c in head) + " |")
+        lines.append("| " + " | ".join(md_cell(r, c) for c in head) + " |")
     where: dict[str, list[str]] = {}  # note -> the rows it applies to
     for r in rows:
         for n in filter(None, str(r.get("notes") or "").split("; ")):
@@ -44,6 +44,22 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
         lines += ["", "notes:"] + [f"- {n}" + ("" if len(w) == len(rows) else f" ({', '.join(w)})")
                                    for n, w in where.items()]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+DIGITS = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3, "tp": 0}
+
+
+def md_columns() -> list[str]:
+    """The results.md header: COLUMNS without notes, each prec_<a> / rec_<a> pair read as one '<a> P/R' column."""
+    return [f"{c[5:]} P/R" if c.startswith("prec_") else c for c in COLUMNS
+            if c != "notes" and not c.startswith("rec_")]
+
+
+def md_cell(r: dict, c: str) -> str:
+    if c.endswith(" P/R"):  # precision/recall of one action, e.g. 0.92/0.85
+        a = c[:-4]
+        return f"{M.fmt(r.get(f'prec_{a}'), 2)}/{M.fmt(r.get(f'rec_{a}'), 2)}"
+    return M.fmt(r.get(c), DIGITS.get(c, 2))
 
 
 def _csv_cell(v):

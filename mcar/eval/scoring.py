@@ -1,5 +1,8 @@
 """Scoring generated clips against the ground truth: PSNR / SSIM / LPIPS per frame, FVD per clip (frames decoded
-by the VQ) and the inverse-dynamics model's action-following scores (on tokens)."""
+by the VQ) and the inverse-dynamics model's action-following scores (on tokens: the IDM looks them up in its saved
+copy of the VQ codebook): macro F1, accuracy, and precision / recall of each movement action (`prec_move_left`, ...,
+from the IDM's predictions on generated pairs against the conditioning actions; on the ground_truth reference row,
+the IDM on ground-truth pairs: the ceiling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +11,7 @@ import torch
 
 from mcar.core.layout import Layout
 from mcar.eval import metrics as M
-from mcar.eval.idm import action_scores, frame_pairs
+from mcar.eval.idm import MOVES, PR_COLUMNS, action_pr, action_scores, frame_pairs
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.render import decode_frames, invalid_image_tokens
 
@@ -38,7 +41,10 @@ def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
 
 
 def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
-    """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action}) for generated vs gt."""
+    """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action, per_action_gt}) for
+    generated vs gt. Row keys: psnr, ssim, lpips, fvd, action_f1, action_acc, action_f1_gt, prec_<move>, rec_<move>
+    (`MOVES`; None where undefined: the action never predicted / never taken, or not in the data's actions),
+    notes."""
     layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
     row, curves, extra = {}, {}, {}
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
@@ -58,12 +64,15 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     idm = nets["idm"]
     if isinstance(idm, M.Unavailable):
         row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
+        row.update(dict.fromkeys(PR_COLUMNS))  # n/a; the reason is noted once, under action_f1
     else:
         a, b, act = frame_pairs(gen.cpu(), layout, cb, first=P - 1)  # pairs ending in a generated frame
-        s = action_scores(idm.predict(a, b), act, scorer.names)
+        pred = idm.predict(a, b)
+        s = action_scores(pred, act, scorer.names)
         a, b, _ = frame_pairs(gt.cpu(), layout, cb, first=P - 1)
         s_gt = action_scores(idm.predict(a, b), act, scorer.names)
         row.update(action_f1=s["macro_f1"], action_acc=s["accuracy"], action_f1_gt=s_gt["macro_f1"])
+        row.update(action_pr(pred, act, scorer.names, MOVES))
         extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
     by_reason: dict[str, list[str]] = {}
     for k, v in row.items():
