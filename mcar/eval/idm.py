@@ -76,7 +76,7 @@ class InverseDynamics(nn.Module):
         self.max_shift, self.grid, self.temperature = tuple(max_shift), tuple(grid), temperature
         self.register_buffer("codebook", cbk)  # frozen: not a parameter, saved in the state dict
         n_shift = (2 * self.max_shift[0] + 1) * (2 * self.max_shift[1] + 1)
-        self.cnn = nn.Sequential(
+        self.cnn = nn.Identity() if not hidden else nn.Sequential(
             nn.Conv2d(3 * dim + 2 * n_shift, hidden, 1), nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, padding=1), nn.GELU(),
             nn.Conv2d(hidden, hidden, 3, stride=2, padding=1), nn.GELU(),
@@ -85,7 +85,8 @@ class InverseDynamics(nn.Module):
         self.attend = nn.Conv2d(3 * dim + 2 * n_shift + 2, 1, 1)  # where to pool the votes (content + position)
         nn.init.zeros_(self.attend.weight), nn.init.zeros_(self.attend.bias)  # starts as the plain mean
         self.norm = nn.BatchNorm1d(2 * n_shift)  # the pooled correlation and votes, standardised
-        self.head = nn.Linear(hidden * (2 + grid[0] * grid[1]) + 2 * n_shift, n_a * action_vocab_size)
+        self.head = nn.Linear(hidden * (2 + grid[0] * grid[1]) + 2 * n_shift, n_a * action_vocab_size)  # hidden 0:
+        # no CNN, the head reads the pooled votes only
 
     def correlation(self, ea: torch.Tensor, eb: torch.Tensor) -> torch.Tensor:
         """(B, D, h, w) x 2 -> (B, n_shift, h, w): eb(y, x) . ea(y + dy, x + dx), zero outside the frame."""
@@ -100,12 +101,15 @@ class InverseDynamics(nn.Module):
         corr = self.correlation(ea, eb)
         votes = torch.softmax(self.temperature * corr, 1)  # where each position's content came from
         feats = torch.cat([ea, eb, eb - ea, corr, votes], 1)
-        x = self.cnn(feats)  # (B, hidden, h/2, w/2)
         B, _, h, w = feats.shape
         yx = torch.stack(torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij"))
         att = torch.softmax(self.attend(torch.cat([feats, yx.expand(B, 2, h, w)], 1)).flatten(1), 1)  # (B, hw)
         pooled = self.norm(torch.einsum("bcn,bn->bc", torch.cat([corr, votes], 1).flatten(2), att))
-        x = torch.cat([x.mean((2, 3)), x.amax((2, 3)), F.adaptive_avg_pool2d(x, self.grid).flatten(1), pooled], 1)
+        if self.config["hidden"]:
+            x = self.cnn(feats)  # (B, hidden, h/2, w/2)
+            pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3)), F.adaptive_avg_pool2d(x, self.grid).flatten(1),
+                                pooled], 1)
+        x = pooled
         return rearrange(self.head(self.drop(x)), "b (slot v) -> b slot v", slot=self.n_a)
 
     @torch.no_grad()
