@@ -1,11 +1,11 @@
 """Inverse-dynamics model (IDM): two consecutive frames' VQ tokens -> the action taken between them.
 
 MineWorld scores action following with VPT's IDM; we train our own on the same dataset as the world model, on
-VQ tokens (so generated clips are scored without decoding), and report its held-out accuracy so the score can
-be trusted. Train it:
+VQ tokens read as the VQ's frozen code vectors (so generated clips are scored without decoding, and two codes
+for one texture look alike), and report its held-out accuracy so the score can be trusted. Train it:
 
     python -m mcar.idm data=crafter                 # -> checkpoints/idm-crafter/idm.pt + metrics.json
-    python -m mcar.idm data=crafter steps=3000 threads=2
+    python -m mcar.idm data=crafter steps=1000 hidden=32   # + a CNN
 
 Frame t's action a[t] is taken after seeing frame t and leads to frame t+1 (the layout of DIAGD.md), so the
 IDM reads (frame t, frame t+1) and predicts the n_a action tokens a[t] (local ids, before the codebook offset).
