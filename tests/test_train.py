@@ -65,9 +65,10 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
                "trainer.val_check_interval=2")
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
     assert ckpt.is_file()
-    # model=small is overridden by the checkpoint's own config; init_from defaults to the newest last.ckpt
+    # the checkpoint's own model config is kept (a model= that differs is refused: tests/test_ownership.py);
+    # init_from defaults to the newest last.ckpt
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path, "ft"), "logger=csv", "steps=3",
-                   "model=small", "trainer.val_check_interval=3", "log_every_n_steps=1")
+                   "trainer.val_check_interval=3", "log_every_n_steps=1")
     assert f"[mcar][INFO] - fine-tuning {ckpt} (model tiny)\n" in p.stderr + p.stdout
     # finetune.yaml's rate: optim.lr=1e-4 after lr_schedule.warmup_steps=50 (train/lr is logged before the step)
     lrs = {int(r["step"]): float(r["train/lr"]) for r in metrics_rows(tmp_path / "ft") if r.get("train/lr")}
