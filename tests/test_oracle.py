@@ -512,42 +512,35 @@ def test_mutation_full_drops_position_rule_in_the_pass_is_detected(monkeypatch):
     assert_detected(monkeypatch, mutate, [c for c in MUTATION_CONFIGS if c.variant == "diagd_full"])
 
 
-def test_mutation_above_proxy_from_the_previous_frame_is_detected(monkeypatch):
-    """`above` taking c[t-1,i-1,0] instead of c[t,i-1,0]."""
+def patch_proxy_source(proxy: str, new_source):
+    """A mutation: after the schedule computes its proxies, `proxy`'s sources become
+    new_source(targets, sources, frame_len, w)."""
     def mutate(mp):
         cls = schedule_class()
         original = cls._proxies
 
         def _proxies(self):
             original(self)
-            if self.proxy == "above":
-                L, w = self.layout.frame_len, self.layout.w
-                tgt, src = self.proxy_target, self.proxy_source
-                self.proxy_source = torch.where(src == tgt - w, src - L, src)
+            if self.proxy == proxy:
+                self.proxy_source = new_source(self.proxy_target, self.proxy_source, self.layout.frame_len,
+                                               self.layout.w)
 
         mp.setattr(cls, "_proxies", _proxies)
 
+    return mutate
+
+
+def test_mutation_above_proxy_from_the_previous_frame_is_detected(monkeypatch):
+    """`above` taking c[t-1,i-1,0] instead of c[t,i-1,0]."""
+    mutate = patch_proxy_source("above", lambda tgt, src, L, w: torch.where(src == tgt - w, src - L, src))
     mism = assert_detected(monkeypatch, mutate)
     assert any("tokens" in m for m in mism)
 
 
 def test_mutation_prev_frame_proxy_from_the_row_above_is_detected(monkeypatch):
     """The two proxy contents swapped: prev_frame taking c[t,i-1,0]."""
-    def mutate(mp):
-        cls = schedule_class()
-        original = cls._proxies
-
-        def _proxies(self):
-            original(self)
-            if self.proxy == "prev_frame":
-                L, w = self.layout.frame_len, self.layout.w
-                tgt, src = self.proxy_target, self.proxy_source
-                row = (tgt % L) // w
-                self.proxy_source = torch.where(row >= 1, tgt - w, src)
-
-        mp.setattr(cls, "_proxies", _proxies)
-
-    assert_detected(monkeypatch, mutate)
+    assert_detected(monkeypatch, patch_proxy_source(
+        "prev_frame", lambda tgt, src, L, w: torch.where((tgt % L) // w >= 1, tgt - w, src)))
 
 
 # ------------------------------------------------------------------------------------------------------------
