@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import hydra
+import lightning as L
 import pytest
 import torch
 from hydra.errors import HydraException
@@ -231,6 +232,54 @@ def test_resume_after_kill_9_is_exact(tmp_path):
     assert len(after) >= 300 - resumed_from - 1 and after[-1] == 299
     for s in after:
         assert got[s] == ref[s], f"step {s}: resumed loss {got[s]} != uninterrupted {ref[s]}"
+
+
+class _Killed(Exception):
+    pass
+
+
+class _DiesAfterTheCheckpoint(L.Callback):
+    """Raises when Lightning is about to log step `step - 1`'s metrics, after every on_train_batch_end hook (the
+    checkpoint callbacks run last) saved step `step`: the window where a kill -9 used to lose a log line."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        connector = trainer._logger_connector
+        update = connector.update_train_step_metrics
+
+        def dying_update():
+            if trainer.global_step == self.step:
+                raise _Killed()
+            update()
+
+        connector.update_train_step_metrics = dying_update
+
+
+def test_a_kill_between_a_checkpoint_and_its_log_line_loses_no_step(tmp_path):
+    from mcar.train.task import run
+
+    common = [*SMALL_DATA, "logger=csv", "log_every_n_steps=1", "trainer.max_steps=12",
+              "trainer.val_check_interval=1000", "checkpoint.every_n_steps=4", "val_dashboard.n_clips=0"]
+
+    def fit(name: str, *extra: str, callbacks=()):
+        cfg = compose("train", [*common, f"paths.checkpoint_root={tmp_path}/{name}_ckpt",
+                                f"paths.output_dir={tmp_path}/{name}", *extra])
+        Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
+        return run(cfg, callbacks=list(callbacks))
+
+    fit("ref")
+    with pytest.raises(_Killed):  # Lightning re-raises after its own teardown
+        fit("run", callbacks=[_DiesAfterTheCheckpoint(8)])
+    assert 7 not in losses(tmp_path / "run")  # the window: step 8's checkpoint is on disk, step 7's log line not
+    ckpt = torch.load(tmp_path / "run_ckpt" / "train-tiny-synthetic-causal" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 8 and ckpt["mcar_pending_step_log"]["step"] == 7
+    fit("resumed", "ckpt_path=last", f"paths.checkpoint_root={tmp_path}/run_ckpt")
+    ref, got = losses(tmp_path / "ref"), {**losses(tmp_path / "run"), **losses(tmp_path / "resumed")}
+    assert got == ref and sorted(ref) == list(range(12))
+    rows = [r for r in metrics_rows(tmp_path / "resumed") if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == list(range(7, 12))  # the pending line first, then no duplicate
 
 
 @pytest.mark.slow

@@ -54,7 +54,36 @@ class SeenClips(Callback):
 
 
 class Checkpoints(ModelCheckpoint):
-    """Every N steps + last.ckpt, and also the final state when max_steps is not a multiple of N."""
+    """Every N steps + last.ckpt, and also the final state when max_steps is not a multiple of N.
+
+    Lightning saves a step's checkpoint in on_train_batch_end, before it logs that step's metrics: a kill in
+    between would lose that log line for good (the resume starts after the step). So a step checkpoint carries
+    the step's pending log line and a resume logs it first (at worst the same line twice, never a gap)."""
+
+    PENDING_LOG = "mcar_pending_step_log"
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        connector, loop = trainer._logger_connector, trainer.fit_loop
+        if not (trainer.training and loop.epoch_loop._batches_that_stepped == trainer.global_step - 1
+                and connector.should_update_logs):
+            return  # not between a step's checkpoint and its log line (e.g. the final save at on_train_end)
+        metrics = {k: float(v) for k, v in connector.metrics["log"].items()}
+        if metrics:
+            checkpoint[self.PENDING_LOG] = {"step": loop.epoch_loop._batches_that_stepped,
+                                            "metrics": {**metrics, "epoch": trainer.current_epoch}}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._pending_log = checkpoint.get(self.PENDING_LOG)
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        pending, self._pending_log = getattr(self, "_pending_log", None), None
+        if pending and trainer.loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics(pending["metrics"], step=pending["step"])
+                logger.save()
 
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
