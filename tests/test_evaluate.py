@@ -192,6 +192,33 @@ def test_copy_last_reference_repeats_the_last_prompt_frame(P):
         reference_clips("nope", gt, gen_slots, cb)
 
 
+@pytest.mark.parametrize("P", [1, 2])
+def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
+    """unchanged: over the generated frames, the share of image tokens equal to the same place one frame earlier,
+    counted here token by token from the flat clip (no split_clip); copy_last scores 1, and the row carries it."""
+    from mcar.core.layout import Layout
+    from mcar.core.sampler import ScheduleSampler
+    from mcar.eval.generation import reference_clips
+    from mcar.eval.scoring import unchanged_fraction
+    from mcar.tokenizer.clips import join_clip
+
+    layout, cb, T = Layout(2, 3, 2), 4, 5  # 4 codes: many tokens repeat by chance
+    g = torch.Generator().manual_seed(P)
+    clips = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g),
+                                   torch.randint(0, 3, (T, 2), generator=g), cb) for _ in range(3)])
+    same = total = 0
+    flen, ftok = layout.frame_len, layout.frame_tokens
+    for clip in clips.tolist():
+        for t in range(P, T):
+            for j in range(ftok):
+                same += clip[t * flen + j] == clip[(t - 1) * flen + j]
+                total += 1
+    assert unchanged_fraction(clips, layout, cb, P) == pytest.approx(same / total)
+    assert 0 < same < total
+    still = reference_clips("copy_last", clips, ScheduleSampler(layout, T, P, k=2).schedule().gen_slots, cb)
+    assert unchanged_fraction(still, layout, cb, P) == 1.0
+
+
 @pytest.mark.slow
 def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
     from mcar.generate import generate

@@ -56,6 +56,9 @@ def test_experiment_configs_compose_and_bad_blocks_name_the_field():
         compose_experiment(["experiment=crafter_table3_cpu", "~table3.samplers.ntp", "table3.gap.ntp=diagd_k1"])
     with pytest.raises(ValueError, match="table3.gap.diagd='nope'"):
         compose_experiment(["experiment=crafter_table3_cpu", "table3.gap.diagd=nope"])
+    with pytest.raises(ValueError, match=r"table3.references: \['still'\]"):
+        compose_experiment(["experiment=crafter_table3_cpu", "table3.references=[copy_last,still]"])
+    assert list(cpu.table3.references) == ["ground_truth", "copy_last", "noise"]
 
 
 TINY = [*SMALL_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2",
@@ -80,10 +83,18 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     rows = {(r["model"], r["sampler"]): r for r in res["rows"]}
     assert set(rows) == {("pretrained", "ntp"), ("pretrained", "diagd k=2"), ("pretrained", "diagd k=2 d=5"),
                          ("ft_diagd_proxy", "diagd k=2"), ("ft_diagd_plain", "diagd k=2"), ("ft_causal", "ntp"),
-                         ("ft_causal", "diagd k=2")}
+                         ("ft_causal", "diagd k=2"), ("pretrained", "ground_truth"), ("pretrained", "copy_last"),
+                         ("pretrained", "noise")}
     for r in rows.values():
         for col in ("psnr", "ssim", "action_f1", "loss_tf", "fps", "tp"):
-            assert math.isfinite(r[col]), (r["model"], r["sampler"], col)
+            if r["sampler"] in ("ground_truth", "copy_last", "noise") and col in ("loss_tf", "fps", "tp"):
+                assert r[col] is None
+            elif r["sampler"] in ("ground_truth", "copy_last") and col == "psnr":  # inf where equal to the clips
+                assert r[col] > 0
+            else:
+                assert math.isfinite(r[col]), (r["model"], r["sampler"], col)
+        assert 0 <= r["unchanged"] <= 1
+    assert rows[("pretrained", "copy_last")]["unchanged"] == 1.0
     # passes: NTP (T-P)hw = 24; DiagD (T-2)d + s_spa with s_spa = (h-1)k + w = 8
     assert rows[("pretrained", "ntp")]["step"] == 24 and rows[("pretrained", "diagd k=2")]["step"] == 16
     assert rows[("pretrained", "diagd k=2 d=5")]["step"] == 13
@@ -92,6 +103,7 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.count("<!-- table3:crafter_table3_cpu start") == 1 and "| ft_" not in text
     assert "fine-tuned 2 steps: mask=diagd mask.proxy_slots=false | diagd k=2 |" in text
+    assert "| reference, no model | copy_last | n/a |" in text and "| 1.000 |" in text
 
     again = run_script(*args, timeout=600)  # every stage done: nothing re-runs, the section is rewritten once
     assert again.stdout.count("skipped") == len(state)

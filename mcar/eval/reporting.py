@@ -18,8 +18,8 @@ from mcar.tokenizer.video import write_mp4
 from mcar.train.task import hydra_job
 
 log = logging.getLogger("mcar.eval.evaluate")
-COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "action_f1", "action_acc", "action_f1_gt",
-           *PR_COLUMNS, "loss_tf", "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
+COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "unchanged", "action_f1", "action_acc",
+           "action_f1_gt", *PR_COLUMNS, "loss_tf", "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
 INT_COLUMNS = ("step", "clips", "frames", "prompt_frames")
 
 
@@ -46,7 +46,8 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
-DIGITS = {"ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3, "tp": 0}
+DIGITS = {"unchanged": 3, "ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3,
+          "tp": 0}
 
 
 def md_columns() -> list[str]:
@@ -119,7 +120,7 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
         else:
             run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
     for r in rows:
-        for c in ("fvd", "psnr", "ssim", "lpips", "action_f1", "loss_tf", "fps", "tp", "step"):
+        for c in ("fvd", "psnr", "unchanged", "ssim", "lpips", "action_f1", "loss_tf", "fps", "tp", "step"):
             if _finite(r.get(c)) is not None:
                 run.summary[f"{r['sampler']}/{c}"] = r[c]
 

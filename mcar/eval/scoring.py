@@ -40,13 +40,24 @@ def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
         return (M.Unavailable(str(e)),) * 2
 
 
+def unchanged_fraction(clips: torch.Tensor, layout: Layout, codebook_size: int, prompt_frames: int) -> float:
+    """Fraction of the generated image tokens equal to the token at the same place one frame earlier: how still
+    the video is (copy_last: 1; the ground truth: how much the world really changes). Reads PSNR: a row that
+    changes little scores near copy_last whether or not it follows the actions."""
+    images = split_clip(clips, layout, codebook_size)[0]  # (n, T, h, w)
+    P = max(1, prompt_frames)
+    return float((images[:, P:] == images[:, P - 1:-1]).double().mean())
+
+
 def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
     """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action, per_action_gt}) for
-    generated vs gt. Row keys: psnr, ssim, lpips, fvd, action_f1, action_acc, action_f1_gt, prec_<move>, rec_<move>
+    generated vs gt. Row keys: unchanged (`unchanged_fraction`), psnr, ssim, lpips, fvd, action_f1, action_acc,
+    action_f1_gt, prec_<move>, rec_<move>
     (`MOVES`; None where undefined: the action never predicted / never taken, or not in the data's actions),
     notes."""
     layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
     row, curves, extra = {}, {}, {}
+    row["unchanged"] = unchanged_fraction(gen.cpu(), layout, cb, P)
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
     if isinstance(pix_gen, M.Unavailable):
         for k in ("psnr", "ssim", "lpips", "fvd"):

@@ -52,6 +52,11 @@ def compose_experiment(overrides: list[str]) -> DictConfig:
         if missing:
             raise ValueError(f"table3.finetune.runs.{label}.samplers: {missing} are not in table3.samplers "
                              f"({list(t.samplers)})")
+    from mcar.eval.generation import REFERENCES
+
+    bad = [k for k in t.get("references", []) if k not in REFERENCES]
+    if bad:
+        raise ValueError(f"table3.references: {bad} are not reference rows ({list(REFERENCES)})")
     for key in ("ntp", "diagd"):
         if t.gap[key] not in t.samplers:
             raise ValueError(f"table3.gap.{key}={t.gap[key]!r} is not in table3.samplers ({list(t.samplers)})")
@@ -122,14 +127,16 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
 
     logger = [o for o in shared if o.startswith("logger")]
 
-    def evaluate(model: str, ckpt: Path, sampler: str) -> None:
+    def evaluate(model: str, ckpt: Path, sampler: str, *extra: str) -> None:
         stages.run(f"eval/{model}/{sampler}", python(
             "-m", "mcar.eval.evaluate", *data, *logger, f"ckpt={ckpt}", f"name={model}", f"idm={idm}", *t.evaluate,
-            *t.samplers[sampler], f"run_name=eval-{t.name}-{model}-{sampler}",
+            *t.samplers[sampler], *extra, f"run_name=eval-{t.name}-{model}-{sampler}",
             f"hydra.run.dir={out}/eval/{model}/{sampler}"))
 
-    for sampler in t.samplers:
-        evaluate("pretrained", pre_ckpt, sampler)
+    for sampler in t.samplers:  # the reference rows (no model: copy_last, noise) come with the NTP evaluation
+        kinds = list(t.get("references", []))
+        refs = [f"references=[{','.join(kinds)}]"] if sampler == t.gap.ntp and kinds else []
+        evaluate("pretrained", pre_ckpt, sampler, *refs)
     for label, ft in t.finetune.runs.items():
         run_name = f"{t.name}-ft-{label}"
         ft_ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
@@ -150,6 +157,17 @@ def read_row(out: Path, model: str, sampler: str) -> dict:
     return res["rows"][0]
 
 
+def read_references(out: Path, sampler: str, kinds) -> list[dict]:
+    """The reference rows (copy_last, noise, ...) the pre-trained `sampler` evaluation scored beside its own."""
+    res = json.loads((out / "eval" / "pretrained" / sampler / "results.json").read_text())
+    by_label = {r["sampler"]: r for r in res["rows"]}
+    missing = [k for k in kinds if k not in by_label]
+    if missing:
+        raise ValueError(f"{out}/eval/pretrained/{sampler}/results.json has no {missing} rows: that evaluation ran "
+                         f"before table3.references listed them; delete its entry from state.json and re-run")
+    return [by_label[k] for k in kinds]
+
+
 def number(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -166,8 +184,8 @@ def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
 
 def table_md(rows: list[dict]) -> list[str]:
     cols = [("setting", None), ("sampler", None), ("FVD", "fvd"), ("PSNR", "psnr"), ("SSIM", "ssim"),
-            ("action F1 (GT)", "action_f1"), ("LOSS_TF", "loss_tf"), ("FPS", "fps"), ("TP", "tp"), ("STEP", "step")]
-    digits = {"ssim": 3, "action_f1": 3, "loss_tf": 3, "tp": 0}
+            ("UNCH", "unchanged"), ("action F1 (GT)", "action_f1"), ("LOSS_TF", "loss_tf"), ("FPS", "fps"), ("TP", "tp"), ("STEP", "step")]
+    digits = {"unchanged": 3, "ssim": 3, "action_f1": 3, "loss_tf": 3, "tp": 0}
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
         cells = [r["setting"], r["sampler"]]
@@ -230,6 +248,8 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
         for sampler in ft.samplers:
             rows.append({"setting": f"fine-tuned {t.finetune.steps} steps: {mask}", "key": (f"ft_{label}", sampler),
                          **read_row(out, f"ft_{label}", sampler)})
+    for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):  # no model: what the metrics read against
+        rows.append({"setting": "reference, no model", "key": ("reference", ref["sampler"]), **ref})
     by_key = {r["key"]: r for r in rows}
     pre_ntp, pre_diagd = by_key[("pretrained", t.gap.ntp)], by_key[("pretrained", t.gap.diagd)]
     gaps = {label: gap_closed(pre_ntp, pre_diagd, by_key[(f"ft_{label}", t.gap.diagd)])
@@ -249,7 +269,10 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
              f"{info['finetune_steps']} steps from that checkpoint. Evaluation: `{' '.join(t.evaluate)}` on held-out "
              f"clips, 1 prompt frame + every action given.", "",
              *table_md(rows), "",
-             "FVD: n/a unless `fvd.i3d=` points at local I3D weights. Action F1: the IDM's macro F1 on generated "
+             "FVD: n/a unless `fvd.i3d=` points at local I3D weights. UNCH: the fraction of generated image tokens "
+             "equal to the token at the same place one frame earlier (how still the video is; copy_last: 1). "
+             "Reference rows: ground_truth (the held-out clips themselves), copy_last (the last prompt frame "
+             "repeated: nothing moves), noise (random tokens). Action F1: the IDM's macro F1 on generated "
              "frames (on ground-truth frames in brackets, its ceiling). LOSS_TF: teacher-forced cross-entropy of the "
              "generated image tokens on the sampler's own schedule (NTP: the causal loss; DiagD: the loss its "
              "fine-tuning mask trains). FPS / TP: generated frames / image tokens per second; STEP: forward passes "
