@@ -198,3 +198,49 @@ def test_episodes_are_the_same_in_every_process():
     runs = {subprocess.run([sys.executable, "-c", code, str(j)], capture_output=True, text=True, check=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout for j in (0, 7, 13)}
     assert len(runs) == 1, runs
+
+
+def _tiles_kept_by_moves(view):
+    """Over the moves that changed the player's position: the share of 16x16 tiles of the map (not the inventory
+    row) that match the tile one step the other way in the frame before (mean difference < 4 of 255: daylight
+    shades every pixel a little each step)."""
+    frames, records = play_episode(3, 0, 60, {"random": 1.0}, (224, 384), view)
+    kept = total = 0
+    for t in range(1, len(records) - 1):  # a record's pos is after its action: frame t is at records[t - 1]'s
+        (x0, y0), (x1, y1) = records[t - 1]["pos"], records[t]["pos"]
+        dx, dy = x1 - x0, y1 - y0
+        if (dx, dy) == (0, 0):
+            continue
+        a, b = frames[t].astype(int), frames[t + 1].astype(int)
+        for r in range(1, 12):  # map rows away from the edges (the inventory row is the 14th)
+            for c in range(1, 23):
+                new = b[16 * r:16 * r + 16, 16 * c:16 * c + 16]
+                old = a[16 * (r + dy):16 * (r + dy) + 16, 16 * (c + dx):16 * (c + dx) + 16]
+                kept += bool(np.abs(new - old).mean() < 4)
+                total += 1
+    return kept / max(total, 1), total
+
+
+def test_tile_view_makes_a_move_a_one_token_shift():
+    """data.view=[24,14] at 384x224: one Crafter tile is one 16x16 token, so a move shifts the map by exactly one
+    token (the player's tile, moving creatures and the revealed edge aside); Crafter's default 9x9 view does not."""
+    tiles, n = _tiles_kept_by_moves((24, 14))
+    assert n > 0 and tiles > 0.9, tiles
+    default, _ = _tiles_kept_by_moves(None)
+    assert default < 0.5, default
+
+
+def test_view_gets_its_own_episode_folder_and_vq_folder(tmp_path):
+    kw = dict(root=str(tmp_path), episodes=3, frames_per_episode=24, gen_seed=0, workers=1, h=14, w=24, n_a=1,
+              codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2, seed=0, val_clips=2,
+              val_episodes=1)
+    default, tiles = CrafterDataModule(**kw), CrafterDataModule(**kw, view=[24, 14], vq_train=True)
+    assert default.set_dir.name == "seed0_24f_explorer75_random25" == CrafterDataModule(**kw, view=[9, 9]).set_dir.name
+    assert tiles.set_dir.name == "seed0_24f_explorer75_random25_view24x14"
+    assert tiles.resolved_vq_path() == str(tmp_path / "view24x14" / "vq" / "best")
+    with pytest.raises(ValueError, match=r"data.view=\[24\]"):
+        CrafterDataModule(**kw, view=[24])
+    seen = {}
+    CrafterDataModule(**kw, view=[24, 14], vq_train=True, vq_train_overrides=["steps=2"],
+                      vq_trainer=lambda **a: seen.update(a)).train_vq()
+    assert seen == {"root": tmp_path / "view24x14", "overrides": ["generate.view=[24,14]", "steps=2"], "grid": (14, 24)}

@@ -22,14 +22,18 @@ class CrafterDataModule(TokenDataModule):
     def __init__(self, root: str, episodes: int = 12, frames_per_episode: int = 128, gen_seed: int = 0,
                  policy_mix: dict | None = None, workers: int = 2, vq_path: str | None = None,
                  vq_train: bool = False, vq_train_overrides: list | None = None, vq_trainer: Callable | None = None,
-                 tokenize_batch: int = 16, **kw):
+                 tokenize_batch: int = 16, view: list | tuple | None = None, **kw):
         """vq_trainer(root, overrides, grid): trains a VQ into root/vq/best when vq_train=true (a callable, or its
-        Hydra config with `_partial_: true`, instantiated on first use)."""
+        Hydra config with `_partial_: true`, instantiated on first use). view: Crafter's grid in tiles (W, H), None
+        for its default 9x9."""
         super().__init__(**kw)
         self.root, self.n_episodes, self.frames_per_episode = Path(root), episodes, frames_per_episode
         self.gen_seed, self.policy_mix, self.workers = gen_seed, dict(policy_mix or {}), workers
         self.vq_path, self.vq_train, self.vq_train_overrides = vq_path, vq_train, list(vq_train_overrides or [])
         self.vq_trainer, self.tokenize_batch = vq_trainer, tokenize_batch
+        self.view = None if view is None else tuple(int(v) for v in view)
+        if self.view is not None and (len(self.view) != 2 or min(self.view) < 3):
+            raise ValueError(f"data.view={list(view)}: Crafter's grid in tiles, [W, H], each >= 3 (e.g. [24, 14])")
 
     @property
     def set_dir(self) -> Path:
@@ -37,7 +41,8 @@ class CrafterDataModule(TokenDataModule):
         mix = self.policy_mix or {"random": 0.25, "explorer": 0.75}
         total = sum(mix.values())
         policies = "_".join(f"{k}{round(100 * v / total)}" for k, v in sorted(mix.items()))
-        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}"
+        view = "" if self.view in (None, (9, 9)) else f"_view{self.view[0]}x{self.view[1]}"
+        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}"
 
     @property
     def episodes_dir(self) -> Path:
@@ -50,7 +55,12 @@ class CrafterDataModule(TokenDataModule):
 
     def resolved_vq_path(self) -> str | None:
         """The VQ in use: trained under root/vq when asked, else vq.path, else the committed one (None)."""
-        return str(self.root / "vq" / "best") if self.vq_train else self.vq_path
+        return str(self.vq_root / "vq" / "best") if self.vq_train else self.vq_path
+
+    @property
+    def vq_root(self) -> Path:
+        """Where data.vq_train=true trains (root/vq, root/vq_episodes): one per Crafter view."""
+        return self.root if self.view in (None, (9, 9)) else self.root / f"view{self.view[0]}x{self.view[1]}"
 
     @property
     def tokens_dir(self) -> Path:
@@ -63,13 +73,14 @@ class CrafterDataModule(TokenDataModule):
         from mcar.data.tokenize import tokenize_dir
         from mcar.tokenizer.vq import frame_size, load_vq, vq_id
 
-        if self.vq_train and not (self.root / "vq" / "best" / "config.json").exists():
+        if self.vq_train and not (self.vq_root / "vq" / "best" / "config.json").exists():
             self.train_vq()
         path = self.resolved_vq_path()
         vq = load_vq(path)
         t0 = time.time()
         generate(self.episodes_dir, self.n_episodes, self.frames_per_episode, self.gen_seed,
-                 self.policy_mix or None, self.workers, size=frame_size(vq, self.layout.h, self.layout.w))
+                 self.policy_mix or None, self.workers, size=frame_size(vq, self.layout.h, self.layout.w),
+                 view=self.view)
         t1 = time.time()
         if (self.tokens_dir / "index.json").exists() and self._all_done():
             print(f"crafter data ready in {self.root} (cached)")
@@ -92,4 +103,5 @@ class CrafterDataModule(TokenDataModule):
             import hydra
 
             trainer = hydra.utils.instantiate(trainer)
-        trainer(root=self.root, overrides=self.vq_train_overrides, grid=(self.layout.h, self.layout.w))
+        view = [] if self.view is None else [f"generate.view=[{self.view[0]},{self.view[1]}]"]
+        trainer(root=self.vq_root, overrides=[*view, *self.vq_train_overrides], grid=(self.layout.h, self.layout.w))

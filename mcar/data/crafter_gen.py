@@ -124,15 +124,18 @@ def deterministic_chunks(world) -> None:
     world._chunks = chunks
 
 
-def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int]):
-    """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies."""
+def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
+                 view: tuple[int, int] | None = None):
+    """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies. view: Crafter's
+    grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels)."""
     import crafter  # imported here: worker processes
 
     rng = np.random.default_rng([seed, index])
     names = sorted(policy_mix)
     p = np.array([policy_mix[n] for n in names], float)
     policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
-    env = crafter.Env(size=(int(size[1]), int(size[0])), seed=int(rng.integers(2**31 - 1)))
+    env = crafter.Env(size=(int(size[1]), int(size[0])), view=tuple(int(v) for v in (view or (9, 9))),
+                      seed=int(rng.integers(2**31 - 1)))
     obs, out, records = env.reset(), [], []
     deterministic_chunks(env._world)  # episode i of seed s is the same in every process
     for t in range(frames):
@@ -149,12 +152,12 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
 
 
 def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float],
-                  size: tuple[int, int]) -> str:
+                  size: tuple[int, int], view: tuple[int, int] | None = None) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
     if mp4.exists() and jsonl.exists():
         return name  # cached
-    video, records = play_episode(seed, index, frames, policy_mix, size)
+    video, records = play_episode(seed, index, frames, policy_mix, size, view)
     write_mp4(video, mp4, fps=FPS, crf=12, pix_fmt="yuv444p", preset="veryfast")  # near-lossless pixel art
     tmp = jsonl.with_suffix(".part")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -186,8 +189,10 @@ def die_with_parent(parent: int) -> None:
 
 
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
-             policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int]) -> list[str]:
-    """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names."""
+             policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int],
+             view: tuple[int, int] | None = None) -> list[str]:
+    """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names.
+    view: Crafter's grid in tiles (W, H); None: its default 9x9."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
@@ -197,13 +202,14 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     names = []
     if workers > 1:
         with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size) for i in range(episodes)]
+            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size, view)
+                       for i in range(episodes)]
             for f in futures:
                 names.append(f.result())
                 bar.update()
     else:
         for i in range(episodes):
-            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size))
+            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size, view))
             bar.update()
     bar.close()
     return names
@@ -220,9 +226,11 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--size", type=int, nargs=2, required=True, metavar=("H", "W"),
                     help="frame size: the data's token grid times the VQ's downsampling (data=crafter: 224 384)")
+    ap.add_argument("--view", type=int, nargs=2, default=None, metavar=("W", "H"),
+                    help="Crafter's grid in tiles (default 9 9); 24 14 at 224x384: one tile = one 16x16 token")
     a = ap.parse_args(argv)
     generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers,
-             size=tuple(a.size))
+             size=tuple(a.size), view=tuple(a.view) if a.view else None)
 
 
 if __name__ == "__main__":

@@ -233,8 +233,9 @@ def make_data(cfg: DictConfig):
     if not files and cfg.generate.episodes:
         from mcar.data.crafter_gen import generate
 
+        view = cfg.generate.get("view")
         generate(folder, cfg.generate.episodes, cfg.generate.frames, cfg.generate.seed, workers=cfg.generate.workers,
-                 size=size)
+                 size=size, view=tuple(view) if view else None)
         files = episode_files(folder)
     if len(files) <= cfg.val_episodes:
         raise ValueError(f"{folder}: {len(files)} episodes, need more than val_episodes={cfg.val_episodes}")
