@@ -107,8 +107,10 @@ def test_mismatched_config_is_a_clear_error(crafter_dm):
         dm.setup()
 
 
-def test_crafter_trains_its_own_vq_when_asked(tmp_path):
-    """data.vq_train=true: a VQ is trained under root/vq (tiny here), then used to tokenise."""
+@pytest.mark.parametrize("view", [None, [24, 14]])
+def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
+    """data.vq_train=true: a VQ is trained under root/vq (tiny here), then used to tokenise; with data.view, on
+    episodes of that view, under root/view<W>x<H>."""
     tiny = ["generate.episodes=2", "generate.frames=8", "generate.workers=1", "val_episodes=1",
             "val_per_episode=2", "crop=[64,64]", "batch_size=2", "steps=2", "val_every=2", "ckpt_every=2",
             "kmeans_batches=1", "vq.arch.block_out_channels=[8,8,8,8,8]", "vq.arch.norm_num_groups=4",
@@ -116,9 +118,17 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path):
     dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
                            vq_train=True, vq_train_overrides=tiny, h=14, w=24, n_a=1, codebook_size=16,
                            action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1,
-                           vq_trainer=CRAFTER_CONF.vq_trainer)  # its config, as data=crafter gives it
+                           vq_trainer=CRAFTER_CONF.vq_trainer, view=view)  # its config, as data=crafter gives it
     dm.prepare_data()
-    assert (tmp_path / "crafter" / "vq" / "best" / "config.json").exists()
+    vq_root = tmp_path / "crafter" / ("view24x14" if view else "")
+    assert (vq_root / "vq" / "best" / "config.json").exists()
+    if view:  # the VQ's own episodes are in the tile view too (vq_train.yaml's generate.seed=1)
+        from mcar.data.crafter_gen import episode_name
+
+        first = read_mp4(vq_root / "vq_episodes" / f"{episode_name(1, 0)}.mp4")[0][0].astype(int)
+        mix = {"random": 0.25, "explorer": 0.75}
+        tiled, default = (play_episode(1, 0, 1, mix, (224, 384), v)[0][0].astype(int) for v in ((24, 14), None))
+        assert np.abs(first - tiled).mean() < 3 < np.abs(first - default).mean()
     dm.setup()
     assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")
 
