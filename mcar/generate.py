@@ -71,14 +71,16 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
         raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="
                          f"{cfg.data.codebook_size}: use the VQ the model's data was tokenised with (vq.path)")
     # frame t's action leads to frame t+1; the last one is never used
-    acts = torch.tensor([parse_action(a, cfg.data.name, layout.n_a) for a in cfg.actions] + [[0] * layout.n_a])
+    space = data_action_space(cfg.data)
+    acts = torch.tensor([parse_action(a, space, layout.n_a) for a in cfg.actions] + [[0] * layout.n_a])
     images = torch.zeros(len(acts), len(ids), dtype=torch.long)
     images[0] = ids
     return join_clip(images, acts, cfg.data.codebook_size)
 
 
-def parse_action(a, data_name: str, n_a: int) -> list[int]:
-    if isinstance(a, str) and data_name == "crafter":
+def parse_action(a, space: str | None, n_a: int) -> list[int]:
+    """An action given by name (in the data's action space `space`, Crafter's) or as n_a local ids -> the ids."""
+    if isinstance(a, str) and space == "crafter":
         from mcar.tokenizer.actions import action_space
 
         return action_space("crafter").encode({"action": a})

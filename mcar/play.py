@@ -31,7 +31,7 @@ import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
 from mcar.core.layout import Layout
 from mcar.core.sampler import ScheduleSampler, build_sampler
-from mcar.tokenizer.render import decode_frames, to_u8
+from mcar.tokenizer.render import data_action_space, decode_frames, to_u8
 
 log = logging.getLogger("mcar.play")
 
@@ -187,7 +187,7 @@ def build_session(cfg: DictConfig) -> PlaySession:
     if P >= window:
         raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a window of {window} frames")
     start = start_clip(cfg, layout, window, vq, P)
-    actions = crafter_actions() if cfg.data.name == "crafter" else {}
+    actions = crafter_actions() if data_action_space(cfg.data) == "crafter" else {}
     return PlaySession(module.model, vq, layout, cb, start, window=window, sampler=to_dict(cfg.sampler),
                        schedule=schedule, actions=actions, device=device, seed=cfg.seed)
 

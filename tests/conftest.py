@@ -23,10 +23,15 @@ def _seed():
 def _restore_environ():
     """Lightning writes os.environ as a side effect (SLURMEnvironment.main_address sets MASTER_ADDR): a test that
     leaves it set sends every later multi-process run to rendezvous with that host, where it hangs."""
-    saved = dict(os.environ)
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    saved, rank = dict(os.environ), getattr(rank_zero_only, "rank", 0)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # a Trainer built with SLURM ranks (test_cluster) sets the process-wide rank_zero_only.rank: left at 3, every
+    # later in-process run's CSV logger (rank-zero only) writes nothing
+    rank_zero_only.rank = rank
 
 
 def script_env() -> dict:

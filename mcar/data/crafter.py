@@ -22,10 +22,12 @@ class CrafterDataModule(TokenDataModule):
     def __init__(self, root: str, episodes: int = 12, frames_per_episode: int = 128, gen_seed: int = 0,
                  policy_mix: dict | None = None, workers: int = 2, vq_path: str | None = None,
                  vq_train: bool = False, vq_train_overrides: list | None = None, vq_trainer: Callable | None = None,
-                 tokenize_batch: int = 16, view: list | tuple | None = None, **kw):
+                 tokenize_batch: int = 16, view: list | tuple | None = None, daylight: float | None = None,
+                 lossless: bool = False, **kw):
         """vq_trainer(root, overrides, grid): trains a VQ into root/vq/best when vq_train=true (a callable, or its
         Hydra config with `_partial_: true`, instantiated on first use). view: Crafter's grid in tiles (W, H), None
-        for its default 9x9."""
+        for its default 9x9. daylight: a fixed light level in (0, 1] (1: always noon), None for Crafter's cycle.
+        lossless: episodes as bit-exact RGB video (default: yuv444p at crf 12)."""
         super().__init__(**kw)
         self.root, self.n_episodes, self.frames_per_episode = Path(root), episodes, frames_per_episode
         self.gen_seed, self.policy_mix, self.workers = gen_seed, dict(policy_mix or {}), workers
@@ -34,6 +36,11 @@ class CrafterDataModule(TokenDataModule):
         self.view = None if view is None else tuple(int(v) for v in view)
         if self.view is not None and (len(self.view) != 2 or min(self.view) < 3):
             raise ValueError(f"data.view={list(view)}: Crafter's grid in tiles, [W, H], each >= 3 (e.g. [24, 14])")
+        if daylight is not None and not 0 < float(daylight) <= 1:
+            raise ValueError(f"data.daylight={daylight}: a light level in (0, 1] (1: always noon), or null for "
+                             f"Crafter's day-night cycle")
+        self.daylight = None if daylight is None else float(daylight)
+        self.lossless = bool(lossless)
 
     @property
     def set_dir(self) -> Path:
@@ -42,7 +49,9 @@ class CrafterDataModule(TokenDataModule):
         total = sum(mix.values())
         policies = "_".join(f"{k}{round(100 * v / total)}" for k, v in sorted(mix.items()))
         view = "" if self.view in (None, (9, 9)) else f"_view{self.view[0]}x{self.view[1]}"
-        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}"
+        light = "" if self.daylight is None else f"_daylight{self.daylight:g}"
+        video = "_lossless" if self.lossless else ""
+        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}{light}{video}"
 
     @property
     def episodes_dir(self) -> Path:
@@ -80,7 +89,7 @@ class CrafterDataModule(TokenDataModule):
         t0 = time.time()
         generate(self.episodes_dir, self.n_episodes, self.frames_per_episode, self.gen_seed,
                  self.policy_mix or None, self.workers, size=frame_size(vq, self.layout.h, self.layout.w),
-                 view=self.view)
+                 view=self.view, daylight=self.daylight, lossless=self.lossless)
         t1 = time.time()
         if (self.tokens_dir / "index.json").exists() and self._all_done():
             print(f"crafter data ready in {self.root} (cached)")

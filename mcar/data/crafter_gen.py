@@ -125,9 +125,11 @@ def deterministic_chunks(world) -> None:
 
 
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
-                 view: tuple[int, int] | None = None):
+                 view: tuple[int, int] | None = None, daylight: float | None = None):
     """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies. view: Crafter's
-    grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels)."""
+    grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels). daylight: None for
+    Crafter's day-night cycle, or a fixed light level (1.0: always noon; every frame then draws a tile with the
+    same pixels, which a patch VQ turns into the same token)."""
     import crafter  # imported here: worker processes
 
     rng = np.random.default_rng([seed, index])
@@ -136,6 +138,8 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
     policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
     env = crafter.Env(size=(int(size[1]), int(size[0])), view=tuple(int(v) for v in (view or (9, 9))),
                       seed=int(rng.integers(2**31 - 1)))
+    if daylight is not None:  # Crafter sets world.daylight from the step count in _update_time; pin it instead
+        env._update_time = lambda: setattr(env._world, "daylight", float(daylight))
     obs, out, records = env.reset(), [], []
     deterministic_chunks(env._world)  # episode i of seed s is the same in every process
     for t in range(frames):
@@ -152,13 +156,17 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
 
 
 def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float],
-                  size: tuple[int, int], view: tuple[int, int] | None = None) -> str:
+                  size: tuple[int, int], view: tuple[int, int] | None = None, daylight: float | None = None,
+                  lossless: bool = False) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
     if mp4.exists() and jsonl.exists():
         return name  # cached
-    video, records = play_episode(seed, index, frames, policy_mix, size, view)
-    write_mp4(video, mp4, fps=FPS, crf=12, pix_fmt="yuv444p", preset="veryfast")  # near-lossless pixel art
+    video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight)
+    if lossless:  # bit-exact RGB: a tile drawn twice gives the same pixels, so a patch VQ gives the same token
+        write_mp4(video, mp4, fps=FPS, crf=0, pix_fmt="rgb24", preset="veryfast", codec="libx264rgb")
+    else:
+        write_mp4(video, mp4, fps=FPS, crf=12, pix_fmt="yuv444p", preset="veryfast")  # near-lossless pixel art
     tmp = jsonl.with_suffix(".part")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(jsonl)  # the jsonl appears last: both present == episode complete
@@ -190,9 +198,11 @@ def die_with_parent(parent: int) -> None:
 
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
              policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int],
-             view: tuple[int, int] | None = None) -> list[str]:
+             view: tuple[int, int] | None = None, daylight: float | None = None, lossless: bool = False
+             ) -> list[str]:
     """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names.
-    view: Crafter's grid in tiles (W, H); None: its default 9x9."""
+    view: Crafter's grid in tiles (W, H); None: its default 9x9. daylight: a fixed light level, None: Crafter's
+    day-night cycle. lossless: bit-exact RGB video (libx264rgb, crf 0) instead of near-lossless yuv444p."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
@@ -202,14 +212,15 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     names = []
     if workers > 1:
         with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size, view)
+            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size, view, daylight,
+                                   lossless)
                        for i in range(episodes)]
             for f in futures:
                 names.append(f.result())
                 bar.update()
     else:
         for i in range(episodes):
-            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size, view))
+            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size, view, daylight, lossless))
             bar.update()
     bar.close()
     return names
@@ -228,9 +239,13 @@ def main(argv=None):
                     help="frame size: the data's token grid times the VQ's downsampling (data=crafter: 224 384)")
     ap.add_argument("--view", type=int, nargs=2, default=None, metavar=("W", "H"),
                     help="Crafter's grid in tiles (default 9 9); 24 14 at 224x384: one tile = one 16x16 token")
+    ap.add_argument("--daylight", type=float, default=None,
+                    help="a fixed light level (1: always noon); default: Crafter's day-night cycle")
+    ap.add_argument("--lossless", action="store_true", help="bit-exact RGB video (default: yuv444p at crf 12)")
     a = ap.parse_args(argv)
     generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers,
-             size=tuple(a.size), view=tuple(a.view) if a.view else None)
+             size=tuple(a.size), view=tuple(a.view) if a.view else None, daylight=a.daylight,
+             lossless=a.lossless)
 
 
 if __name__ == "__main__":

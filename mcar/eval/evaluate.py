@@ -73,7 +73,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         vq = load_vq_for(cfg, device)
     except FileNotFoundError as e:
         vq = M.Unavailable(str(e))
-    names = action_names(cfg.data.name, cfg.data.action_vocab_size)
+    names = action_names(cfg.data, cfg.data.action_vocab_size)
     model_name = cfg.name or resolve_ckpt(cfg.ckpt).parent.name
 
     gen, speed = generate_clips(module.model, sampler, gt, cfg.batch_size, cfg.warmup)

@@ -42,9 +42,15 @@ def random_codebook(codebook_size: int, code_dim: int, seed: int = 0) -> torch.T
     return F.normalize(torch.randn(codebook_size, code_dim, generator=g), dim=-1)
 
 
-def vq_codebook(vq) -> torch.Tensor:
-    """A diffusers VQModel's code vectors (K, D), l2-normalised (the committed VQs' lookup is on the unit sphere)."""
-    return F.normalize(vq.quantize.embedding.weight.detach().float().cpu(), dim=-1)
+def vq_codebook(vq, max_dim: int = 32) -> torch.Tensor:
+    """A VQ's code vectors (K, D), l2-normalised (the committed VQs' lookup is on the unit sphere). Wider codes (a
+    patch VQ's are 768 raw pixels) are centred and cut to their `max_dim` principal components first: the
+    correlation volume holds D x 63 numbers per position, 4 GB a batch at D = 768."""
+    codes = vq.quantize.embedding.weight.detach().float().cpu()
+    if codes.shape[1] > max_dim:
+        centred = codes - codes.mean(0)
+        codes = centred @ torch.linalg.svd(centred, full_matrices=False).Vh[:max_dim].t()
+    return F.normalize(codes, dim=-1)
 
 
 class InverseDynamics(nn.Module):
@@ -181,9 +187,11 @@ def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | 
     return out
 
 
-def action_names(data_name: str, action_vocab_size: int) -> dict[int, str]:
-    """Readable names of local action ids where we know the action space (Crafter), else the ids."""
-    if data_name == "crafter":
+def action_names(data, action_vocab_size: int) -> dict[int, str]:
+    """Readable names of local action ids where the data config's action space is Crafter's, else the ids."""
+    from mcar.tokenizer.render import data_action_space
+
+    if data_action_space(data) == "crafter":
         from mcar.tokenizer.actions import CRAFTER_ACTIONS
 
         return dict(enumerate(CRAFTER_ACTIONS))
@@ -306,7 +314,7 @@ def train_idm(cfg: DictConfig) -> dict:
     dm.setup("fit")
     lay, cb, V = dm.layout, cfg.data.codebook_size, cfg.data.action_vocab_size
     train, val = source_pairs(dm.train_source, lay, cb), source_pairs(dm.val_source, lay, cb)
-    names = action_names(cfg.data.name, V)
+    names = action_names(cfg.data, V)
     log.info("IDM data: %d train pairs, %d held-out pairs (%s)", len(train[0]), len(val[0]), cfg.data.name)
 
     codebook, vq = idm_codebook(dm, cb, cfg.dim)

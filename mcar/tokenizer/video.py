@@ -18,12 +18,13 @@ def _even(frame: np.ndarray) -> np.ndarray:
 
 
 def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, pix_fmt: str = "yuv420p",
-              preset: str | None = None) -> Path:
+              preset: str | None = None, codec: str = "libx264") -> Path:
     """frames: (T, H, W, 3) uint8 or an iterable of (H, W, 3) -> an H.264 mp4 at `path` (returned).
 
     Written to a temp name and renamed. Defaults suit videos for people (yuv420p, libx264's own crf and preset;
     odd sizes are padded); episodes pass crf=12, pix_fmt="yuv444p": yuv444p keeps pixel-art colour edges
-    (yuv420p halves chroma: ~30 dB against the render, 444 at crf 12: ~39)."""
+    (yuv420p halves chroma: ~30 dB against the render, 444 at crf 12: ~39). Lossless: codec="libx264rgb",
+    pix_fmt="rgb24", crf=0 reads back bit for bit (pixel art: about 4 kB a frame at 224x384)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".part" + path.suffix)
@@ -34,7 +35,7 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
         for f in frames:
             f = _even(f)
             if stream is None:
-                stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(65535))
+                stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(65535))
                 stream.height, stream.width = f.shape[:2]
                 stream.pix_fmt = pix_fmt
                 stream.options = options

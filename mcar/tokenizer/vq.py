@@ -20,6 +20,8 @@ from einops import rearrange
 from diffusers import VQModel
 from diffusers.models.autoencoders.vae import VectorQuantizer
 
+from mcar.tokenizer.patch_vq import PatchVQ, is_patch_vq_folder
+
 ASSETS = Path(__file__).parents[1] / "assets"  # mcar/assets
 SMALL_WEIGHTS = ASSETS / "vq_crafter_small"  # the committed small Crafter VQ (a diffusers folder)
 
@@ -68,11 +70,14 @@ def save_vq(vq: VQModel, path: str | Path, half: bool = False) -> None:
 
 
 def load_vq(path: str | Path | None = None) -> VQModel:
-    """A VQModel from a diffusers folder; None -> the committed small Crafter VQ."""
+    """A VQModel from a diffusers folder (or a PatchVQ folder: mcar.tokenizer.patch_vq); None -> the committed
+    small Crafter VQ."""
     path = Path(path) if path else SMALL_WEIGHTS
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no diffusers VQModel at {path} (expected {path}/config.json and weights); "
                                 f"set vq.path to a folder saved by save_pretrained / python -m mcar.vq_train")
+    if is_patch_vq_folder(path):
+        return PatchVQ.from_pretrained(path)
     return VQModel.from_pretrained(str(path), low_cpu_mem_usage=False).eval()  # no `accelerate` needed
 
 
@@ -88,8 +93,12 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 def downsample(vq_or_arch) -> int:
     """Pixels per token side of a VQModel (or its `arch` kwargs): every encoder block but the last halves the
-    frame, so 2 ** (len(block_out_channels) - 1)."""
+    frame, so 2 ** (len(block_out_channels) - 1); a PatchVQ's (or an arch with `patch`) is its patch size."""
+    if isinstance(vq_or_arch, PatchVQ):
+        return vq_or_arch.patch
     arch = vq_or_arch.config if isinstance(vq_or_arch, VQModel) else vq_or_arch
+    if arch.get("patch"):
+        return int(arch["patch"])
     return 2 ** (len(arch["block_out_channels"]) - 1)
 
 

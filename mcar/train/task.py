@@ -64,6 +64,7 @@ class Checkpoints(ModelCheckpoint):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        self._saved_pending_line = False
         connector, loop = trainer._logger_connector, trainer.fit_loop
         if not (trainer.training and loop.epoch_loop._batches_that_stepped == trainer.global_step - 1
                 and connector.should_update_logs):
@@ -72,6 +73,7 @@ class Checkpoints(ModelCheckpoint):
         if metrics:
             checkpoint[self.PENDING_LOG] = {"step": loop.epoch_loop._batches_that_stepped,
                                             "metrics": {**metrics, "epoch": trainer.current_epoch}}
+            self._saved_pending_line = True
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
@@ -88,7 +90,10 @@ class Checkpoints(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
         last = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
-        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+        # the final step's own checkpoint carries its log line, logged by now: save again so that resuming a
+        # finished run (into another output dir, say) does not log that line a second time
+        stale_line = getattr(self, "_saved_pending_line", False)
+        if trainer.global_step > 0 and (self._last_global_step_saved != trainer.global_step or stale_line):
             trainer.save_checkpoint(last)
             self._last_global_step_saved = trainer.global_step
 

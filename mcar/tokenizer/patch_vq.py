@@ -1,0 +1,134 @@
+"""A VQ without a network: each p x p pixel patch of a frame becomes the id of the nearest of K codebook patches.
+
+The codebook is k-means over training patches (`fit_patch_vq`, a minute on a CPU). A token depends on its own
+patch only, so a scene shifted by whole patches gives a token grid shifted exactly: Crafter rendered with one
+16 x 16 tile per token (`data=crafter_tiles`: data.view=[24,14] at 384x224) turns a move into a one-token shift,
+which a conv VQ (whose every token sees its neighbours) does not guarantee.
+
+It has the parts of a diffusers `VQModel` that mcar uses (`encode(x).latents`, `quantize`, `post_quant_conv`,
+`decoder`, `config`), so tokenising, decoding, the IDM's code vectors and `vq_eval` take it unchanged; it is
+saved as a folder (config.json with `_class_name: PatchVQ` + safetensors) that `load_vq` recognises.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.vae import VectorQuantizer
+from safetensors.torch import load_file, save_file
+
+CLASS_NAME = "PatchVQ"
+WEIGHTS = "diffusion_pytorch_model.safetensors"  # the name vq_id hashes, as for a VQModel folder
+
+
+class _Unpatchify(torch.nn.Module):
+    """(B, 3 p p, h, w) patch vectors -> (B, 3, p h, p w) pixels (VQModel.decoder's call signature)."""
+
+    def __init__(self, patch: int):
+        super().__init__()
+        self.patch = patch
+
+    def forward(self, z: torch.Tensor, spatial=None) -> torch.Tensor:
+        return F.pixel_shuffle(z, self.patch)
+
+
+class PatchVQ(torch.nn.Module):
+    def __init__(self, patch: int = 16, num_vq_embeddings: int = 512, in_channels: int = 3):
+        super().__init__()
+        dim = in_channels * patch * patch
+        self.config = SimpleNamespace(_class_name=CLASS_NAME, patch=patch, num_vq_embeddings=num_vq_embeddings,
+                                      in_channels=in_channels, vq_embed_dim=dim, norm_type="group")
+        self.quantize = VectorQuantizer(num_vq_embeddings, dim, beta=0.25, legacy=True)  # Euclidean nearest code
+        self.post_quant_conv = torch.nn.Identity()
+        self.decoder = _Unpatchify(patch)
+
+    @property
+    def patch(self) -> int:
+        return self.config.patch
+
+    @property
+    def device(self) -> torch.device:
+        return self.quantize.embedding.weight.device
+
+    def encode(self, x: torch.Tensor) -> SimpleNamespace:
+        """(B, C, H, W) in [-1, 1] -> .latents (B, C p p, H/p, W/p): each patch flattened (pixel_unshuffle order)."""
+        return SimpleNamespace(latents=F.pixel_unshuffle(x, self.patch))
+
+    def save_pretrained(self, path: str | Path, **_) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = {k: v for k, v in vars(self.config).items() if k != "vq_embed_dim"}
+        (path / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        save_file({"codebook": self.quantize.embedding.weight.detach().contiguous().cpu()}, str(path / WEIGHTS))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **_) -> "PatchVQ":
+        path = Path(path)
+        cfg = json.loads((path / "config.json").read_text())
+        vq = cls(int(cfg["patch"]), int(cfg["num_vq_embeddings"]), int(cfg.get("in_channels", 3)))
+        codebook = load_file(str(path / WEIGHTS))["codebook"].float()
+        if codebook.shape != vq.quantize.embedding.weight.shape:
+            raise ValueError(f"{path / WEIGHTS}: codebook {tuple(codebook.shape)} does not match config.json "
+                             f"({vq.config.num_vq_embeddings} codes of {vq.config.vq_embed_dim})")
+        vq.quantize.embedding.weight.data.copy_(codebook)
+        return vq.eval()
+
+
+def is_patch_vq_folder(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    return cfg.exists() and json.loads(cfg.read_text()).get("_class_name") == CLASS_NAME
+
+
+def nearest(x: torch.Tensor, codes: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """Index of the nearest row of `codes` (K, D) for every row of x (N, D), in chunks (Euclidean)."""
+    c2 = (codes * codes).sum(1)
+    return torch.cat([(c2 - 2 * xc @ codes.t()).argmin(1) for xc in x.split(chunk)])
+
+
+@torch.no_grad()
+def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters: int = 15, seed: int = 0,
+                 max_patches: int = 100_000, max_seed_pool: int = 20_000) -> tuple[PatchVQ, dict]:
+    """k-means (k-means++ seeding on a sample, Lloyd iterations) over the p x p patches of `frames`
+    (N, H, W, 3) uint8. -> (the VQ, {patches, distinct, codes_used, mse}). Empty clusters are re-seeded with the
+    patches farthest from their code, so every code ends up in use when there are enough distinct patches."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.pixel_unshuffle(frames.permute(0, 3, 1, 2), patch)  # (N, D, h, w), still uint8: frames can be many
+    x = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    if len(x) > max_patches:
+        x = x[torch.randperm(len(x), generator=g)[:max_patches]]
+    x = x.float().div(127.5).sub(1)
+    distinct = torch.unique((x * 16).round(), dim=0) / 16
+    n_distinct = len(distinct)
+    if n_distinct > max_seed_pool:
+        distinct = distinct[torch.randperm(n_distinct, generator=g)[:max_seed_pool]]
+    k = min(codes, len(distinct))
+    # k-means++ seeding on (a sample of) the distinct patches: common textures do not take every seed
+    c = distinct[torch.randint(len(distinct), (1,), generator=g)]
+    d2 = ((distinct - c) ** 2).sum(1)
+    seeds = [c[0]]
+    for _ in range(k - 1):
+        i = torch.multinomial(d2.clamp_min(0) + 1e-12, 1, generator=g)
+        seeds.append(distinct[i[0]])
+        d2 = torch.minimum(d2, ((distinct - distinct[i]) ** 2).sum(1))
+    centres = torch.stack(seeds)
+    for _ in range(iters):
+        idx = nearest(x, centres)
+        sums = torch.zeros_like(centres).index_add_(0, idx, x)
+        counts = torch.bincount(idx, minlength=k).float()
+        empty = counts == 0
+        centres = torch.where(empty[:, None], centres, sums / counts.clamp_min(1)[:, None])
+        if empty.any():  # re-seed empty codes with the worst-fitted patches
+            err = ((x - centres[idx]) ** 2).sum(1)
+            centres[empty] = x[err.topk(int(empty.sum())).indices]
+    idx = nearest(x, centres)
+    mse = float(((x - centres[idx]) ** 2).mean())
+    vq = PatchVQ(patch, codes, frames.shape[-1])
+    vq.quantize.embedding.weight.data.zero_()
+    vq.quantize.embedding.weight.data[:k] = centres
+    if k < codes:  # fewer distinct patches than codes: the rest repeat code 0 and are never chosen first
+        vq.quantize.embedding.weight.data[k:] = centres[0]
+    return vq.eval(), {"patches": len(x), "distinct": n_distinct, "codes_used": int(idx.unique().numel()),
+                       "mse": mse}
