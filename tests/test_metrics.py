@@ -130,3 +130,19 @@ def test_mask_image_is_the_pooled_dense_mask():
     f = -(-len(table.pos) // 10)
     ref = torch.nn.functional.avg_pool2d(dense[None, None], f, ceil_mode=True)[0, 0].mul(255).round()
     assert small.shape == tuple(ref.shape) and np.abs(small.astype(int) - ref.numpy().astype(int)).max() <= 1
+
+
+def test_pooled_psnr_stays_finite_when_one_frame_is_exact():
+    """The row PSNR pools the MSE: one identical frame among others does not make it +inf (a mean of per-frame
+    PSNRs would); identical everywhere is +inf; it equals 10 log10(1 / MSE) written out."""
+    g = torch.Generator().manual_seed(0)
+    gt = torch.rand(2, 3, 3, 8, 8, generator=g)
+    gen = gt.clone()
+    gen[1, 2] = torch.rand(3, 8, 8, generator=g)  # one wrong frame of six
+    assert torch.isinf(M.psnr_per_frame(gen, gt)).any()
+    pooled = float(M.psnr_pooled(gen, gt))
+    mse = sum(float(((gen[b, t] - gt[b, t]) ** 2).mean()) for b in range(2) for t in range(3)) / 6
+    assert math.isfinite(pooled) and pooled == pytest.approx(10 * math.log10(1 / mse))
+    per_frame_index = M.psnr_pooled(gen, gt, dim=0)
+    assert torch.isinf(per_frame_index[:2]).all() and math.isfinite(float(per_frame_index[2]))
+    assert math.isinf(float(M.psnr_pooled(gt, gt)))

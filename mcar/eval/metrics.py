@@ -49,6 +49,16 @@ def psnr_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
     return psnr.view(gen.shape[:2])
 
 
+def psnr_pooled(gen: torch.Tensor, gt: torch.Tensor, dim=None) -> torch.Tensor:
+    """PSNR (dB) of the mean squared error pooled over `dim` (None: every frame of every clip), for (B, T, 3, H, W)
+    in [0, 1]; +inf only where all pooled frames are identical. The row value: a mean of per-frame PSNRs is +inf
+    as soon as one generated frame equals its target (a "nothing moves" clip of tile-exact data), which would say
+    nothing of the others."""
+    mse = (gen.double() - gt.double()).pow(2).mean((2, 3, 4))  # (B, T)
+    pooled = mse.mean() if dim is None else mse.mean(dim)
+    return 10 * torch.log10(1 / pooled)
+
+
 def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
     """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) SSIM (1 = identical)."""
     g, t = _flat(gen, gt)

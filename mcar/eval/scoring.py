@@ -64,9 +64,9 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
             row[k] = pix_gen
     else:
         g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
-        psnr, ssim = M.psnr_per_frame(g, t), M.ssim_per_frame(g, t)
-        curves["psnr"], curves["ssim"] = M.mean_over_clips(psnr), M.mean_over_clips(ssim)
-        row["psnr"], row["ssim"] = float(psnr.double().mean()), float(ssim.double().mean())
+        ssim = M.ssim_per_frame(g, t)  # PSNR from the MSE pooled over clips (and frames): see M.psnr_pooled
+        curves["psnr"], curves["ssim"] = M.psnr_pooled(g, t, dim=0).tolist(), M.mean_over_clips(ssim)
+        row["psnr"], row["ssim"] = float(M.psnr_pooled(g, t)), float(ssim.double().mean())
         lp = M.lpips_per_frame(nets["lpips"], g, t)
         row["lpips"] = lp if isinstance(lp, M.Unavailable) else float(lp.mean())
         if not isinstance(lp, M.Unavailable):
