@@ -1,5 +1,5 @@
-"""The committed action-following model (checkpoints/shipped/crafter_tiles, experiment=crafter_tiles): press a move
-key in mcar.play and the world moves the way Crafter itself moves it."""
+"""The committed action-following model (checkpoints/shipped/crafter_tiles_diagd: experiment=crafter_tiles + 150 steps
+of exact DiagD fine-tuning): press a move key in mcar.play and the world moves the way Crafter itself moves it."""
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,7 @@ from PIL import Image
 from mcar.tokenizer.vq import encode_tokens, load_vq
 from tests.conftest import REPO, compose
 
-SHIPPED = REPO / "checkpoints" / "shipped" / "crafter_tiles"
+SHIPPED = REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd"
 MOVES = {"move_left": 1, "move_right": 2, "move_up": 3, "move_down": 4}
 
 
@@ -58,8 +58,8 @@ def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
         copy = (want == t0).float().mean().item()  # "nothing moves" agrees with Crafter on this much of the map
         agree = (got == want).float().mean().item()
         assert copy < 0.8, (name, copy)  # the move changes the map
-        # greedy, 2026-11-23: left 0.80 (copy 0.74), right 0.86 (0.72), up 0.79 (0.73), down 0.99 (0.72)
-        assert agree > copy + 0.04, (name, agree, copy)
+        # greedy, 2026-11-23: left 0.95 (copy 0.74), right 0.97 (0.72), up 0.96 (0.73), down 0.99 (0.72)
+        assert agree > 0.9 and agree > copy + 0.15, (name, agree, copy)
         generated[name] = got
     # one start frame, four keys, four different worlds
     names = list(generated)
