@@ -271,7 +271,7 @@ def test_a_kill_between_a_checkpoint_and_its_log_line_loses_no_step(tmp_path):
 
     fit("ref")
     # a finished run's last step was logged: its last.ckpt (step 12, a checkpoint step) carries no pending line,
-    # so resuming it into another output dir logs nothing twice
+    # so a run resumed from it with a larger trainer.max_steps logs nothing twice
     ref_ckpt = torch.load(tmp_path / "ref_ckpt" / "train-tiny-synthetic-causal" / "last.ckpt", weights_only=False)
     assert ref_ckpt["global_step"] == 12 and "mcar_pending_step_log" not in ref_ckpt
     with pytest.raises(_Killed):  # Lightning re-raises after its own teardown

@@ -58,22 +58,25 @@ class Checkpoints(ModelCheckpoint):
 
     Lightning saves a step's checkpoint in on_train_batch_end, before it logs that step's metrics: a kill in
     between would lose that log line for good (the resume starts after the step). So a step checkpoint carries
-    the step's pending log line and a resume logs it first (at worst the same line twice, never a gap)."""
+    the step's pending log line and a resume logs it first (at worst the same line twice, never a gap), except
+    the final step's: its line follows at once, and a finished run is not trained again."""
 
     PENDING_LOG = "mcar_pending_step_log"
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        self._saved_pending_line = False
         connector, loop = trainer._logger_connector, trainer.fit_loop
         if not (trainer.training and loop.epoch_loop._batches_that_stepped == trainer.global_step - 1
                 and connector.should_update_logs):
             return  # not between a step's checkpoint and its log line (e.g. the final save at on_train_end)
+        if 0 < trainer.max_steps <= trainer.global_step:
+            # the last step's line is logged right after; a run resumed from here with a larger max_steps would
+            # log it twice (a finished run is not trained again, so the line would serve nothing after a kill)
+            return
         metrics = {k: float(v) for k, v in connector.metrics["log"].items()}
         if metrics:
             checkpoint[self.PENDING_LOG] = {"step": loop.epoch_loop._batches_that_stepped,
                                             "metrics": {**metrics, "epoch": trainer.current_epoch}}
-            self._saved_pending_line = True
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
@@ -90,10 +93,7 @@ class Checkpoints(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
         last = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
-        # the final step's own checkpoint carries its log line, logged by now: save again so that resuming a
-        # finished run (into another output dir, say) does not log that line a second time
-        stale_line = getattr(self, "_saved_pending_line", False)
-        if trainer.global_step > 0 and (self._last_global_step_saved != trainer.global_step or stale_line):
+        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             trainer.save_checkpoint(last)
             self._last_global_step_saved = trainer.global_step
 
