@@ -165,3 +165,18 @@ def test_causal_targets_only_image_tokens():
     assert with_actions.targets[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, -100]
     with pytest.raises(ValueError, match="layout wants"):
         CausalMask(lay, 3)(clip)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rotate_is_apply_rope_bit_for_bit(seed, dtype):
+    """The model's rotation (full-width tables, half the kernels) equals apply_rope exactly, in both dtypes."""
+    from mcar.core.rope import rotate, rotation_tables
+
+    g = torch.Generator().manual_seed(seed)
+    lay, rope = Layout(3, 4, 2), RoPE3D(head_dim=12)
+    cos, sin = rope(lay.coords(2) * torch.randint(1, 50, (1,), generator=g))
+    x = torch.randn(2, 3, 28, 12, generator=g).to(dtype)
+    want = apply_rope(x, cos[None, None], sin[None, None])
+    got = rotate(x, *rotation_tables(cos[None, None], sin[None, None]))
+    assert got.dtype == dtype and torch.equal(got, want)

@@ -93,6 +93,16 @@ def test_keyed_draws_are_a_fair_sample():
     assert set(top2.tolist()) == {0, 1}
 
 
+def test_slot_noise_is_the_per_output_hash():
+    """SlotNoise (hashed once per run) gives output (b, slot) the key mix32(mix32(seed key ^ b) ^ slot), computed
+    here on Python ints, and the draws keyed_exponential makes from that key alone."""
+    key = sampler_mod.seed_key(123)
+    noise = sampler_mod.SlotNoise.of(key, 3, 17, 10, "cpu")
+    mix = sampler_mod.mix32
+    assert noise.keys.tolist() == [[mix(mix(key ^ b) ^ slot) for slot in range(17)] for b in range(3)]
+    assert torch.equal(keyed_exponential(noise.keys, 10, noise.codes), keyed_exponential(noise.keys, 10))
+
+
 def test_compile_auto_is_on_for_cuda_only(model):
     layout = Layout(3, 4, 2)
     for name in ("ntp", "diagd"):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from mcar.core.rope import ROPES, apply_rope
+from mcar.core.rope import ROPES, rotate, rotation_tables
 
 
 @dataclass
@@ -149,11 +149,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache_pos=None):
         B, S, _ = x.shape  # (B, S, C)
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-        q = q.view(B, S, self.n_heads, self.hd).transpose(1, 2)  # (B, H, S, D)
-        k = k.view(B, S, self.n_kv, self.hd).transpose(1, 2)  # (B, Hkv, S, D)
-        v = v.view(B, S, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, Hkv = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, self.hd).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+        qk = rotate(qkv[:, :H + Hkv], cos, sin)  # queries and keys rotated together: one set of kernels
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, S, D), (B, Hkv, S, D) x 2
         if cache_pos is not None:
             y = self._cached(q, k, v, mask, cache_pos)
         elif isinstance(mask, BlockMask):
@@ -283,7 +282,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(coords)  # (S, D/2) or (B, S, D/2)
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B|1, 1, S, D/2)
+        cos, sin = rotation_tables(cos.unsqueeze(1), sin.unsqueeze(1))  # (B|1, 1, S, D)
         x = self.tok_embeddings(tokens)  # (B, S, C)
         if cache_pos is not None:
             cache = self.layers[0].attention.cache

@@ -65,3 +65,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return out.type_as(x)
+
+
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., D/2) -> full-width (cos | cos), (-sin | sin) (..., D) for `rotate`: built once per forward."""
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+
+
+def rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with `rotation_tables`' tables, bit for bit (a - b == a + (-b) in IEEE arithmetic) in half the
+    kernels: x * (cos | cos) + (x2 | x1) * (-sin | sin). The model's path (each op costs ~5 us when sampling on CPU)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    return (xf * cos2 + torch.cat([xf[..., half:], xf[..., :half]], -1) * sin2).type_as(x)

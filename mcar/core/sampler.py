@@ -71,12 +71,32 @@ def seed_key(seed: int | None) -> int:
     return mix32(mix32(seed & _M32) ^ ((seed >> 32) & _M32))
 
 
-def keyed_exponential(key: torch.Tensor, n: int) -> torch.Tensor:
-    """key (...) int64 -> (..., n) float32 Exp(1) draws, element v a function of (key, v) alone."""
-    code = mix32(torch.arange(n, device=key.device))  # hashed, so keys close in value give unrelated rows
-    bits = mix32(key[..., None] ^ code)
+def value_codes(n: int, device=None) -> torch.Tensor:
+    """(n,) int64: the hashed code of each value v < n (so keys close in value give unrelated rows)."""
+    return mix32(torch.arange(n, device=device))
+
+
+def keyed_exponential(key: torch.Tensor, n: int, codes: torch.Tensor | None = None) -> torch.Tensor:
+    """key (...) int64 -> (..., n) float32 Exp(1) draws, element v a function of (key, v) alone.
+    codes: `value_codes(n)`, when the caller keeps them (a sampler computes them once, not per pass)."""
+    codes = value_codes(n, key.device) if codes is None else codes
+    bits = mix32(key[..., None] ^ codes)
     u = ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 bits: exact in float32, never 0 or 1
     return -torch.log(u)
+
+
+@dataclass
+class SlotNoise:
+    """The keys of a keyed sampling run, hashed once before its passes (each op costs ~5 us per pass on CPU):
+    output (b, slot) draws `keyed_exponential(keys[b, slot], n, codes)`."""
+
+    keys: torch.Tensor  # (B, n_slots) int64: mix32(mix32(seed key ^ b) ^ slot)
+    codes: torch.Tensor  # (n,) int64: value_codes(n), n the number of values sampled from
+
+    @classmethod
+    def of(cls, key: int, batch: int, n_slots: int, n_values: int, device) -> "SlotNoise":
+        rows = mix32(torch.tensor(key, device=device) ^ torch.arange(batch, device=device))[:, None]
+        return cls(mix32(rows ^ torch.arange(n_slots, device=device)), value_codes(n_values, device))
 
 
 def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
@@ -111,18 +131,19 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return (probs / race).argmax(-1)
 
 
-def sample_slots(logits: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, temperature: torch.Tensor | None,
-                 top_k: int | None, top_p: torch.Tensor | None, codebook_size: int | None) -> torch.Tensor:
+def sample_slots(logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor,
+                 temperature: torch.Tensor | None, top_k: int | None, top_p: torch.Tensor | None,
+                 codebook_size: int | None) -> torch.Tensor:
     """(B, O, V) logits of the outputs predicting `slots` (O,) -> (B, O) image token ids; temperature None:
-    greedy. The noise of output (b, o) is keyed by (key, b, slots[o]): the same whichever pass or padding
-    produced it. Image slots take image codes only (a slice, not a mask: ids below codebook_size keep theirs)."""
+    greedy. keys, codes: a `SlotNoise`'s; the noise of output (b, o) is keyed by (seed, b, slots[o]): the same
+    whichever pass or padding produced it. Image slots take image codes only (a slice, not a mask: ids below
+    codebook_size keep theirs)."""
     if codebook_size is not None:
         logits = logits[..., :codebook_size]
     if temperature is None:
         return logits.argmax(-1)
     probs = filtered_probs(logits, temperature, top_k, top_p)
-    batch = torch.arange(logits.shape[0], device=logits.device)[:, None]
-    race = keyed_exponential(mix32(mix32(key ^ batch) ^ slots), probs.shape[-1])
+    race = keyed_exponential(keys[:, slots], probs.shape[-1], codes)
     return (probs / race).argmax(-1)
 
 
@@ -226,12 +247,12 @@ def forward_rows(model, tokens, src, coords, mask, cache_pos, out_rows):
     return model(tokens[:, src], coords, mask, cache_pos)[:, out_rows]
 
 
-def _sample_pass(model, tokens, src, coords, mask, cache_pos, out_rows, out_slots, key, temperature, top_k, top_p,
-                 codebook_size):
+def _sample_pass(model, tokens, src, coords, mask, cache_pos, out_rows, out_slots, keys, codes, temperature, top_k,
+                 top_p, codebook_size):
     """One pass, sampled: -> (B, O) token ids for `out_slots` (the caller writes them: CUDA graphs do not
     take a mutated input other than the cache buffers)."""
     logits = forward_rows(model, tokens, src, coords, mask, cache_pos, out_rows)
-    return sample_slots(logits, out_slots, key, temperature, top_k, top_p, codebook_size)
+    return sample_slots(logits, out_slots, keys, codes, temperature, top_k, top_p, codebook_size)
 
 
 # dynamic: bucket shapes differ by design; one symbolic trace serves them all (a few more for sizes 1), and
@@ -320,15 +341,19 @@ class ScheduleSampler:
         Seeded, the tokens depend on (seed, batch row, slot) only: eager and static paths agree."""
         sched = self.schedule(prompt_frames)
         t0 = time.perf_counter()
-        key, rule = torch.tensor(seed_key(self.seed), device=clip.device), self._rule(clip.device)
+        n_values = min(self.codebook_size or math.inf, model.cfg.vocab_size)  # what sample_slots draws from
+        # one key per (batch row, slot), the dummy column N included
+        noise = SlotNoise.of(seed_key(self.seed), clip.shape[0], clip.shape[1] + 1, n_values, clip.device)
+        rule = self._rule(clip.device)
         if self.is_static(clip.device):
-            tokens, passes = self._generate_static(model, clip, sched, setup_cache, key, rule)
+            tokens, passes = self._generate_static(model, clip, sched, setup_cache, noise, rule)
         else:
             tokens, passes = clip.clone(), 0
             for p, logits in self._passes(model, tokens, sched, setup_cache):
                 passes += 1
                 if p.n_out:
-                    tokens[:, p.out_slots] = sample_slots(logits[:, p.out_rows], p.out_slots, key, *rule)
+                    tokens[:, p.out_slots] = sample_slots(logits[:, p.out_rows], p.out_slots, noise.keys,
+                                                          noise.codes, *rule)
         if tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
         return tokens, SampleStats(passes, tokens.shape[0] * len(sched.gen_slots), time.perf_counter() - t0)
@@ -356,7 +381,7 @@ class ScheduleSampler:
             self._compiled[fn] = _compiled(fn)
         return self._compiled[fn]
 
-    def _generate_static(self, model, clip, sched, setup_cache, key, rule):
+    def _generate_static(self, model, clip, sched, setup_cache, noise, rule):
         """Prefill (pass 0) eagerly, then every other pass through its bucket's static-shape (compiled) step."""
         st = self.static_plan(sched, clip.device)
         step = self.step_fn(_sample_pass, clip.device)
@@ -365,9 +390,9 @@ class ScheduleSampler:
         tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1): column N takes padded outputs
         p = sched.plan(self.full, clip.device)[0]  # the prefill, eager
         logits = model(tokens[:, p.src], p.coords, p.mask, p.cache_pos)[:, p.out_rows]
-        tokens[:, p.out_slots] = sample_slots(logits, p.out_slots, key, *rule)
+        tokens[:, p.out_slots] = sample_slots(logits, p.out_slots, noise.keys, noise.codes, *rule)
         for args in st.passes:
-            tokens[:, args[-1]] = step(model, tokens, *args, key, *rule)
+            tokens[:, args[-1]] = step(model, tokens, *args, noise.keys, noise.codes, *rule)
         return tokens[:, :-1].clone(), 1 + len(st.passes)
 
     @torch.no_grad()
