@@ -4,6 +4,8 @@
     python -m mcar.play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860]
     python -m mcar.play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
 
+    python -m mcar.play ckpt=... bench.steps=20               # no page: time the steps per k, print JSON
+
 Then open http://127.0.0.1:7860. Crafter keys: arrows or WASD move, space is `do`; buttons take the other
 actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, the k radio sets schedule.k.
 
@@ -17,10 +19,13 @@ start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import statistics
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import hydra
 import numpy as np
@@ -264,8 +269,43 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
     return demo
 
 
+def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -> dict:
+    """The page's speed without the page: for each k, `repeats` rounds of `steps` steps (the actions in turn), each
+    round from a reset and after window - 1 untimed steps -> {"ks": {k: {"frames_per_s": median of the rounds' steps /
+    seconds, "rounds": [...], "passes": per frame}}, "window", "threads"}. Rounds replay the same frames."""
+    if steps < 1 or repeats < 1:
+        raise ValueError(f"bench.steps={steps} and bench.repeats={repeats} must be >= 1")
+    actions = list(actions) if session.actions else [0] * len(actions)  # no action names: local action 0
+    out = {}
+    for k in ks:
+        session.set_k(k)
+        rounds = []
+        for _ in range(repeats):
+            session.reset()
+            for _ in range(session.window - 1):  # untimed: builds the sampler of each context length
+                session.step(actions[0])
+            session.reset()
+            t0 = time.perf_counter()
+            for i in range(steps):
+                _, info = session.step(actions[i % len(actions)])
+            rounds.append(round(steps / (time.perf_counter() - t0), 2))
+        out[str(k)] = {"frames_per_s": statistics.median(rounds), "rounds": rounds, "passes": info["passes"]}
+    return {"ks": out, "window": session.window, "threads": torch.get_num_threads(), "steps": steps}
+
+
 def play(cfg: DictConfig, block: bool = True):
-    """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session)."""
+    """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session). With bench.steps > 0, time
+    the session instead (no page, no gradio): prints one JSON line, also written to bench.out; -> (None, session)."""
+    if cfg.bench.steps:
+        session = build_session(cfg)
+        result = {"ckpt": str(cfg.ckpt), "device": str(session.device), "sampler": session.sampler_cfg.get("name"),
+                  **bench_session(session, list(cfg.bench.ks or cfg.ks), list(cfg.bench.actions),
+                                  int(cfg.bench.steps), int(cfg.bench.repeats))}
+        line = json.dumps(result)
+        Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.bench.out).write_text(line + "\n")
+        print(line, flush=True)
+        return None, session
     try:
         import gradio  # noqa: F401
     except ImportError as e:

@@ -180,3 +180,21 @@ def test_rotate_is_apply_rope_bit_for_bit(seed, dtype):
     want = apply_rope(x, cos[None, None], sin[None, None])
     got = rotate(x, *rotation_tables(cos[None, None], sin[None, None]))
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 48, 128]), st.integers(-3, 3))
+def test_rms_norm_fast_path_is_the_formula(seed, dim, scale):
+    """RMSNorm's float32 path (F.rms_norm) equals LLaMA's formula written out, bit for bit on CPU."""
+    from mcar.core.model import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    x = torch.randn(2, 5, dim, generator=g) * 10.0**scale
+    want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight
+    assert torch.equal(norm(x), want)
+    xb = x.bfloat16()  # other dtypes: normalise in float32, cast, then scale (LLaMA's order)
+    want_b = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * norm.weight
+    assert torch.equal(norm(xb), want_b)

@@ -135,7 +135,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
+        if x.dtype == self.weight.dtype == torch.float32:  # the same formula in one call (CPU: bit for bit)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()  # LLaMA's order: normalise in float32, cast back, then scale
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
