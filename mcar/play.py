@@ -11,8 +11,8 @@ actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, t
 
 Each step appends the chosen action to the context (the action of the context's last frame, the one that leads
 to the next frame), generates one frame with the DiagD sampler (the context as prompt frames), decodes it with
-the VQ and shows it. The context is a sliding window: at most `window - 1` frames (window: the checkpoint's
-clip_frames unless set), so every sampled clip is at most as long as the clips the model was trained on. The
+the VQ and shows it. The context is a sliding window: at most `window - 1` frames (window: 2 by default, the previous
+frame only; null: the checkpoint's clip_frames, the longest clips the model was trained on). The
 start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in mcar.generate), or
 `prompt_image`. The logic is `PlaySession` (no gradio); `build_app` is a thin gradio layer over it.
 """
@@ -190,7 +190,8 @@ def build_session(cfg: DictConfig) -> PlaySession:
     schedule = to_dict(cfg.schedule)
     P = int(schedule.get("prompt_frames", 1))
     if P >= window:
-        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a window of {window} frames")
+        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a window of {window} frames: "
+                         f"set window={P + 1} or more (null: the checkpoint's {hp['clip_frames']})")
     start = start_clip(cfg, layout, window, vq, P)
     actions = crafter_actions() if data_action_space(cfg.data) == "crafter" else {}
     return PlaySession(module.model, vq, layout, cb, start, window=window, sampler=to_dict(cfg.sampler),

@@ -49,7 +49,8 @@ def crafter_session(files, *overrides):
 def test_steps_give_frames_and_the_context_window_slides(crafter_files):
     from mcar.tokenizer.actions import CRAFTER_ACTIONS
 
-    s = crafter_session(crafter_files)
+    assert crafter_session(crafter_files).window == 2  # the default: the previous frame only
+    s = crafter_session(crafter_files, "window=3")
     assert s.window == 3 and s.context.shape == (1, H * W + 1)
     start = s.frame.copy()
     assert start.shape == (224, 384, 3) and start.dtype == np.uint8
@@ -100,6 +101,27 @@ def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
     assert s.k == 4
 
 
+def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
+    """python -m mcar.play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
+    one JSON line printed and written to bench.out."""
+    from mcar.play import bench_session, play
+
+    s = crafter_session(crafter_files)
+    out = bench_session(s, [1, 2], ["move_left", "noop"], steps=2, repeats=3)
+    assert out["window"] == 2 and out["steps"] == 2 and set(out["ks"]) == {"1", "2"}
+    for k, row in out["ks"].items():
+        assert row["passes"] == (H - 1) * int(k) + W and len(row["rounds"]) == 3 and min(row["rounds"]) > 0
+        assert row["frames_per_s"] == sorted(row["rounds"])[1]
+    cfg = compose("play", [f"ckpt={crafter_files}/tiny.ckpt", f"prompt_image={crafter_files}/start.png",
+                           "bench.steps=1", "bench.repeats=1", "bench.ks=[3]", f"bench.out={tmp_path}/b.json"])
+    demo, session = play(cfg)
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert demo is None and list(written["ks"]) == ["3"] and written["ks"]["3"]["passes"] == (H - 1) * 3 + W
+    assert session.steps == 1  # the round's one step, after its reset
+    with pytest.raises(ValueError, match="bench.steps=0"):
+        bench_session(s, [1], ["noop"], steps=0, repeats=1)
+
+
 def test_start_frames_from_a_held_out_clip():
     """prompt=<held-out clip id> with 2 start frames (schedule.prompt_frames=2), local action ids (n_a = 2)."""
     from mcar.eval.generation import held_out_source
@@ -112,8 +134,11 @@ def test_start_frames_from_a_held_out_clip():
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_checkpoint(Path(tmp))  # h=3, w=4, n_a=2, clip_frames=3
         cfg = compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
-                               f"paths.data_dir={tmp}/data"])
+                               f"paths.data_dir={tmp}/data", "window=null"])  # null: the checkpoint's 3 frames
         s = build_session(cfg)
+        with pytest.raises(ValueError, match="set window=3 or more"):
+            build_session(compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
+                                           f"paths.data_dir={tmp}/data"]))
         clip = held_out_source(cfg, 3).clip(1)
     L = 3 * 4 + 2
     assert torch.equal(s.start.flatten(), clip[: 2 * L]) and s.window == 3 and s.frame.shape == (48, 64, 3)
