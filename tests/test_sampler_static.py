@@ -1,5 +1,8 @@
 """The static (GPU) sampler path: bucketed shapes that fit the work, the eager path's tokens for the same seed,
-and compile=auto. Tiny random float32 models on CPU; the compiled path is traced with a counting backend."""
+and compile=auto. Tiny random float32 models on CPU; the compiled path is traced with a counting backend, and once
+(slow) really compiled by inductor on CPU."""
+import shutil
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -139,9 +142,10 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     from torch._dynamo.testing import CompileCounter
 
     assert sampler_mod.COMPILE_OPTIONS == dict(mode="reduce-overhead", dynamic=True)
+    assert sampler_mod.CPU_COMPILE_OPTIONS == dict(dynamic=True, options={"cpp_wrapper": True})
     torch._dynamo.reset()
     counter = CompileCounter()
-    monkeypatch.setattr(sampler_mod, "COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
+    monkeypatch.setattr(sampler_mod, "CPU_COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
     runs = [(ScheduleSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (ScheduleSampler.ntp, {}, clip),
@@ -161,4 +165,21 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
 
         compiled._compiled[sampler_mod._sample_pass] = no_floats
         assert torch.equal(compiled.generate(model, c, setup_cache=False)[0], tokens)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="inductor on CPU needs a C++ compiler")
+def test_compiled_on_cpu_gives_the_eager_tokens(model):
+    """sampler.compile=true on CPU: real inductor with its C++ wrapper (CPU_COMPILE_OPTIONS), the same tokens as eager
+    (greedy: float rounding of fused kernels cannot flip a keyed draw's argmax here unless two logits tie)."""
+    torch._dynamo.reset()
+    layout = Layout(3, 4, 2)
+    clip = clip_for(layout)[:1]
+    compiled = ScheduleSampler(layout, T, seed=1, compile=True, k=2, temperature=0)
+    assert compiled.compiles("cpu")
+    tokens, stats = compiled.generate(model, clip)
+    want, want_stats = ScheduleSampler(layout, T, seed=1, k=2, temperature=0).generate(model, clip)
+    assert torch.equal(tokens, want) and stats.passes == want_stats.passes
+    assert torch.equal(compiled.generate(model, clip, setup_cache=False)[0], want)  # compiled once, run again
     torch._dynamo.reset()
