@@ -129,6 +129,17 @@ class PlaySession:
                          "frames": len(self.context)}
             return self.frame, self.info
 
+    def warm_up(self, action=None) -> float:
+        """`window - 1` steps, then a reset: builds the samplers of every context length at the current k (and with
+        sampler.compile=true compiles them) before the first key press; -> seconds taken."""
+        t0 = time.perf_counter()
+        action = action if action is not None else (next(iter(self.actions)) if self.actions else [0] * self.layout.n_a)
+        self.reset()
+        for _ in range(self.window - 1):
+            self.step(action)
+        self.reset()
+        return time.perf_counter() - t0
+
     @torch.no_grad()
     def step(self, action) -> tuple[np.ndarray, dict]:
         """Take `action` from the current frame -> (the generated frame (H, W, 3) uint8, info: action, fps
@@ -282,10 +293,7 @@ def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -
         session.set_k(k)
         rounds = []
         for _ in range(repeats):
-            session.reset()
-            for _ in range(session.window - 1):  # untimed: builds the sampler of each context length
-                session.step(actions[0])
-            session.reset()
+            session.warm_up(actions[0])  # untimed, ends with a reset
             t0 = time.perf_counter()
             for i in range(steps):
                 _, info = session.step(actions[i % len(actions)])
@@ -312,6 +320,8 @@ def play(cfg: DictConfig, block: bool = True):
     except ImportError as e:
         raise ImportError("mcar.play needs gradio: pip install -e '.[play]'") from e
     session = build_session(cfg)
+    log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
+    log.info("mcar.play: warm-up took %.1f s", session.warm_up())
     demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks))
     log.info("mcar.play: %s, window %d frames, k=%d: http://%s:%d", cfg.ckpt, session.window, session.k, cfg.host,
              cfg.port)

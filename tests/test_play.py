@@ -85,6 +85,10 @@ def test_reset_restores_the_start_frame_and_replays_the_same_frames(crafter_file
     again = [s.step(a)[0].copy() for a in ["move_right", "do"]]
     assert all(np.array_equal(x, y) for x, y in zip(first, again))  # seeded per step: replayed exactly
 
+    w3 = crafter_session(crafter_files, "window=3")
+    assert w3.warm_up() > 0 and w3.steps == 0 and np.array_equal(w3.frame, start)  # back at the start frame
+    assert sorted(w3._samplers) == [(2, 2), (2, 3)]  # k=2 at both context lengths: the first key press is ready
+
 
 def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
     s = crafter_session(crafter_files)
