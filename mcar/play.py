@@ -287,7 +287,7 @@ def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -
     seconds, "rounds": [...], "passes": per frame}}, "window", "threads"}. Rounds replay the same frames."""
     if steps < 1 or repeats < 1:
         raise ValueError(f"bench.steps={steps} and bench.repeats={repeats} must be >= 1")
-    actions = list(actions) if session.actions else [0] * len(actions)  # no action names: local action 0
+    actions = list(actions) if session.actions else [[0] * session.layout.n_a]  # no action names: local id 0
     out = {}
     for k in ks:
         session.set_k(k)

@@ -152,6 +152,9 @@ def test_start_frames_from_a_held_out_clip():
     assert s.context[0, 12:].tolist() == [32 + 1, 32 + 2]
     with pytest.raises(ValueError, match="2 local action id"):
         s.step(3)
+    from mcar.play import bench_session
+
+    assert bench_session(s, [1], ["move_left"], steps=1, repeats=1)["ks"]["1"]["passes"] > 0  # no names: ids 0, 0
 
 
 def test_the_page_binds_crafter_keys_to_buttons(crafter_files):
