@@ -4,8 +4,8 @@ Two ways to run it:
 - parallel (training, one-pass parity forward): `model(tokens, coords, mask)` with `mask` a dense boolean
   (S, S) tensor (SDPA; the CPU path, which has a backward) or a flex-attention BlockMask (the GPU path);
 - cached (samplers): after `model.setup_cache(batch, n_slots)`, `model(tokens, coords, mask, cache_pos)`
-  feeds the given inputs, attends to the static KV cache plus the pass's own inputs, and then writes each
-  input's key/value at its slot `cache_pos` (gpt-fast style: a static cache written by index).
+  feeds the given inputs, writes each input's key/value at its slot `cache_pos` (gpt-fast style: a static cache
+  written by index) and attends to the static KV cache plus the pass's own inputs.
 """
 from __future__ import annotations
 
@@ -57,17 +57,26 @@ class ModelConfig:
         return self.dim // self.n_heads
 
 
-# flex_attention is only fast when compiled; compile lazily so CPU users never pay for it.
-_flex_compiled = None
+def _wants_compiled_flex(q: torch.Tensor) -> bool:
+    """flex_attention is only fast compiled: on CUDA (CPU users never pay for compiling it)."""
+    return q.is_cuda
+
+
+_flex_compiled = None  # torch.compile(flex_attention), made at the first eager call that wants it
 
 
 def _flex(q, k, v, block_mask):
+    """flex_attention, compiled when called eagerly on CUDA. Inside a compiled region (per-block compile) it is
+    traced as is, and that region compiles it: creating the compiled wrapper there would write a global inside the
+    traced code, which dynamo cannot do under activation checkpointing (a graph break that left every block
+    eager)."""
     global _flex_compiled
-    if q.is_cuda:
+    gqa = q.shape[1] != k.shape[1]
+    if _wants_compiled_flex(q) and not torch.compiler.is_compiling():
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 class KVCache(nn.Module):
@@ -94,22 +103,27 @@ class KVCache(nn.Module):
     def v(self) -> torch.Tensor:
         return self.v_buf[:, :, self.staging:]
 
-    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """pos (S,) slot indices; k, v (B, n_kv, S, D)."""
-        self.k.index_copy_(2, pos, k.to(self.k_buf.dtype))
-        self.v.index_copy_(2, pos, v.to(self.v_buf.dtype))
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a pass's keys/values k, v (B, n_kv, S, D) at their slots `pos` (S,) and return what its queries
+        attend to: [k | slots 0..n-1] and [v | slots 0..n-1], (B, n_kv, S + n, D).
 
-    def with_own(self, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[k | slots 0..n-1] and [v | slots 0..n-1], (B, n_kv, S + n, D): views when S fits the staging rows."""
-        S = k.shape[2]
-        if n == 0:  # nothing cached to see (the prefill)
-            return k, v
-        if S > self.staging:  # a pass wider than the staging rows: one copy, still exact
-            return torch.cat([k, self.k[:, :, :n]], 2), torch.cat([v, self.v[:, :, :n]], 2)
-        lo = self.staging - S
-        self.k_buf[:, :, lo:self.staging] = k
-        self.v_buf[:, :, lo:self.staging] = v
-        return self.k_buf[:, :, lo:self.staging + n], self.v_buf[:, :, lo:self.staging + n]
+        Every write comes before any read, and each lands in the buffer itself (the staging rows right before
+        slot 0, then the slots): compiled, inductor then writes the buffer in place. A write through a second
+        view after the read made it copy the whole buffer several times per layer and pass. The views are exact
+        as long as no slot the queries see among 0..n-1 is one this pass writes (slots are written once; the
+        scratch slot is never seen)."""
+        S, st = k.shape[2], self.staging
+        k, v = k.to(self.k_buf.dtype), v.to(self.v_buf.dtype)
+        if n == 0 or S > st:  # the prefill (nothing cached to see), or a pass wider than the staging rows
+            self.k_buf[:, :, st + pos] = k
+            self.v_buf[:, :, st + pos] = v
+            if n == 0:
+                return k, v
+            return torch.cat([k, self.k[:, :, :n]], 2), torch.cat([v, self.v[:, :, :n]], 2)  # one copy, exact
+        rows = torch.cat([torch.arange(st - S, st, device=pos.device), st + pos])  # staging rows, then the slots
+        self.k_buf[:, :, rows] = torch.cat([k, k], 2)
+        self.v_buf[:, :, rows] = torch.cat([v, v], 2)
+        return self.k_buf[:, :, st - S:st + n], self.v_buf[:, :, st - S:st + n]
 
 
 def cached_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
@@ -166,13 +180,13 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
     def _cached(self, q, k, v, bias, cache_pos):
-        """Attend to [this pass's inputs | the first n cache slots] under `bias` (see `cached_attention_bias`),
-        then write each input's key/value at its slot.
+        """Write each input's key/value at its slot, then attend to [this pass's inputs | the first n cache slots]
+        under `bias` (see `cached_attention_bias`).
 
         One SDPA call over a view of the cache (a fused kernel on CPU and GPU, no score matrix in memory).
         n = bias width - S <= n_slots: a caller may pass only the cache prefix its queries can see. The own
-        inputs sit in staging rows, not at their slots, because proxies share one scratch slot; written to their
-        slots after attending, so the cache columns only ever show slots of earlier passes. Unwritten slots hold
+        inputs are also read from staging rows, not from their slots, because proxies share one scratch slot; the
+        bias never shows a cache column of a slot written in the same pass (`KVCache.write`). Unwritten slots hold
         zeros (the cache is zeroed before its first cached forward, see `Transformer.reset_cache`), so a masked
         column gets weight exactly 0 (-inf + a finite score): no per-pass V hygiene copy.
         """
@@ -182,11 +196,9 @@ class Attention(nn.Module):
         dtype = self.cache.k_buf.dtype
         if bias.dtype == torch.bool:  # called with the caller's mask, not the forward's prepared bias
             bias = cached_attention_bias(bias, H // self.n_kv, dtype)
-        k, v = k.to(dtype), v.to(dtype)
-        keys, values = self.cache.with_own(k, v, bias.shape[-1] - S)  # (B, Hkv, S + n, D)
+        keys, values = self.cache.write(cache_pos, k, v, bias.shape[-1] - S)  # (B, Hkv, S + n, D)
         qg = q.to(dtype).reshape(B, self.n_kv, (H // self.n_kv) * S, D)  # GQA group folded into rows
         y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)  # (B, Hkv, g*S, D)
-        self.cache.write(cache_pos, k, v)
         return y.reshape(B, H, S, D).type_as(q)  # reshape: SDPA may return a (B, g*S, Hkv, D) memory layout
 
 

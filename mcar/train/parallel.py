@@ -31,10 +31,12 @@ def is_checkpointed(block: nn.Module) -> bool:
     return hasattr(block, "_checkpoint_wrapped_module")
 
 
-def apply_compile(model: nn.Module, **compile_kwargs) -> None:
-    """torch.compile each Block in place (one graph reused by all layers; the model's shape never changes)."""
+def apply_compile(model: nn.Module, dynamic: bool = False, **compile_kwargs) -> None:
+    """torch.compile each Block in place: one graph reused by all layers (they share one code object).
+    dynamic=False: every sequence length (causal, DiagD with its proxy rows, validation) gets a graph of its own
+    with static shapes; left to dynamo, the second length recompiles every block with symbolic sizes."""
     for block in model.layers:
-        block.compile(**compile_kwargs)
+        block.compile(dynamic=dynamic, **compile_kwargs)
 
 
 def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None,

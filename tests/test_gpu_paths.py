@@ -1,0 +1,114 @@
+"""The CUDA paths, checked on CPU: what the first GPU run would otherwise find out the hard way.
+
+`pytest -k "cuda_branch or recompile or reinplace"` selects the three regression tests of issue 1/5:
+- flex attention's CUDA branch, forced on CPU, compiles inside activation-checkpointed, per-block compiled blocks
+  (a global written while tracing broke the graph and left every block eager);
+- per-block compile keeps static shapes when a second sequence length comes (DiagD after causal), instead of
+  recompiling every block with symbolic sizes;
+- the compiled sampler step writes the KV cache in place (no loop over the whole cache buffer), with the eager
+  tokens.
+"""
+import re
+
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import mcar.core.model as model_module
+from mcar.core.layout import Layout
+from mcar.core.masks import build_mask_factory
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.sampler import ScheduleSampler, forward_rows
+from mcar.train.parallel import apply_activation_checkpointing, apply_compile
+
+LAYOUT, FRAMES = Layout(3, 4, 2), 3
+
+
+def tiny_model(n_layers=2, n_kv_heads=None):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=n_kv_heads,
+                                   mlp_dim=64))
+
+
+def test_flex_cuda_branch_compiles_one_graph_under_activation_checkpointing(monkeypatch):
+    """The paper setting's path (experiment=paper: activation checkpointing + per-block compile + flex BlockMask)
+    with flex's CUDA branch taken on CPU: one graph for all blocks, no graph break."""
+    monkeypatch.setattr(model_module, "_wants_compiled_flex", lambda q: True)
+    monkeypatch.setattr(model_module, "_flex_compiled", None)
+    torch._dynamo.reset()
+    m = tiny_model()
+    apply_activation_checkpointing(m)
+    counter = CompileCounter()
+    apply_compile(m, backend=counter)
+    batch = build_mask_factory("diagd", LAYOUT, FRAMES, backend="flex")(torch.randint(0, 32, (2, LAYOUT.n_slots(3))))
+    with torch.no_grad():  # flex has no backward on CPU; the forward is what dynamo traces
+        out = m(batch.tokens, batch.coords, batch.mask)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(m.layers)} blocks (0: blocks run eagerly)"
+    assert not breaks, dict(breaks)
+    assert torch.isfinite(out).all()
+
+
+def test_block_compile_does_not_recompile_with_dynamic_shapes_when_the_mask_changes():
+    """Causal then DiagD (a longer sequence: proxy rows) through the same compiled blocks, as the GPU check and a
+    fine-tuning run's validation do: each length gets its own graph with static sizes."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([x for x in example_inputs if isinstance(x, torch.SymInt)
+                       or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))])
+        return gm
+
+    m = tiny_model()
+    apply_activation_checkpointing(m)
+    apply_compile(m, backend=capture)  # the defaults MCARModule.configure_model uses
+    lengths = []
+    for name in ("causal", "diagd"):
+        batch = build_mask_factory(name, LAYOUT, FRAMES, backend="sdpa")(torch.randint(0, 32, (2, LAYOUT.n_slots(3))))
+        m(batch.tokens, batch.coords, batch.mask).sum().backward()
+        lengths.append(batch.tokens.shape[1])
+    torch._dynamo.reset()
+    assert lengths[1] > lengths[0]
+    assert len(graphs) == 2, f"{len(graphs)} graphs for two sequence lengths"
+    assert graphs == [[], []], f"symbolic sizes in a recompiled graph: {graphs}"
+
+
+def whole_buffer_loops(code: str, buf: torch.Tensor) -> int:
+    """Loops of inductor's C++ kernels that run over the cache buffer's rows (or all its elements)."""
+    B, H, R, D = buf.shape
+    bounds = re.findall(r"for\(int64_t \w+=static_cast<int64_t>\(0L\); \w+<static_cast<int64_t>\((\d+)L\)", code)
+    return sum(int(b) in (R, R * D, H * R * D, B * H * R * D) for b in bounds)
+
+
+def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
+    """A DiagD pass compiled by inductor (static shapes, CPU) writes its keys and values into the cache buffer in
+    place: no generated loop touches the whole buffer. A write through a second view of the buffer after the
+    attention read cost 2 such loops per layer here (4.8 buffer passes per K and V per layer on the GPU review)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    frames = 4
+    m = tiny_model(n_layers=2, n_kv_heads=2).eval()
+    clip = torch.randint(0, 32, (1, LAYOUT.n_slots(frames)))
+    eager = ScheduleSampler(LAYOUT, frames, 1, k=2, temperature=0)
+    want, _ = eager.generate(m, clip)
+    sched = eager.schedule()
+    static = ScheduleSampler(LAYOUT, frames, 1, k=2, static=True, temperature=0)
+    plan = static.static_plan(sched, "cpu")
+    m.setup_cache(1, sched.n_slots + 1)
+    m.reset_cache()
+    tokens = torch.cat([clip, clip[:, :1]], 1)
+    step = torch.compile(forward_rows, dynamic=False)
+    args = max(plan.passes, key=lambda a: a[2].shape[-1])  # the widest cache prefix
+    with torch.no_grad():
+        _, codes = run_and_get_code(step, m, tokens, *args[:-1])
+    buf = m.layers[0].attention.cache.k_buf
+    assert args[0].shape[-1] > 1 and buf.shape[2] not in args[2].shape  # a real pass; the buffer's size is unique
+    assert whole_buffer_loops("\n".join(codes), buf) == 0
+    torch._dynamo.reset()
+    compiled = ScheduleSampler(LAYOUT, frames, 1, k=2, compile=True, temperature=0)
+    with torch.no_grad():
+        got, _ = compiled.generate(m, clip)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
