@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
-from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import IGNORE, build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
@@ -254,14 +254,14 @@ def run_train(cfg: DictConfig) -> dict:
     S = batch.tokens.shape[1]
     tokens = clip.numel()  # clip tokens per step (proxy rows are extra inputs, not extra data)
     density = factory.table().dense().float().mean().item()
-    cfg_m = model.cfg
-    flops = train_flops_per_token(model.num_params(embeddings=False), cfg_m.n_layers, cfg_m.dim, S, density)
-    peak = peak_flops(device, b.peak_flops)
+    cfg_m = model.cfg  # every computed row counts: DiagD's proxy rows too (mcar.core.flops)
+    flops = train_step_flops(model.num_params(embeddings=False), cfg_m.n_layers, cfg_m.dim, S, clip.shape[0], density)
+    u = mfu(flops, seconds, peak_flops(device, b.peak_flops))
     return common_fields(cfg, device, dtype, model) | dict(
         mask=factory.name, h=layout.h, w=layout.w, n_a=layout.n_a, clip_frames=frames, seq_len=S,
         mask_density=round(density, 4), ms_per_step=round(1000 * seconds, 2), tokens_per_s=round(tokens / seconds, 1),
         peak_memory_mb=round(peak_memory_mb(device), 1),
-        mfu=round(flops * S * clip.shape[0] / seconds / peak, 4) if peak else None) | bench_data(cfg)
+        mfu=round(u, 4) if u is not None else None) | bench_data(cfg)
 
 
 def bench_data(cfg: DictConfig) -> dict:

@@ -4,18 +4,26 @@ memory: the peak memory per device that the configured training step will need (
 that fits bench.memory.budget_gib with and without activation checkpointing, and a whole-model measurement on
 fake tensors as a cross-check.
 
-gpu: `python -m mcar.bench gpu experiment=paper model=700m data=synthetic logger=csv` trains through train.py's own
-path (Lightning, the configured trainer, precision, activation checkpointing, per-block compile on CUDA) for a few
-steps per mask (step time, tokens/s, MFU, peak memory against the plan), checks that flex attention with the DiagD
-BlockMask equals SDPA with the dense mask in the training dtype, and runs the sampler speed check. One JSON file
-and one markdown table in the run dir. The same command runs on CPU at tiny sizes (tests/test_gpucheck.py). With
+gpu: the check a GPU machine runs first, in stages that each fit a 10-minute command and write their own JSON
+(`bench.gpu.stage=<name>`, into bench.gpu.dir), then `bench.gpu.stage=merge` joins them into bench_gpu.{json,md}
+with the targets. scripts/gpu_check.sh runs them in order, one process each, with timeouts, skipping stages whose
+JSON exists (resumable). Stages (`bench.gpu.stage=list` prints them):
+- train_<mask> (causal, diagd): train.py's own path (Lightning, the configured trainer, precision, activation
+  checkpointing, per-block compile on CUDA with static shapes) for bench.gpu.steps steps: ms/step over the timed
+  window, tokens/s, MFU over the rows the mask computes, peak allocated and reserved memory, host syncs per step
+  (CUDA's sync debug mode), graphs compiled;
+- flex: flex attention with the DiagD BlockMask against SDPA with the dense mask, in the training dtype;
+- sampler_<ntp|diagd>_<F>f: the sampler speed check at F frames (compiled on CUDA): ms/pass against the bandwidth
+  floor, frames/s;
+- memory: the planned training peak of each train stage's shape against its measured peaks.
+`bench.gpu.stage=all` runs every stage in this process (torch.compiler.reset() between) and merges. With
 data=synthetic and logger=csv it imports none of wandb, av, diffusers, crafter.
 """
 from __future__ import annotations
 
 import json
-import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.config import to_dict
-from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.flops import mfu, peak_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.train.memory import GiB, measure_step_peak, plan_training
@@ -65,25 +73,39 @@ def run_memory(cfg: DictConfig) -> dict:
 
 # ---- gpu ----------------------------------------------------------------------------------------------------
 class StepTimes(Callback):
-    """Wall time of every training step after the warm-up ones (device synchronised), and the FLOPs per token."""
+    """Training steps after the warm-up ones, timed as one window (device synchronised at its two ends only, so
+    the host runs ahead as in a real run): ms/step = window / steps. On CUDA the window runs under the sync debug
+    mode, which warns at every host sync: their count per step is reported."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.times, self._t = warmup, [], None
+        self.warmup, self.steps, self.syncs = warmup, 0, None
+        self._t0, self._caught, self._recorded = None, None, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        sync(pl_module.device)
-        self._t = time.perf_counter()
+        if trainer.global_step == self.warmup and self._t0 is None:
+            sync(pl_module.device)
+            self._t0 = time.perf_counter()
+            if pl_module.device.type == "cuda":
+                self._caught = warnings.catch_warnings(record=True)
+                self._recorded = self._caught.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+        if trainer.global_step == 0:
+            self.batch_size = len(batch["tokens"])
+            self.tokens = batch["tokens"].numel() * trainer.world_size
+            self.step_flops = pl_module.step_flops(self.batch_size) * trainer.world_size
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._t0 is not None:
+            self.steps += 1
+
+    def on_train_end(self, trainer, pl_module):
+        if self._caught is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._caught.__exit__(None, None, None)
+            self.syncs = sum("synchroniz" in str(w.message) for w in self._recorded)
         sync(pl_module.device)
-        if trainer.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self._t)
-        if hasattr(self, "flops_per_token"):  # the same every step
-            return
-        self.tokens = batch["tokens"].numel() * trainer.world_size
-        self.flops_per_token = train_flops_per_token(
-            pl_module.num_params(embeddings=False), pl_module.model_config.n_layers, pl_module.model_config.dim,
-            pl_module.mask_factory(batch["tokens"][:1]).tokens.shape[1], pl_module.mask_density)
+        self.seconds = time.perf_counter() - self._t0 if self._t0 is not None else None
 
 
 def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
@@ -95,8 +117,13 @@ def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
     on_cuda = torch.cuda.is_available() and OmegaConf.select(cfg, "trainer.accelerator") != "cpu"
     compile_ = on_cuda if g.compile == "auto" else bool(g.compile)
     return user + [f"mask={mask}", "logger=csv", f"trainer.max_steps={int(g.steps)}", "trainer.limit_val_batches=0",
-                   "val_dashboard.n_clips=0", "checkpoint.every_n_steps=null", "log_every_n_steps=1",
+                   "val_dashboard.n_clips=0", "checkpoint.every_n_steps=null", "++trainer.enable_progress_bar=false",
                    f"compile={compile_}", f"run_name=gpucheck-{mask}", f"paths.checkpoint_root={out}/ckpt"]
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (each one is a compile: the stage's start-up cost)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
@@ -106,28 +133,33 @@ def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
     with open_dict(tcfg):
         tcfg.paths.output_dir = str(out / f"train_{mask}")
     timer = StepTimes(int(cfg.bench.gpu.warmup_steps))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and tcfg.trainer.accelerator != "cpu"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     metrics = run(tcfg, callbacks=[timer])
     wall = time.perf_counter() - t0
-    if not timer.times:
+    if not timer.steps:
         raise RuntimeError(f"bench.gpu.steps={cfg.bench.gpu.steps} leaves no timed step after "
                            f"bench.gpu.warmup_steps={cfg.bench.gpu.warmup_steps}")
-    step = statistics.median(timer.times)
-    dev = torch.device("cuda" if cuda and tcfg.trainer.accelerator != "cpu" else "cpu")
-    peak = peak_flops(dev, tcfg.get("peak_flops"))
-    world = int(tcfg.trainer.devices) * int(tcfg.trainer.num_nodes) if dev.type == "cuda" else 1
+    step = timer.seconds / timer.steps
+    dev = torch.device("cuda" if cuda else "cpu")
+    world = int(tcfg.trainer.devices) * int(tcfg.trainer.num_nodes) if cuda else 1
     shape = training_shape(tcfg)
+    u = mfu(timer.step_flops, step, peak_flops(dev, tcfg.get("peak_flops")), world)
     return {"mask": mask, "precision": str(tcfg.trainer.precision), "compile": bool(tcfg.compile),
             "activation_checkpointing": shape["activation_checkpointing"], "batch_size": shape["batch"],
-            "seq_len": shape["seq_len"], "timed_steps": len(timer.times), "ms_per_step": round(1000 * step, 1),
-            "tokens_per_s": round(timer.tokens / step, 1),
-            "mfu": round(timer.flops_per_token * timer.tokens / step / (peak * world), 4) if peak else None,
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if dev.type == "cuda" else None,
-            "final_loss": round(metrics.get("train/loss", float("nan")), 4), "wall_seconds": round(wall, 1)}
+            "seq_len": shape["seq_len"], "clip_len": int(tcfg.data.clip_frames) * (int(tcfg.data.h) * int(tcfg.data.w)
+                                                                                  + int(tcfg.data.n_a)),
+            "timed_steps": timer.steps, "ms_per_step": round(1000 * step, 1),
+            "tokens_per_s": round(timer.tokens / step, 1), "tflops_per_s": round(timer.step_flops / step / 1e12, 2),
+            "mfu": round(u, 4) if u is not None else None, "mfu_counts": "every computed row (DiagD: + proxy rows)",
+            "host_syncs_per_step": round(timer.syncs / timer.steps, 2) if timer.syncs is not None else None,
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None,
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GiB, 3) if cuda else None,
+            "compiled_graphs": compiled_graphs(), "final_loss": round(metrics.get("train/loss", float("nan")), 4),
+            "wall_seconds": round(wall, 1)}
 
 
 def flex_check(cfg: DictConfig) -> dict:
@@ -149,64 +181,180 @@ def flex_check(cfg: DictConfig) -> dict:
     return {"dtype": str(dtype).removeprefix("torch."), "seq_len": int(batch.tokens.shape[1]),
             "max_rel_err": float(f"{err:.3g}"), "argmax_agreement": round((flex.argmax(-1) == dense.argmax(-1))
                                                                           .float().mean().item(), 4),
-            "tolerance": tol, "ok": err <= tol}
+            "tolerance": tol, "ok": err <= tol, "compiled_graphs": compiled_graphs()}
 
 
-def sampler_check(cfg: DictConfig) -> dict:
+SAMPLER_KEYS = ("sampler", "k", "clip_frames", "passes", "fps", "ms_per_pass", "bare_forward_ms_per_pass", "overhead",
+                "bytes_per_pass", "bandwidth", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass",
+                "visible_cols_per_pass", "cache_cols_per_pass", "buckets", "dtype", "static", "compile", "device_name")
+
+
+def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
+    """One sampler (ntp, or DiagD on the configured schedule) at `frames` frames, as `python -m mcar.bench
+    sampler` times it; floor_ms_per_pass: its bytes per pass at the device's peak bandwidth."""
     from mcar.bench import run_sampler
 
     scfg = cfg.copy()
     with open_dict(scfg):
-        scfg.data.clip_frames = int(cfg.bench.gpu.sampler_frames)
-        scfg.bench.compare = True
-        scfg.sampler.name = "diagd"
+        scfg.data.clip_frames = int(frames)
+        scfg.bench.compare = False
+        scfg.sampler.name = name
     r = run_sampler(scfg)
-    keep = ("k", "passes", "fps", "ms_per_pass", "speedup", "pass_ratio", "clip_frames", "dtype", "static", "compile")
-    return {k: r.get(k) for k in keep} | {"ntp_fps": r["ntp"]["fps"], "ntp_ms_per_pass": r["ntp"]["ms_per_pass"]}
+    out = {k: r.get(k) for k in SAMPLER_KEYS}
+    floor = r["bytes_per_pass"] / r["bandwidth"] * 1000 if r.get("bandwidth") else None
+    return out | {"floor_ms_per_pass": round(floor, 4) if floor else None,
+                  "over_floor": round(r["ms_per_pass"] / floor, 3) if floor else None,
+                  "compiled_graphs": compiled_graphs()}
 
 
-def run_gpu(cfg: DictConfig) -> dict:
-    out = Path(cfg.bench.out).parent
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"device": device, "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
-              "torch": torch.__version__, "train": {}}
-    t0 = time.perf_counter()
-    for mask in cfg.bench.gpu.masks:
-        result["train"][mask] = train_check(cfg, mask, out)
-    if {"causal", "diagd"} <= result["train"].keys():
-        result["diagd_over_causal_step"] = round(result["train"]["diagd"]["ms_per_step"] /
-                                                 result["train"]["causal"]["ms_per_step"], 3)
-    first = result["train"][cfg.bench.gpu.masks[0]]
+def memory_check(cfg: DictConfig, out: Path) -> dict:
+    """The planned training peak (mcar.train.memory) of each train stage's shape against its measured peaks."""
     shape = training_shape(cfg)
-    plan = plan_training(to_dict(cfg.model.arch), first["seq_len"], first["batch_size"], bf16=shape["bf16"],
-                         activation_checkpointing=first["activation_checkpointing"], budget_gib=None,
-                         device=resolve_device("auto").type)
-    result["memory"] = {"planned_peak_gib": plan["peak_gib"], "measured_peak_gib": first["peak_memory_gib"]}
-    result["flex_vs_dense"] = flex_check(cfg)
-    result["sampler"] = sampler_check(cfg)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "bench_gpu.md").write_text(markdown(result))
+    rows = {}
+    for mask in cfg.bench.gpu.masks:
+        stage = read_stage(out, f"train_{mask}")
+        seq_len = stage["seq_len"] if stage else training_shape(mask_config(cfg, mask))["seq_len"]
+        plan = plan_training(to_dict(cfg.model.arch), seq_len, shape["batch"], bf16=shape["bf16"],
+                             activation_checkpointing=shape["activation_checkpointing"], budget_gib=None,
+                             device=resolve_device("auto").type)
+        rows[mask] = {"seq_len": seq_len, "planned_peak_gib": plan["peak_gib"],
+                      "peak_allocated_gib": stage.get("peak_allocated_gib") if stage else None,
+                      "peak_reserved_gib": stage.get("peak_reserved_gib") if stage else None}
+    return rows
+
+
+def mask_config(cfg: DictConfig, mask: str) -> DictConfig:
+    c = cfg.copy()
+    with open_dict(c):
+        c.mask = compose(config_name="train", overrides=[f"mask={mask}"]).mask
+    return c
+
+
+def stages(cfg: DictConfig) -> list[str]:
+    """Every stage, in the order scripts/gpu_check.sh runs them."""
+    g = cfg.bench.gpu
+    return ([f"train_{m}" for m in g.masks] + ["flex"]
+            + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["memory"])
+
+
+def run_stage(cfg: DictConfig, stage: str, out: Path) -> dict:
+    t0 = time.perf_counter()
+    if stage.startswith("train_"):
+        result = train_check(cfg, stage.removeprefix("train_"), out)
+    elif stage == "flex":
+        result = flex_check(cfg)
+    elif stage.startswith("sampler_"):
+        _, name, frames = stage.split("_")
+        result = sampler_check(cfg, name, int(frames.removesuffix("f")))
+    elif stage == "memory":
+        result = memory_check(cfg, out)
+    else:
+        raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all, merge or list")
+    result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
+              "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1), "result": result}
+    write_json(result, out / f"{stage}.json")
     return result
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def read_stage(out: Path, stage: str) -> dict | None:
+    path = out / f"{stage}.json"
+    return json.loads(path.read_text())["result"] if path.exists() else None
+
+
+def run_gpu(cfg: DictConfig) -> dict:
+    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), list, merge, or all (every stage, then merge)."""
+    out = Path(cfg.bench.gpu.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stage = cfg.bench.gpu.stage
+    if stage == "list":
+        return {"stages": stages(cfg)}
+    if stage == "all":
+        for name in stages(cfg):
+            torch.compiler.reset()  # every stage compiles from scratch, as in its own process
+            run_stage(cfg, name, out)
+        stage = "merge"
+    if stage == "merge":
+        return merge(cfg, out)
+    return run_stage(cfg, stage, out)
+
+
+def merge(cfg: DictConfig, out: Path) -> dict:
+    """Join the stage JSONs found in `out` into bench_gpu.json and bench_gpu.md (missing stages: listed)."""
+    found = {s: json.loads((out / f"{s}.json").read_text()) for s in stages(cfg) if (out / f"{s}.json").exists()}
+    first = next(iter(found.values()), {})
+    r = {"device": first.get("device", device_name()), "date": first.get("date", time.strftime("%Y-%m-%d")),
+         "model": first.get("model", cfg.model.name), "torch": first.get("torch", torch.__version__),
+         "missing": [s for s in stages(cfg) if s not in found],
+         "stage_seconds": {s: v["seconds"] for s, v in found.items()},
+         "train": {s.removeprefix("train_"): v["result"] for s, v in found.items() if s.startswith("train_")},
+         "sampler": {s.removeprefix("sampler_"): v["result"] for s, v in found.items() if s.startswith("sampler_")},
+         "flex_vs_dense": found.get("flex", {}).get("result"), "memory": found.get("memory", {}).get("result")}
+    if {"causal", "diagd"} <= r["train"].keys():
+        r["diagd_over_causal_step"] = round(r["train"]["diagd"]["ms_per_step"] / r["train"]["causal"]["ms_per_step"], 3)
+    r["targets"] = check_targets(r, cfg.bench.gpu.targets)
+    write_json(r, out / "bench_gpu.json")
+    (out / "bench_gpu.md").write_text(markdown(r))
+    return r
+
+
+def check_targets(r: dict, t: DictConfig) -> list[dict]:
+    """The issue's targets, each with its measured value (None where its stage is missing) and whether it is met."""
+    rows = []
+
+    def add(what, value, target, higher_is_better):
+        met = None if value is None else (value >= target if higher_is_better else value <= target)
+        rows.append({"target": what, "value": value, "goal": (">= " if higher_is_better else "<= ") + str(target),
+                     "met": met})
+
+    for mask, tr in r["train"].items():
+        add(f"training MFU, {mask}", tr["mfu"], t.mfu, True)
+    add("DiagD step / causal step", r.get("diagd_over_causal_step"), t.diagd_over_causal, False)
+    frames = max((int(k.split("_")[1].removesuffix("f")) for k in r["sampler"]), default=None)
+    diag = r["sampler"].get(f"diagd_{frames}f")
+    add(f"DiagD frames/s at {frames} frames", diag["fps"] if diag else None, t.diagd_fps, True)
+    for name, s in r["sampler"].items():
+        add(f"{name}: ms/pass over the bandwidth floor", s["over_floor"], t.pass_over_floor, False)
+    return rows
+
+
 def markdown(r: dict) -> str:
-    lines = [f"## GPU check: {r['model']} on {r['device']} ({r['date']}, torch {r['torch']})", "",
-             "| mask | precision | compile | act. ckpt | batch x rows | ms/step | tokens/s | MFU | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    na = "n/a"
+    lines = [f"## GPU check: {r['model']} on {r['device']} ({r['date']}, torch {r['torch']})", ""]
+    if r["missing"]:
+        lines += [f"Missing stages (failed, timed out or not run): {', '.join(r['missing'])}", ""]
+    lines += ["| mask | precision | compile | act. ckpt | batch x rows | ms/step | tokens/s | TFLOP/s | MFU | "
+              "syncs/step | peak alloc. / reserved GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+              "--- | --- |"]
     for t in r["train"].values():
-        mfu = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a"
+        mfu_ = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else na
         lines.append(f"| {t['mask']} | {t['precision']} | {t['compile']} | {t['activation_checkpointing']} | "
-                     f"{t['batch_size']} x {t['seq_len']} | {t['ms_per_step']} | {t['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{t['peak_memory_gib'] if t['peak_memory_gib'] is not None else 'n/a'} |")
-    f, s, m = r["flex_vs_dense"], r["sampler"], r["memory"]
-    lines += ["", f"- DiagD step / causal step: {r.get('diagd_over_causal_step', 'n/a')}",
-              f"- memory: planned {m['planned_peak_gib']} GiB, measured {m['measured_peak_gib']} GiB (peak allocated)",
-              f"- flex vs dense ({f['dtype']}, {f['seq_len']} rows): max rel. error {f['max_rel_err']} "
-              f"(tolerance {f['tolerance']}), argmax agreement {f['argmax_agreement']}: {'ok' if f['ok'] else 'FAIL'}",
-              f"- sampler ({s['clip_frames']} frames): DiagD k={s['k']} {s['fps']} frames/s ({s['ms_per_pass']} ms/pass), "
-              f"NTP {s['ntp_fps']} frames/s ({s['ntp_ms_per_pass']} ms/pass), speedup {s['speedup']} for a pass "
-              f"ratio of {s['pass_ratio']}", f"- total {r['seconds']} s", ""]
-    return "\n".join(lines)
+                     f"{t['batch_size']} x {t['seq_len']} | {t['ms_per_step']} | {t['tokens_per_s']:,.0f} | "
+                     f"{t['tflops_per_s']} | {mfu_} | {t['host_syncs_per_step'] if t['host_syncs_per_step'] is not None else na} | "
+                     f"{t['peak_allocated_gib'] or na} / {t['peak_reserved_gib'] or na} |")
+    lines += ["", "| sampler | frames | passes | ms/pass | floor ms/pass | over floor | frames/s | rows/pass | "
+              "cache cols/pass | compiled |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in r["sampler"].values():
+        lines.append(f"| {s['sampler']} k={s['k']} | {s['clip_frames']} | {s['passes']} | {s['ms_per_pass']} | "
+                     f"{s['floor_ms_per_pass'] or na} | {s['over_floor'] or na} | {s['fps']} | "
+                     f"{s['padded_rows_per_pass']} | {s['cache_cols_per_pass']} | {s['compile']} |")
+    f = r["flex_vs_dense"]
+    lines.append("")
+    if f:
+        lines.append(f"- flex vs dense ({f['dtype']}, {f['seq_len']} rows): max rel. error {f['max_rel_err']} "
+                     f"(tolerance {f['tolerance']}), argmax agreement {f['argmax_agreement']}: "
+                     f"{'ok' if f['ok'] else 'FAIL'}")
+    for mask, m in (r["memory"] or {}).items():
+        lines.append(f"- memory, {mask} ({m['seq_len']} rows): planned {m['planned_peak_gib']} GiB, measured "
+                     f"{m['peak_allocated_gib'] or na} GiB allocated, {m['peak_reserved_gib'] or na} GiB reserved")
+    lines += ["- stage seconds: " + ", ".join(f"{s} {v}" for s, v in r["stage_seconds"].items()), "",
+              "| target | value | goal | met |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['value'] if t['value'] is not None else na} | {t['goal']} | "
+              f"{na if t['met'] is None else ('yes' if t['met'] else 'NO')} |" for t in r["targets"]]
+    return "\n".join(lines) + "\n"
 
 
 def write_json(result: dict, path: Path) -> None:

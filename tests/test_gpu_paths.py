@@ -10,6 +10,8 @@
 """
 import re
 
+import pytest
+
 import torch
 from torch._dynamo.testing import CompileCounter
 
@@ -112,3 +114,82 @@ def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
         got, _ = compiled.generate(m, clip)
     torch._dynamo.reset()
     assert torch.equal(got, want)
+
+
+# ---- the training step on CUDA: no host sync per step, fp32 matmuls on tensor cores, MFU over computed rows ----
+class PendingEvent:
+    """A CUDA event stand-in: not done until synchronised."""
+
+    def __init__(self):
+        self.waited = False
+
+    def query(self):
+        return self.waited
+
+    def synchronize(self):
+        self.waited = True
+
+
+def test_loss_watch_never_waits_for_a_step_and_reads_every_flag_before_a_checkpoint():
+    from mcar.train.module import LossWatch
+
+    watch = LossWatch(deferred=True)
+    watch.push(torch.tensor(2.0), 0)
+    assert watch.poll() is None and not watch.pending  # done (no event on CPU): read and dropped
+    nan, event = torch.tensor(float("nan")), PendingEvent()
+    watch.pending.append((7, nan, torch.isfinite(nan), event))
+    assert watch.poll() is None and not event.waited  # the step's flag is not ready: nobody waits for it
+    assert watch.poll(wait=True) == (7, pytest.approx(float("nan"), nan_ok=True)) and event.waited
+    immediate = LossWatch(deferred=False)
+    immediate.push(torch.tensor(float("inf")), 3)
+    assert immediate.poll() == (3, float("inf"))
+
+
+def test_a_checkpoint_of_a_step_with_a_non_finite_loss_is_refused():
+    from mcar.train.module import LossWatch, MCARModule
+
+    module = MCARModule(arch=dict(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64),
+                        layout=dict(h=3, w=4, n_a=2), clip_frames=3, mask={"name": "causal"}, optim={}, max_steps=1)
+    module._loss_watch = LossWatch(deferred=True)
+    nan = torch.tensor(float("nan"))
+    module._loss_watch.pending.append((5, nan, torch.isfinite(nan), PendingEvent()))
+    with pytest.raises(FloatingPointError, match="training loss is nan at step 5"):
+        module.on_save_checkpoint({})
+
+
+def test_fp32_matmuls_use_tensor_cores_where_the_trainer_runs_on_cuda():
+    from mcar.train.task import use_tensor_cores_for_fp32
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        use_tensor_cores_for_fp32(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        use_tensor_cores_for_fp32(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_mfu_counts_every_row_the_diagd_step_computes():
+    """Oracle: 6N + 12 L dim (visible keys per row) FLOPs per computed row, written out here; DiagD computes the
+    clip's slots plus (h-1) proxy rows per generated frame."""
+    from mcar.train.module import MCARModule
+
+    arch = dict(vocab_size=40, dim=32, n_layers=2, n_heads=4, mlp_dim=64)
+    module = MCARModule(arch=arch, layout=dict(h=3, w=4, n_a=2), clip_frames=3, mask={"name": "diagd"}, optim={},
+                        max_steps=1)
+    rows = 3 * 14 + (3 - 1) * 2
+    assert module.rows_per_clip == rows
+    n = sum(p.numel() for name, p in module.model.named_parameters() if "tok_embeddings" not in name)
+    dense = module.mask_factory.table().dense()
+    visible_keys = dense.sum().item() / rows
+    assert module.step_flops(8) == pytest.approx(8 * rows * (6 * n + 12 * 2 * 32 * visible_keys))
+
+
+def test_peak_flops_tells_the_pcie_h100_from_the_sxm_one():
+    from mcar.core.flops import mfu, peak_of
+
+    assert peak_of("NVIDIA H100 PCIe") == 756e12 and peak_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_of("NVIDIA H200") == 989e12 and peak_of("Tesla T4") is None
+    assert mfu(4e14, 1.0, 989e12, 2) == pytest.approx(4e14 / 1.978e15) and mfu(1.0, 1.0, None) is None

@@ -49,37 +49,68 @@ def test_fsdp_shards_the_state_and_adds_gathered_blocks():
     assert four["fsdp_gathered_gib"] > 0 and four["peak_bytes"] < one["peak_bytes"]
 
 
+# a sitecustomize on PYTHONPATH runs in every Python process the script starts: as on the GPU machine, which has
+# torch and lightning (and the wheelhouse's hydra/omegaconf) but none of these
 BLOCK_HEAVY_IMPORTS = """
-import importlib.abc, runpy, sys
+import importlib.abc, sys
 BLOCKED = {"wandb", "av", "diffusers", "crafter"}
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is not installed on this GPU machine")
 sys.meta_path.insert(0, Block())
-sys.argv = ["mcar.bench", *sys.argv[1:]]
-runpy.run_module("mcar.bench", run_name="__main__", alter_sys=True)
 """
 
 
-def test_gpu_check_runs_on_cpu_without_wandb_av_diffusers_crafter(tmp_path):
-    """`python -m mcar.bench gpu experiment=paper ... data=synthetic logger=csv` at tiny sizes, with those packages
-    made unimportable as on a GPU machine that has only torch, lightning and hydra."""
-    cmd = [sys.executable, "-c", BLOCK_HEAVY_IMPORTS, "gpu", "experiment=paper", *TINY, "data=synthetic",
-           "logger=csv", "trainer.accelerator=cpu", "bench.gpu.steps=3", "bench.gpu.warmup_steps=1",
-           "bench.repeats=1", "bench.warmup=0", f"hydra.run.dir={tmp_path}"]
-    p = subprocess.run(cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r == json.loads((tmp_path / "bench_gpu.json").read_text())
+def gpu_check(out, *args):
+    site = out.parent / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCK_HEAVY_IMPORTS)
+    env = script_env()
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+    env["PYTHON"] = sys.executable
+    return subprocess.run(["bash", "scripts/gpu_check.sh", "--tiny", "--out", str(out), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_2f", "sampler_diagd_2f", "sampler_ntp_4f",
+          "sampler_diagd_4f", "memory"]
+
+
+@pytest.mark.slow
+def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(tmp_path):
+    """`bash scripts/gpu_check.sh --tiny`: every stage in its own process (wandb, av, diffusers, crafter
+    unimportable), one JSON each, merged into bench_gpu.{json,md}; a timed-out stage is reported and listed as
+    missing, and the next run redoes only that stage."""
+    out = tmp_path / "gc"
+    p = gpu_check(out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert all((out / f"{s}.json").exists() for s in STAGES)
+    r = json.loads((out / "bench_gpu.json").read_text())
+    assert r["missing"] == [] and list(r["stage_seconds"]) == STAGES
     for mask, rows in (("causal", 3 * 14), ("diagd", 3 * 14 + 2 * 2)):  # diagd: + (h-1) proxy rows per frame
         t = r["train"][mask]
         assert t["timed_steps"] == 2 and t["seq_len"] == rows and t["ms_per_step"] > 0 and t["tokens_per_s"] > 0
         assert t["precision"] == "bf16-mixed" and t["activation_checkpointing"] and t["batch_size"] == 8
+        assert r["memory"][mask]["seq_len"] == rows and r["memory"][mask]["planned_peak_gib"] > 0
     assert r["flex_vs_dense"]["ok"] and r["flex_vs_dense"]["seq_len"] == 46
-    assert r["sampler"]["passes"] > 0 and r["sampler"]["ntp_fps"] > 0 and r["memory"]["planned_peak_gib"] > 0
-    md = (tmp_path / "bench_gpu.md").read_text()
-    assert "| causal | bf16-mixed |" in md and "| diagd | bf16-mixed |" in md
+    for name, passes in (("ntp_4f", 3 * 12), ("diagd_4f", 3 * 8)):  # NTP: a pass per token; DiagD: (T-2)*d + s_spa
+        assert r["sampler"][name]["passes"] == passes and r["sampler"][name]["fps"] > 0
+    assert r["diagd_over_causal_step"] > 0
+    assert {t["target"] for t in r["targets"]} >= {"training MFU, diagd", "DiagD step / causal step",
+                                                   "DiagD frames/s at 4 frames"}
+    md = (out / "bench_gpu.md").read_text()
+    assert "| causal | bf16-mixed |" in md and "| diagd | bf16-mixed |" in md and "| diagd k=2 | 4 | 24 |" in md
+    assert md in p.stdout
+
+    (out / "flex.json").unlink()
+    p = gpu_check(out, "--timeout", "1")  # no Python starts in a second: flex times out, nothing else runs again
+    assert p.returncode == 1 and "== flex (at most 1s" in p.stdout and "timed out after 1s" in p.stdout
+    assert p.stdout.count("done before, skipped") == len(STAGES) - 1
+    assert "Missing stages (failed, timed out or not run): flex" in (out / "bench_gpu.md").read_text()
+    p = gpu_check(out)
+    assert p.returncode == 0 and "every stage done" in p.stdout
+    assert json.loads((out / "bench_gpu.json").read_text())["flex_vs_dense"]["ok"]
 
 
 @pytest.mark.slow

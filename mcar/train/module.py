@@ -10,13 +10,14 @@ import inspect
 import logging
 import math
 import time
+from collections import deque
 
 import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from mcar.core.flops import peak_flops, train_flops_per_token
+from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import IGNORE, build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
@@ -69,6 +70,45 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+class LossWatch:
+    """Whether each step's training loss is finite, without a host sync per step on CUDA.
+
+    Immediate (CPU): checked in the step itself. Deferred (CUDA): each step's flag is copied to pinned host memory
+    behind an event, and read once that event has passed (a step or so later); `poll(wait=True)` reads every
+    pending flag (before a checkpoint is written, so no checkpoint ever holds the weights of a non-finite step).
+    `poll` returns (step, loss) of the first non-finite loss, or None."""
+
+    def __init__(self, deferred: bool):
+        self.deferred = deferred
+        self.pending: deque = deque()  # (step, loss, host flag, event or None)
+
+    def push(self, loss: torch.Tensor, step: int) -> None:
+        finite = torch.isfinite(loss.detach())
+        if not self.deferred:
+            self.pending.append((step, loss.detach(), finite, None))
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=loss.is_cuda)
+        host.copy_(finite, non_blocking=True)
+        event = None
+        if loss.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((step, loss.detach(), host, event))
+
+    def poll(self, wait: bool = False) -> tuple[int, float] | None:
+        while self.pending:
+            step, loss, flag, event = self.pending[0]
+            if event is not None and not wait and not event.query():
+                return None  # not done yet: read at a later step, never wait for it here
+            if event is not None:
+                event.synchronize()
+            self.pending.popleft()
+            if not bool(flag):
+                self.pending.clear()
+                return step, loss.item()
+        return None
+
+
 # words of torch's optimiser errors -> the config field they are about
 OPTIM_FIELDS = [("learning rate", "optim.lr"), ("beta", "optim.betas"), ("weight_decay", "optim.weight_decay"),
                 ("epsilon", "optim.eps")]
@@ -111,6 +151,7 @@ class MCARModule(L.LightningModule):
         self.val_diagd_factory = build_mask_factory("diagd", self.layout, clip_frames, schedule=self.schedule,
                                                     backend=backend, generated_only=True)
         self._t_last: float | None = None
+        self._loss_watch: LossWatch | None = None
 
     def configure_model(self) -> None:
         """Activation checkpointing, per-block compile and FSDP2 (trainer=fsdp), applied once, in that order."""
@@ -142,15 +183,26 @@ class MCARModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.forward_loss(batch["tokens"])
-        if not torch.isfinite(loss):
-            ckpt_dir = getattr(self.trainer.checkpoint_callback, "dirpath", None)
-            raise FloatingPointError(
-                f"training loss is {loss.item()} at step {self.global_step}: stopping. "
-                f"The last good checkpoint is kept in {ckpt_dir}."
-            )
+        if self._loss_watch is None:
+            self._loss_watch = LossWatch(deferred=loss.is_cuda)
+        self._loss_watch.push(loss, self.global_step)
+        self._stop_on_non_finite_loss()
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
+
+    def _stop_on_non_finite_loss(self, wait: bool = False) -> None:
+        bad = self._loss_watch.poll(wait) if self._loss_watch is not None else None
+        if bad is not None:
+            ckpt_dir = getattr(self._trainer and self._trainer.checkpoint_callback, "dirpath", None)
+            raise FloatingPointError(f"training loss is {bad[1]} at step {bad[0]}: stopping. "
+                                     f"The last good checkpoint is kept in {ckpt_dir}.")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._stop_on_non_finite_loss(wait=True)  # deferred checks first: a checkpoint never holds NaN weights
+
+    def on_train_end(self) -> None:
+        self._stop_on_non_finite_loss(wait=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self.forward_loss(batch["tokens"], self.val_mask_factory)
@@ -192,10 +244,20 @@ class MCARModule(L.LightningModule):
         self.log("perf/step_ms", 1000 * dt)
         peak = peak_flops(self.device, self.hparams.peak_flops)
         if peak:
-            cfg, S = self.model_config, batch["tokens"].shape[1]
-            fpt = train_flops_per_token(self.num_params(embeddings=False), cfg.n_layers, cfg.dim, S,
-                                        self.mask_density)
-            self.log("perf/mfu", fpt * tokens / dt / (peak * self.trainer.world_size))
+            flops = self.step_flops(len(batch["tokens"])) * self.trainer.world_size
+            self.log("perf/mfu", mfu(flops, dt, peak, self.trainer.world_size))
+
+    def step_flops(self, batch_size: int) -> float:
+        """FLOPs of one training step on one device: every row the mask's sequence computes (DiagD: the clip's
+        slots and its proxy rows), forward and backward (mcar.core.flops)."""
+        cfg = self.model_config
+        return train_step_flops(self.num_params(embeddings=False), cfg.n_layers, cfg.dim, self.rows_per_clip,
+                                batch_size, self.mask_density)
+
+    @property
+    def rows_per_clip(self) -> int:
+        """Rows of the training mask's input sequence for one clip (the clip's slots, plus DiagD's proxies)."""
+        return len(self.mask_factory.table().pos)
 
     @property
     def model_config(self) -> ModelConfig:
