@@ -22,6 +22,7 @@ data=synthetic and logger=csv it imports none of wandb, av, diffusers, crafter.
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -78,7 +79,7 @@ class StepTimes(Callback):
     mode, which warns at every host sync: their count per step is reported."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.steps, self.syncs = warmup, 0, None
+        self.warmup, self.steps, self.syncs, self.seconds = warmup, 0, None, None
         self._t0, self._caught, self._recorded = None, None, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -96,16 +97,22 @@ class StepTimes(Callback):
             self.step_flops = pl_module.step_flops(self.batch_size) * trainer.world_size
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._t0 is not None:
+        if self._t0 is not None and self.seconds is None:
             self.steps += 1
+            if trainer.global_step >= trainer.max_steps:  # the last step: close the window before teardown
+                self._close(pl_module.device)
 
     def on_train_end(self, trainer, pl_module):
+        if self._t0 is not None and self.seconds is None:
+            self._close(pl_module.device)
+
+    def _close(self, device):
         if self._caught is not None:
             torch.cuda.set_sync_debug_mode("default")
             self._caught.__exit__(None, None, None)
             self.syncs = sum("synchroniz" in str(w.message) for w in self._recorded)
-        sync(pl_module.device)
-        self.seconds = time.perf_counter() - self._t0 if self._t0 is not None else None
+        sync(device)
+        self.seconds = time.perf_counter() - self._t0
 
 
 def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
@@ -358,4 +365,7 @@ def markdown(r: dict) -> str:
 
 
 def write_json(result: dict, path: Path) -> None:
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    """Written whole or not at all (a stage killed while writing leaves no JSON, so it runs again)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, path)
