@@ -1,4 +1,4 @@
-"""Crafter episodes (seeded generator, policy mix) -> tokens -> clips in the DIAGD.md layout, split by episode."""
+"""Crafter episodes (seeded generator, policy mix) -> tokens -> clips in the docs/diagd.md layout, split by episode."""
 import json
 import os
 from pathlib import Path

@@ -1,6 +1,6 @@
 """An independent oracle for the mask factories (issue 13, items 5 and 6).
 
-The oracle is a literal, pass-by-pass event simulation of the DiagD sampler written from ../shared/DIAGD.md
+The oracle is a literal, pass-by-pass event simulation of the DiagD sampler written from docs/diagd.md
 sections 1-5 alone, in plain Python (ints, lists, sets, dicts). It shares no code with the schedule, the
 visibility rule or the mask factories: from mcar it takes only `build_mask_factory` (the thing under test) and
 `Layout` (to build the factory's argument and, as the one slot -> coordinate function, to check `.coords`).
@@ -45,7 +45,7 @@ PROXIES = ("prev_frame", "above")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the oracle: plain Python, from DIAGD.md sections 1-5
+# the oracle: plain Python, from docs/diagd.md sections 1-5
 # ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
@@ -319,7 +319,7 @@ def sample(configs, stride: int, offset: int = 0):
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k, d, passes", [(1, None, 555), (2, None, 750), (4, None, 1140), (2, 28, 442)])
 def test_oracle_pass_counts_match_the_worked_numbers(k, d, passes):
-    # DIAGD.md section 3 (h=14, w=24, T=16, one prompt frame); n_a=0 keeps the simulation small
+    # docs/diagd.md section 3 (h=14, w=24, T=16, one prompt frame); n_a=0 keeps the simulation small
     cfg = Config(14, 24, 0, 3, 1, k, d)
     s_spa = cfg.s_spa
     dd = s_spa if d is None else d
@@ -382,7 +382,7 @@ def test_causal_factory_matches_oracle(h, w, n_a, action_loss):
 @pytest.mark.parametrize("variant", ["diagd", "diagd_full"])
 @pytest.mark.parametrize("h, w, n_a", [(2, 3, 0), (3, 4, 2), (4, 2, 1)])
 def test_k_equal_w_spatial_only_is_ntp(variant, h, w, n_a):
-    """DIAGD.md section 4: k = w with d = s_spa is exactly NTP: no proxies, the causal mask and targets."""
+    """docs/diagd.md section 4: k = w with d = s_spa is exactly NTP: no proxies, the causal mask and targets."""
     for T, P in FRAMES:
         cfg = Config(h, w, n_a, T, P, w, None, variant=variant)
         orc = oracle(cfg)
@@ -487,7 +487,7 @@ def test_mutation_proxies_visible_to_their_pass_is_detected(monkeypatch):
 
 
 def test_mutation_proxies_left_in_the_cache_is_detected(monkeypatch):
-    """The public MineWorld behaviour DIAGD.md section 4 avoids: a proxy's key/value stays for later passes."""
+    """The public MineWorld behaviour docs/diagd.md section 4 avoids: a proxy's key/value stays for later passes."""
     def mutate(mp):
         def wrap(table, mod):
             F, pos, proxy = table.feed_pass, table.pos, table.is_proxy

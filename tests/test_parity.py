@@ -1,4 +1,4 @@
-"""DIAGD.md section 6: the teacher-forced samplers compute exactly the one-pass masked forward's logits.
+"""docs/diagd.md section 6: the teacher-forced samplers compute exactly the one-pass masked forward's logits.
 
 Tiny random float32 models; every comparison is a max relative error against 1e-4.
 """

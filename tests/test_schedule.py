@@ -1,4 +1,4 @@
-"""The DiagD / NTP schedule (mcar.core.schedule) against DIAGD.md sections 3-5, generalised to P prompt frames."""
+"""The DiagD / NTP schedule (mcar.core.schedule) against docs/diagd.md sections 3-5, generalised to P prompt frames."""
 import pytest
 import torch
 from hypothesis import given, settings

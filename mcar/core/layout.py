@@ -1,4 +1,4 @@
-"""The flat clip layout of ../shared/DIAGD.md section 1, and the ONE slot -> 3D coordinate function.
+"""The flat clip layout of docs/diagd.md section 1, and the ONE slot -> 3D coordinate function.
 
 A clip of T frames is T blocks of `frame_len = h*w + n_a` slots: the frame's h×w image tokens in raster
 order, then the n_a action tokens taken after seeing that frame.

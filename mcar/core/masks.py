@@ -1,6 +1,6 @@
 """Mask factories: a batch of clips -> model inputs, RoPE coordinates, loss targets and the attention mask.
 
-`causal` (pre-training) is the plain causal mask over the flat clip. `diagd` (fine-tuning, ../shared/DIAGD.md
+`causal` (pre-training) is the plain causal mask over the flat clip. `diagd` (fine-tuning, docs/diagd.md
 section 5) feeds the schedule's input sequence (every slot, plus one proxy row per proxied target) under the
 visibility rule of `mcar.core.visibility`, so that one parallel pass computes, for every generated token, exactly
 the logits the DiagD sampler computes for it (the parity property, tests/test_parity.py). `diagd_full` is

@@ -2,7 +2,7 @@
 
 One forward pass per schedule pass: pass s feeds exactly the rows the schedule feeds in pass s (real slots
 with F = s, written to their cache slot after attending; proxies, written to a scratch slot no mask shows)
-under the visibility rule of DIAGD.md section 5, and samples every output that predicts a generated token.
+under the visibility rule of docs/diagd.md section 5, and samples every output that predicts a generated token.
 All per-pass tensors come precomputed from `Schedule.plan`; the loop only gathers, runs the model and samples
 on device (no host syncs). Eager (the CPU default), each pass attends only to the cache prefix it can see.
 

@@ -1,4 +1,4 @@
-"""The ONE generation schedule: DiagD (../shared/DIAGD.md sections 3-5), and NTP as its raster special case.
+"""The ONE generation schedule: DiagD (docs/diagd.md sections 3-5), and NTP as its raster special case.
 
 Generalised to P >= 1 prompt frames: image token c[t,i,j] of a generated frame t >= P is generated in pass
 
@@ -177,7 +177,7 @@ class Schedule:
                                      f"with overlapping frames full visibility shows frame t the action a[t]")
 
     def table(self, full: bool = False, device=None) -> SlotTable:
-        """The sequence's visibility table (DIAGD.md section 5); `full` = the diagd_full variant."""
+        """The sequence's visibility table (docs/diagd.md section 5); `full` = the diagd_full variant."""
         return SlotTable(self.seq_feed_pass.to(device), self.seq_pos.to(device), self.seq_is_proxy.to(device),
                          full)
 

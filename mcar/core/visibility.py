@@ -1,4 +1,4 @@
-"""The one visibility rule of ../shared/DIAGD.md section 5, over a table of input rows.
+"""The one visibility rule of docs/diagd.md section 5, over a table of input rows.
 
 A `SlotTable` holds, per input row, its feed pass F, its layout position and whether it is an ephemeral proxy.
 The rule turns it into a mask function (flex_attention's mask_mod), a dense boolean mask (SDPA) or a BlockMask;

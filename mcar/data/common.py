@@ -17,7 +17,7 @@ from mcar.core.layout import Layout
 
 
 class ClipSource(Protocol):
-    """A set of clips in the DIAGD.md layout: `clip(i)` is a (frames * frame_len,) long tensor."""
+    """A set of clips in the docs/diagd.md layout: `clip(i)` is a (frames * frame_len,) long tensor."""
 
     layout: Layout
     frames: int

@@ -1,4 +1,4 @@
-"""Clips from token shards (mcar.data.tokenize): the DIAGD.md layout, split by episode.
+"""Clips from token shards (mcar.data.tokenize): the docs/diagd.md layout, split by episode.
 
 A clip is `frames` consecutive kept frames of one episode; clip starts step by `clip_stride`. Clip slot layout:
 per frame its h*w image ids (raster order), then its n_a action ids + codebook_size.

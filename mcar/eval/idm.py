@@ -7,7 +7,7 @@ for one texture look alike), and report its held-out accuracy so the score can b
     python -m mcar.idm data=crafter                 # -> checkpoints/idm-crafter/idm.pt + metrics.json
     python -m mcar.idm data=crafter steps=1000 hidden=32   # + a CNN
 
-Frame t's action a[t] is taken after seeing frame t and leads to frame t+1 (the layout of DIAGD.md), so the
+Frame t's action a[t] is taken after seeing frame t and leads to frame t+1 (the layout of docs/diagd.md), so the
 IDM reads (frame t, frame t+1) and predicts the n_a action tokens a[t] (local ids, before the codebook offset).
 The action-following score (`action_scores`) is per-action precision / recall / F1 of its predictions on
 generated frame pairs against the conditioning actions, as MineWorld reports.

@@ -1,4 +1,4 @@
-"""Clips in the DIAGD.md layout, both ways: per frame its h*w image ids (raster order), then its n_a action ids
+"""Clips in the docs/diagd.md layout, both ways: per frame its h*w image ids (raster order), then its n_a action ids
 + codebook_size. `join_clip` builds a clip from frames and local action ids, `split_clip` takes clips apart."""
 from __future__ import annotations
 

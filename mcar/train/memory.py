@@ -10,7 +10,7 @@ per-token part (logits and loss: T x vocab), a per-layer part (autocast's bf16 w
 per-layer part. It is measured, not modelled: training steps (forward, backward, fused AdamW) of the same model
 cut to 1 and 2 layers, at batch 1 and 2 of the real sequence length, run on fake tensors (shapes only, no compute,
 seconds for a 1.2B layer) and their peak read by torch's MemTracker, give the four coefficients; the planner then
-scales them to the full depth and batch. On real tensors MemTracker reads the same bytes (tests/test_memory.py).
+scales them to the full depth and batch. On real tensors MemTracker reads the same bytes (tests/test_gpucheck.py).
 
 Attention is measured with SDPA's causal kernel, which keeps O(S) per row for the backward pass as flex attention
 does on a GPU; the dense CPU fallback keeps an S x S matrix no GPU run allocates. FSDP over N devices divides
