@@ -32,6 +32,7 @@ from mcar.core.masks import IGNORE, build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import build_sampler, forward_rows
 from mcar.tokenizer.devices import resolve_device, sync
+from mcar.data.common import build_datamodule
 
 MODES = ("sampler", "train", "memory", "gpu")
 
@@ -269,7 +270,7 @@ def bench_data(cfg: DictConfig) -> dict:
     median wait for the next batch in the main process. Warm-up also drains what the loader workers prefetched,
     so with workers this is their steady-state time per batch: below ms_per_step, input never holds training up."""
     b = cfg.bench
-    dm = hydra.utils.instantiate(cfg.data, batch_size=int(b.batch_size), _recursive_=False)
+    dm = build_datamodule(cfg.data, batch_size=int(b.batch_size))
     dm.prepare_data()
     dm.setup("fit")
     loader = dm.train_dataloader()

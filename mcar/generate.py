@@ -28,6 +28,7 @@ from mcar.tokenizer.clips import join_clip, split_clip
 from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, side_by_side,
                                    to_u8, write_gif)
 from mcar.tokenizer.video import write_mp4
+from mcar.data.common import build_datamodule
 
 log = logging.getLogger("mcar.generate")
 
@@ -36,7 +37,7 @@ def episode_clip(cfg: DictConfig, name: str, start: int, frames: int, layout: La
     """(N,) clip of `frames` frames of episode `name` from the data's token folder, from frame `start`."""
     from mcar.data.tokens import TokenClips
 
-    dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    dm = build_datamodule(cfg.data)
     if not hasattr(dm, "tokens_dir"):
         raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id (prompt=0)")
     dm.prepare_data()

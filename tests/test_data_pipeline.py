@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from mcar.data.common import EpochPermutation, StepBatches, clip_indices
 from mcar.data.synthetic import SHIFTS, SyntheticClips, SyntheticDataModule
+
+from .conftest import compose
 from mcar.core.layout import Layout
 
 SIZES = [1, 2, 3, 4, 5, 7, 15, 16, 17, 63, 64, 65, 97, 256, 1000, 1021, 1024, 4096, 4099]
@@ -163,3 +165,17 @@ def test_synthetic_clips_are_unchanged(geometry, frames, codebook, actions, seed
 def test_synthetic_clips_match_the_per_frame_reference(h, w, n_a, frames, i, seed):
     src = SyntheticClips(Layout(h, w, n_a), frames, 100, 8, 10**9 + 1, seed)
     assert torch.equal(src.clip(i), reference_clip(src, i))
+
+
+@pytest.mark.parametrize("data", ["synthetic", "crafter", "crafter_tiles", "crafter_table3", "vpt", "mineworld"])
+def test_data_configs_are_strict_an_unknown_key_is_an_error_naming_it(data, tmp_path):
+    from mcar.data.common import build_datamodule
+
+    base = [f"data={data}", f"paths.data_dir={tmp_path}"] + (["data.root=/nowhere"] if data in ("vpt", "mineworld")
+                                                               else [])
+    build_datamodule(compose("train", base).data)  # every shipped data config is accepted as it is
+    with pytest.raises(ValueError, match=r"data.batchsize is not a setting of mcar.data.*conf/data/"):
+        build_datamodule(compose("train", [*base, "+data.batchsize=4"]).data)
+    cfg = compose("train", [*base, "data.vocab_size=7"]).data
+    with pytest.raises(ValueError, match=r"data.vocab_size=7 must equal data.codebook_size \+ data.action_vocab_size"):
+        build_datamodule(cfg)

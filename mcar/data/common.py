@@ -7,6 +7,7 @@ an uninterrupted one would have seen.
 from __future__ import annotations
 
 import os
+import re
 from typing import Protocol
 
 import lightning as L
@@ -194,3 +195,27 @@ class ClipDataModule(L.LightningDataModule):
         mine = clips[rank::world] if len(clips) >= world else clips
         batches = [{"tokens": b} for b in mine.split(self.batch_size)]
         return DataLoader(batches, batch_size=None)
+
+
+def build_datamodule(data_cfg, **overrides) -> "ClipDataModule":
+    """The `data` config group instantiated (`_target_`), strictly: a key its datamodule does not take (a
+    misspelling in conf/data/*.yaml or on the command line) is an error naming it, not silently ignored."""
+    import hydra
+
+    try:
+        return hydra.utils.instantiate(data_cfg, _recursive_=False, **overrides)
+    except Exception as e:  # Hydra wraps what the datamodule's __init__ raised
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if unknown is None:
+            if isinstance(e.__cause__, ValueError):  # our own message, naming the field: as is, unwrapped
+                raise e.__cause__ from None
+            raise
+        raise ValueError(f"data.{unknown.group(1)} is not a setting of {data_cfg.get('_target_')} (data.name="
+                         f"{data_cfg.get('name')}): misspelled? (the data config group: conf/data/)") from None
+
+
+def check_vocab(codebook_size: int, action_vocab_size: int, vocab_size: int | None) -> None:
+    """data.vocab_size, where a config states it, is the model's vocabulary: image codes, then action ids."""
+    if vocab_size is not None and vocab_size != codebook_size + action_vocab_size:
+        raise ValueError(f"data.vocab_size={vocab_size} must equal data.codebook_size + data.action_vocab_size = "
+                         f"{codebook_size} + {action_vocab_size} = {codebook_size + action_vocab_size}")

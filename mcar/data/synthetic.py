@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mcar.data.common import ClipDataModule
+from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
 
 SHIFTS = [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0)]  # (rows, cols) per action id
@@ -46,8 +46,10 @@ class SyntheticClips:
 class SyntheticDataModule(ClipDataModule):
     def __init__(self, h: int, w: int, n_a: int, codebook_size: int, action_vocab_size: int, clip_frames: int,
                  batch_size: int, train_clips: int = 256, val_clips: int = 8, seed: int = 0,
-                 num_workers: int | None = None, **_):
+                 num_workers: int | None = None, name: str | None = None, vocab_size: int | None = None):
         super().__init__(Layout(h, w, n_a), clip_frames, batch_size, seed, num_workers, val_clips)
+        check_vocab(codebook_size, action_vocab_size, vocab_size)
+        self.name = name
         self.codebook_size, self.action_vocab_size, self.train_clips = codebook_size, action_vocab_size, train_clips
 
     def make_sources(self):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mcar.data.common import ClipDataModule
+from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
 from mcar.tokenizer.clips import join_clip
 
@@ -77,8 +77,13 @@ class TokenDataModule(ClipDataModule):
 
     def __init__(self, h: int, w: int, n_a: int, codebook_size: int, action_vocab_size: int, clip_frames: int,
                  batch_size: int, seed: int = 0, num_workers: int = 0, val_clips: int = 8, val_episodes: int = 1,
-                 clip_stride: int = 1, **_):
+                 clip_stride: int = 1, name: str | None = None, vocab_size: int | None = None,
+                 actions: str | None = None):
+        """name: the config's; vocab_size: checked against codebook_size + action_vocab_size; actions: the action
+        names' table (read by the tools: play, the IDM; VPT's datamodule also maps with it)."""
         super().__init__(Layout(h, w, n_a), clip_frames, batch_size, seed, num_workers, val_clips)
+        check_vocab(codebook_size, action_vocab_size, vocab_size)
+        self.name, self.actions = name, actions
         self.codebook_size, self.action_vocab_size = codebook_size, action_vocab_size
         self.val_episodes, self.clip_stride = val_episodes, clip_stride
 

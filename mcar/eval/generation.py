@@ -2,20 +2,20 @@
 the teacher-forced loss on the sampler's schedule and the reference rows (ground truth, noise, copy_last)."""
 from __future__ import annotations
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
 from mcar.core.schedule import ScheduleConfig
 from mcar.tokenizer.devices import sync
+from mcar.data.common import build_datamodule
 
 
 def held_out_data(cfg: DictConfig, frames: int):
     """The data module of the configured data, set up with `frames`-frame clips (val_source: held-out clips)."""
     with open_dict(cfg):
         cfg.data.clip_frames = frames
-    dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("validate")
     return dm

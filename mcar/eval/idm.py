@@ -32,6 +32,7 @@ import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.core.layout import Layout
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
+from mcar.data.common import build_datamodule
 
 log = logging.getLogger("mcar.eval.idm")
 
@@ -309,7 +310,7 @@ def train_idm(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     with open_dict(cfg):  # every consecutive pair is a 2-frame clip
         cfg.data.clip_frames, cfg.data.clip_stride = 2, 1
-    dm = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("fit")
     lay, cb, V = dm.layout, cfg.data.codebook_size, cfg.data.action_vocab_size

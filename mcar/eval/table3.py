@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.eval.metrics import fmt
+from mcar.data.common import build_datamodule
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
@@ -208,7 +209,7 @@ def facts(cfg: DictConfig) -> dict:
     arch = cfg.model.arch
     data = cfg.data
     try:
-        dm = hydra.utils.instantiate(data, _recursive_=False)
+        dm = build_datamodule(data)
         dm.setup("fit")
         clips = f"{len(dm.train_source)} training / {len(dm.val_source)} held-out {data.clip_frames}-frame clips"
         tokens = getattr(dm, "tokens_dir", None)

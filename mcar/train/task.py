@@ -24,6 +24,7 @@ from mcar.core.layout import Layout
 from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 from mcar.core.sampler import build_sampler
+from mcar.data.common import build_datamodule
 
 log = logging.getLogger("mcar")
 
@@ -273,7 +274,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
     # bad sampler or schedule values fail now, not at the first validation
     build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames, schedule=to_dict(cfg.schedule))
-    datamodule = hydra.utils.instantiate(cfg.data, _recursive_=False)
+    datamodule = build_datamodule(cfg.data)
     with torch.device("cpu"):
         module = build_module(cfg)
     if ckpt_path:
