@@ -28,8 +28,9 @@ import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.config import to_dict
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
-from mcar.core.masks import IGNORE, build_mask_factory
+from mcar.core.masks import build_mask_factory, masked_loss
 from mcar.core.model import ModelConfig, Transformer
+from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler, forward_rows
 from mcar.tokenizer.devices import resolve_device, sync
 from mcar.data.common import build_datamodule
@@ -54,7 +55,7 @@ def timed(fn, device: torch.device, warmup: int, repeats: int):
 def setup(cfg: DictConfig):
     b = cfg.bench
     device = resolve_device(b.device)
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if b.dtype == "auto" else getattr(torch, b.dtype)
+    dtype = compute_dtype(device) if b.dtype == "auto" else getattr(torch, b.dtype)
     if b.threads:
         torch.set_num_threads(int(b.threads))
     torch.manual_seed(cfg.seed)
@@ -244,7 +245,7 @@ def run_train(cfg: DictConfig) -> dict:
     def step():
         with autocast:
             logits = model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+            loss = masked_loss(logits, batch.targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

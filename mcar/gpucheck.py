@@ -39,6 +39,7 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.train.memory import GiB, measure_step_peak, plan_training
 from mcar.core.model import ModelConfig, Transformer
+from mcar.core.precision import compute_dtype
 from mcar.tokenizer.devices import resolve_device, sync
 
 
@@ -172,8 +173,8 @@ def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
 def flex_check(cfg: DictConfig) -> dict:
     """DiagD mask of the configured clip: flex + BlockMask against SDPA + dense mask, in the training dtype."""
     dev = resolve_device("auto")
-    bf16 = str(cfg.trainer.precision).startswith("bf16") and dev.type == "cuda"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    bf16 = str(cfg.trainer.precision).startswith("bf16") and compute_dtype(dev) == torch.bfloat16
+    dtype = compute_dtype(dev) if bf16 else torch.float32
     arch = to_dict(cfg.model.arch) | {"n_layers": int(cfg.bench.gpu.flex_layers)}
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**arch)).to(dev, dtype).eval()

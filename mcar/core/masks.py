@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from mcar.core.layout import Layout, check_clip
@@ -55,6 +56,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     return backend
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss: mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
 def next_token_targets(clip: torch.Tensor, layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:

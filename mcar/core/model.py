@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from mcar.core.precision import active_dtype
 from mcar.core.rope import ROPES, rotate, rotation_tables
 
 
@@ -256,15 +257,16 @@ class Transformer(nn.Module):
         keys, see KVCache; a wider pass still works, with one copy), by default in the dtype the keys are
         computed in: the weights', or autocast's where it is on for that device (an fp32 cache would be cast,
         i.e. copied, in every attention call)."""
-        p = self.output.weight
-        device = torch.device(device or p.device)
-        if dtype is None:
-            on = torch.is_autocast_enabled(device.type)
-            dtype = torch.get_autocast_dtype(device.type) if on else p.dtype
+        device = torch.device(device or self.output.weight.device)
+        dtype = self.cache_dtype(device) if dtype is None else dtype
         for layer in self.layers:
             layer.attention.cache = KVCache(batch, self.cfg.n_kv_heads, n_slots, self.cfg.head_dim, dtype, device,
                                             staging)
         self._cache_unused = True  # zeroed again at the first cached forward (see reset_cache)
+
+    def cache_dtype(self, device) -> torch.dtype:
+        """The dtype keys and values are computed in on `device`: autocast's where it is on, else the weights'."""
+        return active_dtype(self.output.weight.dtype, device)
 
     def reset_cache(self) -> None:
         """Zero every slot in place (one memset per sequence, before the loop): an unwritten slot then holds 0

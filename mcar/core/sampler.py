@@ -431,9 +431,7 @@ class ScheduleSampler:
         shaped = cache is not None and cache.k.shape[0] == B and cache.k.shape[2] == n_cache
         if setup_cache:
             device = torch.device(device)
-            on = torch.is_autocast_enabled(device.type)  # the dtype setup_cache would choose
-            dtype = torch.get_autocast_dtype(device.type) if on else model.output.weight.dtype
-            if not (shaped and cache.k.device == device and cache.k.dtype == dtype):
+            if not (shaped and cache.k.device == device and cache.k.dtype == model.cache_dtype(device)):
                 model.setup_cache(B, n_cache, device=device)
                 return
             # else reused in place, not reallocated: compiled CUDA graphs keep reading the same buffers

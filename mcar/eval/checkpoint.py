@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from mcar.core.layout import Layout
+from mcar.core.precision import compute_dtype
 from mcar.train.task import check_state_shapes, load_checkpoint
 
 
@@ -32,7 +33,7 @@ def sampling_dtype(dtype: str | torch.dtype | None, device: str | torch.device) 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return compute_dtype(device)
     if dtype not in SAMPLING_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid; choose auto, {', '.join(SAMPLING_DTYPES)}")
     return SAMPLING_DTYPES[dtype]

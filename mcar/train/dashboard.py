@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from mcar.train.parallel import is_sharded
+from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, mask_image,
@@ -36,8 +37,8 @@ def sampling_autocast(device: torch.device):
     """Sampling the training model: its weights stay float32 (mixed-precision training), so on CUDA the passes run
     under bfloat16 autocast, as training's forward does (and the KV cache is set up in bfloat16 then, see
     `Transformer.setup_cache`); CPU samples in float32, unchanged."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if compute_dtype(device) != torch.float32:
+        return torch.autocast(device.type, dtype=compute_dtype(device))
     return contextlib.nullcontext()
 
 

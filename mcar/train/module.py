@@ -15,11 +15,10 @@ from collections import deque
 import hydra
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
-from mcar.core.masks import IGNORE, build_mask_factory
+from mcar.core.masks import build_mask_factory, masked_loss
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import ScheduleConfig
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
@@ -63,11 +62,6 @@ def legacy_optim(optim: dict, lr_schedule: dict | None) -> tuple[dict, dict]:
     if lr_schedule is None:
         lr_schedule = WARMUP_COSINE | sched if "warmup_steps" in sched else CONSTANT
     return ADAMW | optim, dict(lr_schedule)
-
-
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
 class LossWatch:
@@ -264,8 +258,7 @@ class MCARModule(L.LightningModule):
         return ModelConfig(**self.hparams.arch)
 
     def num_params(self, embeddings: bool = True) -> int:
-        n = sum(p.numel() for p in self.model.parameters())
-        return n if embeddings else n - self.model_config.vocab_size * self.model_config.dim
+        return self.model.num_params(embeddings)
 
     @property
     def mask_density(self) -> float:

@@ -277,9 +277,10 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     datamodule = build_datamodule(cfg.data)
     with torch.device("cpu"):
         module = build_module(cfg)
-    if ckpt_path:
-        if not is_sharded_checkpoint(Path(ckpt_path)):  # shards: torch.distributed.checkpoint checks each tensor
-            check_state_shapes(module, load_checkpoint(ckpt_path)["state_dict"], ckpt_path)
+    resumed = None  # the resumed checkpoint, read once (shards: torch.distributed.checkpoint checks each tensor)
+    if ckpt_path and not is_sharded_checkpoint(Path(ckpt_path)):
+        resumed = load_checkpoint(ckpt_path)
+        check_state_shapes(module, resumed["state_dict"], ckpt_path)
     if init_from:
         state = load_checkpoint(init_from)["state_dict"]
         check_state_shapes(module, state, init_from)
@@ -291,8 +292,9 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     if max_steps == 0 or max_steps < -1:
         raise ValueError(f"trainer.max_steps={max_steps}: nothing to train (a positive number of steps, or -1 "
                          f"for max_epochs)")
-    if ckpt_path and not is_sharded_checkpoint(Path(ckpt_path)):
-        done = int(load_checkpoint(ckpt_path).get("global_step", 0))
+    if resumed is not None:
+        done = int(resumed.get("global_step", 0))
+        del resumed  # Lightning reads the file again when it restores the state
         if 0 < max_steps <= done:
             log.warning("ckpt_path=%s: this run already finished (step %d, trainer.max_steps=%d): nothing to "
                         "train; raise trainer.max_steps to train on", ckpt_path, done, max_steps)
