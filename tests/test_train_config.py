@@ -194,9 +194,12 @@ def test_callbacks_are_built_in_the_groups_order(monkeypatch):
                                                           "progress_bar"]
 
 
-def test_the_progress_bar_is_lightnings_default_on_a_terminal(tmp_path, monkeypatch):
+def test_the_progress_bar_refreshes_every_log_step_on_a_terminal_too(tmp_path, monkeypatch):
+    """Lightning's default rich bar would read the logged metrics after every step: a host sync per step on CUDA."""
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    assert "progress_bar" not in configured(callbacks_of([], tmp_path))
+    cbs = callbacks_of(["log_every_n_steps=5"], tmp_path)
+    assert "progress_bar" in configured(cbs)
+    assert [c.refresh_rate for c in cbs if type(c).__name__ == "TQDMProgressBar"] == [5]
     assert build_callbacks(compose("train", [*SMALL_DATA, "callbacks=none"]).callbacks) == []
 
 

@@ -99,11 +99,10 @@ class Checkpoints(ModelCheckpoint):
             self._last_global_step_saved = trainer.global_step
 
 
-def piped_progress_bar(refresh_rate: int = 1) -> TQDMProgressBar | None:
-    """tqdm lines when stdout is not a terminal (nohup logs, mcar.eval.table3 stages), where Lightning's default
-    rich bar draws nothing; None on a terminal (the rich bar stays)."""
-    if sys.stdout.isatty():
-        return None
+def progress_bar(refresh_rate: int = 1) -> TQDMProgressBar:
+    """A tqdm bar refreshed every `refresh_rate` steps (log_every_n_steps), on a terminal and in piped logs (nohup,
+    mcar.eval.table3 stages) alike. Not Lightning's default rich bar: it draws nothing in a pipe, and it reads the
+    logged metrics after every step, a host sync per step on CUDA (`.item()`)."""
     return TQDMProgressBar(refresh_rate=max(1, int(refresh_rate)))
 
 
