@@ -121,9 +121,13 @@ class KVCache(nn.Module):
             if n == 0:
                 return k, v
             return torch.cat([k, self.k[:, :, :n]], 2), torch.cat([v, self.v[:, :, :n]], 2)  # one copy, exact
-        rows = torch.cat([torch.arange(st - S, st, device=pos.device), st + pos])  # staging rows, then the slots
-        self.k_buf[:, :, rows] = torch.cat([k, k], 2)
-        self.v_buf[:, :, rows] = torch.cat([v, v], 2)
+        if torch.compiler.is_compiling():  # one indexed write per buffer: what inductor writes in place
+            rows = torch.cat([torch.arange(st - S, st, device=pos.device), st + pos])  # staging rows, then slots
+            self.k_buf[:, :, rows] = torch.cat([k, k], 2)
+            self.v_buf[:, :, rows] = torch.cat([v, v], 2)
+        else:  # eager: the same values in the same places, in two writes per buffer (fewer small ops on CPU)
+            self.k_buf[:, :, st + pos], self.k_buf[:, :, st - S:st] = k, k
+            self.v_buf[:, :, st + pos], self.v_buf[:, :, st - S:st] = v, v
         return self.k_buf[:, :, st - S:st + n], self.v_buf[:, :, st - S:st + n]
 
 
