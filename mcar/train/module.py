@@ -251,7 +251,9 @@ class MCARModule(L.LightningModule):
     @property
     def rows_per_clip(self) -> int:
         """Rows of the training mask's input sequence for one clip (the clip's slots, plus DiagD's proxies)."""
-        return len(self.mask_factory.table().pos)
+        if not hasattr(self, "_rows_per_clip"):
+            self._rows_per_clip = len(self.mask_factory.table().pos)
+        return self._rows_per_clip
 
     @property
     def model_config(self) -> ModelConfig:
