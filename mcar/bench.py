@@ -136,15 +136,16 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
 
 
 def pass_calls(model, sampler, sched, clip, plans):
-    """The sampler's passes as model forwards alone: [(forward, args, rows, cache columns)], inputs gathered
-    before the loop, nothing sampled. A static sampler's passes after the prefill run at their buckets' shapes
+    """The sampler's passes as model forwards alone (`forward_rows`, the sampler's own pass): [(forward, args,
+    rows, cache columns)], nothing sampled. A static sampler's passes after the prefill run at their buckets' shapes
     through its own (compiled) forward step; rows and columns are then the padded ones it runs."""
-    calls = [(model, (clip[:, p.src], p.coords, p.mask, p.cache_pos), len(p.src), p.n_vis) for p in plans]
+    eager = functools.partial(forward_rows, model)
+    calls = [(eager, (clip, p), len(p.src), p.n_vis) for p in plans]
     if sampler.is_static(clip.device):
-        forward = sampler.step_fn(forward_rows, clip.device)
+        forward = functools.partial(sampler.step_fn(forward_rows, clip.device), model)
         tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1) as the static sampler has it
-        calls = calls[:1] + [(functools.partial(forward, model), (tokens, *a[:-1]), a[0].shape[-1],
-                              a[2].shape[-1] - a[2].shape[-2]) for a in sampler.static_plan(sched, clip.device).passes]
+        calls = calls[:1] + [(forward, (tokens, p), p.src.shape[-1], p.mask.shape[-1] - p.mask.shape[-2])
+                             for p in sampler.static_plan(sched, clip.device).passes]
     return calls
 
 

@@ -102,11 +102,11 @@ def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
     m.reset_cache()
     tokens = torch.cat([clip, clip[:, :1]], 1)
     step = torch.compile(forward_rows, dynamic=False)
-    args = max(plan.passes, key=lambda a: a[2].shape[-1])  # the widest cache prefix
+    p = max(plan.passes, key=lambda a: a.mask.shape[-1])  # the widest cache prefix
     with torch.no_grad():
-        _, codes = run_and_get_code(step, m, tokens, *args[:-1])
+        _, codes = run_and_get_code(step, m, tokens, p)
     buf = m.layers[0].attention.cache.k_buf
-    assert args[0].shape[-1] > 1 and buf.shape[2] not in args[2].shape  # a real pass; the buffer's size is unique
+    assert p.src.shape[-1] > 1 and buf.shape[2] not in p.mask.shape  # a real pass; the buffer's size is unique
     assert whole_buffer_loops("\n".join(codes), buf) == 0
     torch._dynamo.reset()
     compiled = ScheduleSampler(LAYOUT, frames, 1, k=2, compile=True, temperature=0)

@@ -11,7 +11,28 @@ from mcar.core.layout import Layout
 from mcar.core.masks import IGNORE, CausalMask, build_mask_factory, next_token_targets
 from mcar.core.visibility import SlotTable
 from mcar.core.model import ModelConfig, Transformer
-from mcar.core.sampler import ScheduleSampler, build_sampler, diagd_val_loss
+from mcar.core.keyed_rng import keyed_exponential
+from mcar.core.sampler import ScheduleSampler, build_sampler, filtered_probs
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+    """Test helper: logits (..., V) -> token ids (...) with the samplers' filters; temperature 0 or top_k 1 is
+    greedy. key (...) int64: the noise of each row is `keyed_exponential(key)` (the samplers' draw); without it the
+    noise comes from `generator`. An exponential race is multinomial sampling (gpt-fast)."""
+    if temperature <= 0 or top_k == 1:
+        return logits.argmax(-1)
+    probs = filtered_probs(logits, temperature, top_k, top_p if top_p is not None and top_p < 1.0 else None)
+    if key is not None:
+        race = keyed_exponential(key, probs.shape[-1])
+    else:
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def diagd_val_loss(model, sampler: ScheduleSampler, clip: torch.Tensor, prompt_frames: int | None = None):
+    """Test helper: the teacher-forced DiagD loss, mean cross-entropy over the generated image tokens."""
+    return sampler.teacher_forced(model, clip, prompt_frames, keep_logits=False).nll.mean()
+
 
 V, T, TOL = 32, 4, 1e-4
 
@@ -223,8 +244,6 @@ def test_configs_build_and_validation_loss(model):
 
 
 def test_sample_filters_and_seed():
-    from mcar.core.sampler import sample
-
     logits = torch.randn(3, 5, V)
     assert torch.equal(sample(logits, top_k=1), logits.argmax(-1))
     assert torch.equal(sample(logits, temperature=0), logits.argmax(-1))

@@ -7,12 +7,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import mcar.core.compiling as compiling
+import mcar.core.keyed_rng as keyed_rng
 import mcar.core.sampler as sampler_mod
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
-from mcar.core.sampler import ScheduleSampler, build_sampler, keyed_exponential, pass_widths, sample
+from mcar.core.buckets import pass_widths
+from mcar.core.keyed_rng import keyed_exponential
+from mcar.core.sampler import ScheduleSampler, build_sampler
 
-from .test_parity import clip_for  # the same (V, T) clips
+from .test_parity import clip_for, sample  # the same (V, T) clips
 
 V, T = 32, 4
 
@@ -85,7 +89,7 @@ def test_pass_widths_pad_the_fewest_rows():
 def test_keyed_draws_are_a_fair_sample():
     """The exponential race on keyed noise samples the softmax: frequencies match over many keys."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
-    keys = sampler_mod.mix32(torch.arange(40_000))
+    keys = keyed_rng.mix32(torch.arange(40_000))
     tokens = sample(logits.expand(len(keys), -1), key=keys)
     freq = torch.bincount(tokens, minlength=6).float() / len(keys)
     assert (freq - logits.softmax(-1)).abs().max() < 0.01
@@ -99,9 +103,9 @@ def test_keyed_draws_are_a_fair_sample():
 def test_slot_noise_is_the_per_output_hash():
     """SlotNoise (hashed once per run) gives output (b, slot) the key mix32(mix32(seed key ^ b) ^ slot), computed
     here on Python ints, and the draws keyed_exponential makes from that key alone."""
-    key = sampler_mod.seed_key(123)
-    noise = sampler_mod.SlotNoise.of(key, 3, 17, 10, "cpu")
-    mix = sampler_mod.mix32
+    key = keyed_rng.seed_key(123)
+    noise = keyed_rng.SlotNoise.of(key, 3, 17, 10, "cpu")
+    mix = keyed_rng.mix32
     assert noise.keys.tolist() == [[mix(mix(key ^ b) ^ slot) for slot in range(17)] for b in range(3)]
     assert torch.equal(keyed_exponential(noise.keys, 10, noise.codes), keyed_exponential(noise.keys, 10))
 
@@ -141,11 +145,11 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     rules in one process do not share dynamo's limit of 8 recompiles (fullgraph: hitting it raises)."""
     from torch._dynamo.testing import CompileCounter
 
-    assert sampler_mod.COMPILE_OPTIONS == dict(mode="reduce-overhead", dynamic=True)
-    assert sampler_mod.CPU_COMPILE_OPTIONS == dict(dynamic=True, options={"cpp_wrapper": True})
+    assert compiling.COMPILE_OPTIONS == dict(mode="reduce-overhead", dynamic=True)
+    assert compiling.CPU_COMPILE_OPTIONS == dict(dynamic=True, options={"cpp_wrapper": True})
     torch._dynamo.reset()
     counter = CompileCounter()
-    monkeypatch.setattr(sampler_mod, "CPU_COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
+    monkeypatch.setattr(compiling, "CPU_COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
     runs = [(ScheduleSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (ScheduleSampler.ntp, {}, clip),
@@ -160,7 +164,9 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
         step = compiled._compiled[sampler_mod._sample_pass]
 
         def no_floats(*args, step=step):  # a Python float would become a CPU graph input: CUDA graphs off
-            assert not any(isinstance(a, float) for a in args)
+            rule = args[-1]
+            assert isinstance(rule, sampler_mod.SamplingRule) and not any(isinstance(a, float) for a in args)
+            assert not isinstance(rule.temperature, float) and not isinstance(rule.top_p, float)
             return step(*args)
 
         compiled._compiled[sampler_mod._sample_pass] = no_floats
