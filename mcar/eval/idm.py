@@ -308,8 +308,10 @@ def train_idm(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with open_dict(cfg):  # every consecutive pair is a 2-frame clip
-        cfg.data.clip_frames, cfg.data.clip_stride = 2, 1
+    with open_dict(cfg):  # every consecutive pair is a 2-frame clip (synthetic clips have no stride: independent)
+        cfg.data.clip_frames = 2
+        if "clip_stride" in cfg.data:
+            cfg.data.clip_stride = 1
     dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("fit")
