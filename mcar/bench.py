@@ -94,8 +94,8 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     rows_per_pass / visible_cols_per_pass: the schedule's own rows and visible cache slots (n_vis) per pass;
     padded_rows_per_pass / cache_cols_per_pass: what this path runs (the static path pads to its buckets).
     bytes_per_pass: what a pass must read: the weights (less the embedding table, of which it reads a few rows)
-    + K and V of its visible cache slots; bandwidth_fraction: bytes_per_pass per ms_per_pass over the device's
-    peak bandwidth (bench.bandwidth, else a table of GPUs; null on CPU). All means over every pass, prefill too.
+    + K and V of its visible cache slots; floor_ms_per_pass: those bytes at the device's peak bandwidth (the time
+    no pass can beat); bandwidth_fraction: bytes_per_pass per ms_per_pass over the device's peak bandwidth (bench.bandwidth, else a table of GPUs; null on CPU). All means over every pass, prefill too.
     """
     b, sched = cfg.bench, sampler.schedule(prompt_frames)
     t0 = time.perf_counter()
@@ -129,6 +129,7 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
                 fps_total=round(B * frames / seconds, 3), fps_per_stream=round(frames / seconds, 3),
                 tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * s_per_pass, 3),
                 bytes_per_pass=round(bytes_per_pass), bandwidth=peak,
+                floor_ms_per_pass=round(1000 * bytes_per_pass / peak, 4) if peak else None,
                 bandwidth_fraction=round(bytes_per_pass / s_per_pass / peak, 4) if peak else None,
                 bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3),
                 overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3),

@@ -173,8 +173,8 @@ def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
 def flex_check(cfg: DictConfig) -> dict:
     """DiagD mask of the configured clip: flex + BlockMask against SDPA + dense mask, in the training dtype."""
     dev = resolve_device("auto")
-    bf16 = str(cfg.trainer.precision).startswith("bf16") and compute_dtype(dev) == torch.bfloat16
-    dtype = compute_dtype(dev) if bf16 else torch.float32
+    dtype = compute_dtype(dev) if str(cfg.trainer.precision).startswith("bf16") else torch.float32
+    bf16 = dtype == torch.bfloat16
     arch = to_dict(cfg.model.arch) | {"n_layers": int(cfg.bench.gpu.flex_layers)}
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**arch)).to(dev, dtype).eval()
@@ -193,13 +193,13 @@ def flex_check(cfg: DictConfig) -> dict:
 
 
 SAMPLER_KEYS = ("sampler", "k", "clip_frames", "passes", "fps", "ms_per_pass", "bare_forward_ms_per_pass", "overhead",
-                "bytes_per_pass", "bandwidth", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass",
+                "bytes_per_pass", "bandwidth", "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass",
                 "visible_cols_per_pass", "cache_cols_per_pass", "buckets", "dtype", "static", "compile", "device_name")
 
 
 def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
     """One sampler (ntp, or DiagD on the configured schedule) at `frames` frames, as `python -m mcar.bench
-    sampler` times it; floor_ms_per_pass: its bytes per pass at the device's peak bandwidth."""
+    sampler` times it; over_floor: ms per pass over the bandwidth floor (bench's floor_ms_per_pass)."""
     from mcar.bench import run_sampler
 
     scfg = cfg.copy()
@@ -208,11 +208,9 @@ def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
         scfg.bench.compare = False
         scfg.sampler.name = name
     r = run_sampler(scfg)
-    out = {k: r.get(k) for k in SAMPLER_KEYS}
-    floor = r["bytes_per_pass"] / r["bandwidth"] * 1000 if r.get("bandwidth") else None
-    return out | {"floor_ms_per_pass": round(floor, 4) if floor else None,
-                  "over_floor": round(r["ms_per_pass"] / floor, 3) if floor else None,
-                  "compiled_graphs": compiled_graphs()}
+    floor = r["floor_ms_per_pass"]
+    return {k: r.get(k) for k in SAMPLER_KEYS} | {"over_floor": round(r["ms_per_pass"] / floor, 3) if floor else None,
+                                                  "compiled_graphs": compiled_graphs()}
 
 
 def memory_check(cfg: DictConfig, out: Path) -> dict:

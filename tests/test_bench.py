@@ -19,7 +19,7 @@ TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3"
 SAMPLER_FIELDS = {"model", "params", "device", "dtype", "sampler", "k", "d", "batch_size", "frames_generated",
                   "passes", "tokens_generated", "seconds", "fps", "tokens_per_s", "ms_per_pass",
                   "bare_forward_ms_per_pass", "fps_per_stream", "fps_total", "bytes_per_pass", "bandwidth",
-                  "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass", "visible_cols_per_pass",
+                  "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass", "visible_cols_per_pass",
                   "cache_cols_per_pass", "buckets", "pass_costs"}
 PASS_COST_FIELDS = {"prefill_ms", "prefill_rows", "fixed_ms", "ms_per_row", "us_per_col", "r2", "ms_by_rows",
                     "mean_ms"}
@@ -75,6 +75,7 @@ def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
     assert out["bandwidth"] == 1e10 and out["pass_costs"] is None  # bench.pass_costs is off by default
     achieved = out["bytes_per_pass"] / (out["ms_per_pass"] / 1000)
     assert out["bandwidth_fraction"] == pytest.approx(achieved / 1e10, rel=2e-2)
+    assert out["floor_ms_per_pass"] == pytest.approx(1000 * out["bytes_per_pass"] / 1e10, rel=1e-3)
 
 
 def test_bench_train(tmp_path):

@@ -125,3 +125,19 @@ def test_bench_memory_plans_the_configured_training_step(tmp_path):
     assert 1 <= r["max_batch_without_checkpointing"] <= r["max_batch_with_checkpointing"]
     fit = fit_activations(ModelConfig(vocab_size=40, dim=128, n_layers=4, n_heads=4, mlp_dim=512), 42, 2, None, True)
     assert r["activation_bytes_per_token_per_layer"] == round(fit["per_token_per_layer"])
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_every_stage_in_one_process_by_default(tmp_path):
+    """`python -m mcar.bench gpu ...` without bench.gpu.stage (stage=all): every stage in this process, then the
+    merge; its printed JSON is bench_gpu.json."""
+    p = subprocess.run([sys.executable, "-m", "mcar.bench", "gpu", "experiment=paper", *TINY, "data=synthetic",
+                        "logger=csv", "trainer.accelerator=cpu", "bench.gpu.steps=2", "bench.gpu.warmup_steps=1",
+                        "bench.repeats=1", "bench.warmup=0", "bench.gpu.sampler_frames=[3]",
+                        "bench.memory.direct=false", f"hydra.run.dir={tmp_path}"],
+                       cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r == json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert r["missing"] == [] and set(r["train"]) == {"causal", "diagd"} and set(r["sampler"]) == {"ntp_3f", "diagd_3f"}
+    assert (tmp_path / "bench_gpu.md").exists()

@@ -1,7 +1,7 @@
 """NTP and DiagD samplers on the model's static KV cache (plain torch, gpt-fast style).
 
 One forward pass per schedule pass: pass s feeds exactly the rows the schedule feeds in pass s (real slots
-with F = s, written to their cache slot after attending; proxies, written to a scratch slot no mask shows)
+with F = s, written to their cache slot; proxies, written to a scratch slot no mask shows)
 under the visibility rule of docs/diagd.md section 5, and samples every output that predicts a generated token.
 All per-pass tensors come precomputed from `Schedule.plan`; the loop only gathers, runs the model and samples
 on device (no host syncs). Eager (the CPU default), each pass attends only to the cache prefix it can see.
