@@ -1,6 +1,7 @@
-"""`python -m mcar.evaluate`: the command line of `mcar.eval.evaluate`, run as `__main__` so that Hydra finds
-conf/ by file path (from a module path it would look for an importable `conf` package)."""
-import runpy
+"""`python -m mcar.evaluate`, kept for existing commands: the same as `mcar evaluate` (mcar/tools/evaluate.py)."""
+import sys
+
+from mcar.cli import main
 
 if __name__ == "__main__":
-    runpy.run_module("mcar.eval.evaluate", run_name="__main__", alter_sys=True)
+    main(["evaluate", *sys.argv[1:]])

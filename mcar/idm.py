@@ -1,6 +1,7 @@
-"""`python -m mcar.idm`: the command line of `mcar.eval.idm`, run as `__main__` so that Hydra finds
-conf/ by file path (from a module path it would look for an importable `conf` package)."""
-import runpy
+"""`python -m mcar.idm`, kept for existing commands: the same as `mcar idm` (mcar/tools/idm.py)."""
+import sys
+
+from mcar.cli import main
 
 if __name__ == "__main__":
-    runpy.run_module("mcar.eval.idm", run_name="__main__", alter_sys=True)
+    main(["idm", *sys.argv[1:]])

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcar.tokenizer import quality
 from mcar.tokenizer.patch_vq import fit_patch_vq
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq import decode_tokens, encode_tokens, to_uint8
@@ -31,8 +32,8 @@ def read_frames(paths: list[Path]) -> torch.Tensor:
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = (a.float() - b.float()).pow(2).mean().item()
-    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+    """PSNR in dB of uint8 frames over all their pixels; inf where identical."""
+    return quality.psnr(a, b, data_range=255.0).item()
 
 
 def main(argv=None) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "mcar" / "conf"
 
 # a small geometry keeps every end-to-end job to seconds on 2 CPU cores
 SMALL_DATA = ["data=synthetic", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.batch_size=2",
@@ -56,7 +56,9 @@ def run_script(script: str, *overrides: str, check: bool = True, timeout: int = 
 
 def compose(config_name: str = "train", overrides: list[str] = ()):
     """The real config, composed as Hydra would, with overrides (no output dir side effects)."""
-    import mcar.config  # noqa: F401
+    from mcar.hydra_app import register_resolvers
+
+    register_resolvers()
     from hydra import compose as hydra_compose, initialize_config_dir
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcar.bench import fit_pass_costs
+from mcar.eval.speed import fit_pass_costs
 
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer

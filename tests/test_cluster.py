@@ -18,7 +18,9 @@ BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
 def compose_with_hydra(config_name: str, overrides: list[str]):
-    import mcar.config  # noqa: F401  (resolvers)
+    from mcar.hydra_app import register_resolvers
+
+    register_resolvers()
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name=config_name):
         return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)

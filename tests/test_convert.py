@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from mcar.convert import convert_mineworld, main
+from mcar.tools.convert import convert_mineworld, main
 from mcar.core.layout import Layout
 from mcar.core.masks import CausalMask
 from mcar.core.sampler import ScheduleSampler
@@ -129,7 +129,7 @@ def test_data_mineworld_has_the_mineworld_vocabulary():
 def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_path):
     """The converted checkpoint is a starting point like any other: finetune.py init_from= (mask=diagd, the
     prompt proxy) adopts its 1D-RoPE GQA config and trains; mcar.generate samples it with DiagD."""
-    from mcar.generate import generate
+    from mcar.tools.generate import generate
     from tests.conftest import SMALL_DATA, compose, job_overrides, run_script
 
     tiny_llama(tmp_path)

@@ -15,7 +15,7 @@ from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq import save_vq
 from tests.test_data_vpt import tiny_vq
 
-CRAFTER_CONF = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "crafter.yaml")
+CRAFTER_CONF = OmegaConf.load(Path(__file__).parents[1] / "mcar" / "conf" / "data" / "crafter.yaml")
 
 
 def test_generator_is_seeded_and_cached(tmp_path):

@@ -12,7 +12,7 @@ from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.data.episodes import read_episode_actions
 from mcar.data.tokenize import tokenize_dir
 from mcar.tokenizer.video import write_mp4
-from mcar.data.vpt import parse_vpt
+from mcar.data.vpt_actions import parse_vpt
 from mcar.tokenizer.vq import build_vq
 
 SIZE = (224, 384)  # the frame size of data=vpt: 14 x 24 tokens, x16
@@ -254,7 +254,7 @@ def test_a_shard_with_out_of_range_ids_is_named(tmp_path):
     """A shard cached before these checks (or by another tool) with ids past the vocabulary fails at load time,
     naming the file, the id and the config field, not as an IndexError in the embedding at step 0."""
     from mcar.core.layout import Layout
-    from mcar.data.tokens import TokenClips
+    from mcar.data.token_clips import TokenClips
 
     lay = Layout(14, 24, 11)
     np.save(tmp_path / "ep.frames.npy", np.zeros((4, 14, 24), np.uint16))

@@ -221,7 +221,7 @@ def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
 
 @pytest.mark.slow
 def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
-    from mcar.generate import generate
+    from mcar.tools.generate import generate
 
     out = trained / "gen"
     cfg = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}/last.ckpt", "sampler=diagd", "schedule.k=2",

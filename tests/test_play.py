@@ -40,7 +40,7 @@ def crafter_files(tmp_path_factory):
 
 
 def crafter_session(files, *overrides):
-    from mcar.play import build_session
+    from mcar.tools.play import build_session
 
     return build_session(compose("play", [f"ckpt={files}/tiny.ckpt", f"prompt_image={files}/start.png",
                                           "schedule.k=2", *overrides]))
@@ -108,7 +108,7 @@ def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
     """python -m mcar.play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
     one JSON line printed and written to bench.out."""
-    from mcar.play import bench_session, play
+    from mcar.tools.play import bench_session, play
 
     s = crafter_session(crafter_files)
     out = bench_session(s, [1, 2], ["move_left", "noop"], steps=2, repeats=3)
@@ -129,7 +129,7 @@ def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
 def test_start_frames_from_a_held_out_clip():
     """prompt=<held-out clip id> with 2 start frames (schedule.prompt_frames=2), local action ids (n_a = 2)."""
     from mcar.eval.generation import held_out_source
-    from mcar.play import build_session
+    from mcar.tools.play import build_session
     from .test_cached_attention import tiny_checkpoint
 
     import tempfile
@@ -152,14 +152,14 @@ def test_start_frames_from_a_held_out_clip():
     assert s.context[0, 12:].tolist() == [32 + 1, 32 + 2]
     with pytest.raises(ValueError, match="2 local action id"):
         s.step(3)
-    from mcar.play import bench_session
+    from mcar.tools.play import bench_session
 
     assert bench_session(s, [1], ["move_left"], steps=1, repeats=1)["ks"]["1"]["passes"] > 0  # no names: ids 0, 0
 
 
 def test_the_page_binds_crafter_keys_to_buttons(crafter_files):
     pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
-    from mcar.play import KEYS, build_app, key_script
+    from mcar.tools.play import KEYS, build_app, key_script
 
     s = crafter_session(crafter_files)
     demo = build_app(s, buttons=["noop", "sleep", "place_stone"], ks=[1, 2, 3])
@@ -269,7 +269,7 @@ def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatc
     exe = chromium_exe()
     if exe is None:
         pytest.skip("no chromium binary (apt-get install chromium) for the headless browser check")
-    from mcar.play import build_app
+    from mcar.tools.play import build_app
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     s = crafter_session(crafter_files)

@@ -40,7 +40,7 @@ def crafter_start(seed: int):
 
 @pytest.mark.skipif(not (SHIPPED / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
 def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
-    from mcar.play import build_session
+    from mcar.tools.play import build_session
 
     start, truth = crafter_start(0)
     Image.fromarray(start).save(tmp_path / "start.png")
@@ -82,7 +82,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     """Eight steps of random moves and noops from two Crafter starts through mcar.play's defaults (window 2, k=2),
     greedy: the generated frames, each made from the model's own previous frame, keep agreeing with Crafter's
     frames (the map's interior), well above 'nothing moves' (the start frame) where the world moved."""
-    from mcar.play import build_session
+    from mcar.tools.play import build_session
 
     vq = load_vq(compose("play", ["data=crafter_tiles"]).vq.path)
     tokens = lambda frame: encode_tokens(vq, torch.from_numpy(np.ascontiguousarray(frame))[None])[0][1:12, 1:23]

@@ -24,7 +24,7 @@ def test_step_losses_keep_the_last_logged_value(tmp_path):
     import os
     import time
 
-    from mcar.soak import step_losses
+    from mcar.tools.soak import step_losses
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mcar.eval.table3 import compose_experiment, gap_closed, update_section
+from mcar.tools.table3 import compose_experiment, gap_closed, update_section
 
 from .conftest import SMALL_DATA, run_script
 

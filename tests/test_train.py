@@ -15,7 +15,7 @@ import torch
 from hydra.errors import HydraException
 from hypothesis import given, strategies as st
 
-from mcar.config import to_dict
+from mcar.hydra_app import to_dict
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
 from mcar.eval.evaluate import load_model

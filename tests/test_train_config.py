@@ -5,12 +5,14 @@ import sys
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 
-from mcar.train.module import MCARModule
-from mcar.train.task import Checkpoints, SeenClips, build_callbacks, build_module, build_trainer
+from mcar.train.module import MCARModule, legacy_optim
+from mcar.train.callbacks import Checkpoints, SeenClips, build_callbacks
+from mcar.train.task import build_module, build_trainer
 
-from .conftest import SMALL_DATA, compose, run_script
+from .conftest import REPO, SMALL_DATA, compose, run_script
 
 
 def optimizer_and_lrs(overrides: list[str], steps: int) -> tuple[torch.optim.Optimizer, list[float]]:
@@ -131,10 +133,25 @@ def test_old_checkpoint_hyperparameters_give_the_same_optimizer_and_schedule():
         opt.step()
         sched.step()
     assert lrs[0] == pytest.approx(1e-4) and lrs[1] == pytest.approx(2e-4) and lrs[10] == pytest.approx(1e-4)
-    # unit-test modules built with optim={}: the AdamW defaults, a constant rate
+    # unit-test modules built with optim={}: the AdamW defaults of conf/optim/adamw.yaml, a constant rate
     hp["optim"] = {}
     opt = MCARModule(**hp).configure_optimizers()["optimizer"]
-    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (3e-4, 0.1)
+    yml = adamw_yaml()
+    assert [opt.param_groups[0][k] for k in ("lr", "betas", "weight_decay", "eps")] == [
+        yml["lr"], tuple(yml["betas"]), yml["weight_decay"], yml["eps"]]
+
+
+def adamw_yaml() -> dict:
+    """conf/optim/adamw.yaml read with plain PyYAML from the source tree (not the code's loader)."""
+    return yaml.safe_load((REPO / "mcar" / "conf" / "optim" / "adamw.yaml").read_text())
+
+
+def test_old_checkpoint_defaults_are_the_adamw_yaml():
+    """An `optim` without `_target_` (old checkpoints) is conf/optim/adamw.yaml with its values over it: the
+    yaml is the one place of the defaults, so editing it changes what old checkpoints get."""
+    yml = adamw_yaml()
+    assert legacy_optim({}, None)[0] == yml
+    assert legacy_optim({"lr": 1e-3, "warmup_steps": 5}, None)[0] == yml | {"lr": 1e-3}
 
 
 def callbacks_of(overrides: list[str], tmp_path, extra=()) -> list[Callback]:

@@ -15,7 +15,7 @@ from tests.test_data_vpt import TINY_VQ
 
 
 def arch(name):
-    return OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "vq" / f"{name}.yaml").arch)
+    return OmegaConf.to_container(OmegaConf.load(REPO / "mcar" / "conf" / "vq" / f"{name}.yaml").arch)
 
 
 def test_small_config_is_x16():

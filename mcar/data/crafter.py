@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from mcar.data.tokens import TokenDataModule
+from mcar.data.token_clips import TokenDataModule
 
 
 class CrafterDataModule(TokenDataModule):

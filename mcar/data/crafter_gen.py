@@ -7,11 +7,12 @@ H))`). Episodes are seeded: episode i of seed s is always the same.
 Episodes are kept to Crafter's first day by default (`frames <= 140`): from step ~148 the night overlays
 fresh per-pixel random noise on every frame, which neither the VQ nor the world model can predict.
 
-    python -m mcar.data.crafter_gen --out data/crafter/episodes --episodes 24 --frames 128 --seed 0 --size 224 384
+    mcar crafter_gen out=data/crafter/episodes episodes=24 frames=128 seed=0 size=[224,384]
+
+(conf/crafter_gen.yaml; the old `--out ... --size 224 384` spelling works too.)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -226,27 +227,7 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     return names
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--episodes", type=int, default=24)
-    ap.add_argument("--frames", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--random", type=float, default=0.25, help="policy mix weight of the random policy")
-    ap.add_argument("--explorer", type=float, default=0.75, help="policy mix weight of the scripted explorer")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--size", type=int, nargs=2, required=True, metavar=("H", "W"),
-                    help="frame size: the data's token grid times the VQ's downsampling (data=crafter: 224 384)")
-    ap.add_argument("--view", type=int, nargs=2, default=None, metavar=("W", "H"),
-                    help="Crafter's grid in tiles (default 9 9); 24 14 at 224x384: one tile = one 16x16 token")
-    ap.add_argument("--daylight", type=float, default=None,
-                    help="a fixed light level (1: always noon); default: Crafter's day-night cycle")
-    ap.add_argument("--lossless", action="store_true", help="bit-exact RGB video (default: yuv444p at crf 12)")
-    a = ap.parse_args(argv)
-    generate(a.out, a.episodes, a.frames, a.seed, {"random": a.random, "explorer": a.explorer}, a.workers,
-             size=tuple(a.size), view=tuple(a.view) if a.view else None, daylight=a.daylight,
-             lossless=a.lossless)
+if __name__ == "__main__":  # the old spelling of `mcar crafter_gen` (a name, not an import: tools sit above data)
+    import importlib
 
-
-if __name__ == "__main__":
-    main()
+    importlib.import_module("mcar.tools.crafter_gen").main()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
-from mcar.data.vpt import parse_vpt
+from mcar.data.vpt_actions import parse_vpt
 
 
 class EpisodeError(Exception):

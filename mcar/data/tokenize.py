@@ -10,16 +10,15 @@ Each shard is written to a temp name and renamed, frames last: a present frames 
 which later runs skip (resumable), and a failing episode never touches shards already written. Ranks split the
 episodes by index (`rank`, `world`); each rank rebuilds index.json from the shards on disk when it finishes.
 
-    python -m mcar.data.tokenize --episodes data/crafter/episodes --out data/crafter/tokens --source crafter \
-        --size 224 384
-    python -m mcar.data.tokenize --episodes /vpt --out data/vpt/tokens --source vpt --vq /path/vq --size 224 384 \
-        [--rank r --world w]
+    mcar tokenize episodes=data/crafter/episodes out=data/crafter/tokens source=crafter size=[224,384]
+    mcar tokenize episodes=/vpt out=data/vpt/tokens source=vpt vq=/path/vq size=[224,384] [rank=r world=w]
+
+(conf/tokenize.yaml; the old `--episodes ... --size 224 384` spelling works too.)
 
 Frames are resized to `size` = (H, W) (the data modules pass their token grid times the VQ's downsampling).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import warnings
@@ -163,27 +162,7 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
     return index
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--source", choices=["crafter", "vpt"], required=True)
-    ap.add_argument("--vq", default=None, help="diffusers VQModel folder (default: the committed small VQ)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--min-frames", type=int, default=16)
-    ap.add_argument("--keep-null", action="store_true")
-    ap.add_argument("--keep-gui", action="store_true")
-    ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
-    ap.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    ap.add_argument("--size", type=int, nargs=2, required=True, metavar=("H", "W"),
-                    help="frame size: the data's token grid times the VQ's downsampling (data=crafter, vpt: 224 384)")
-    a = ap.parse_args(argv)
-    from mcar.tokenizer.vq import check_frame_size, load_vq, vq_id
+if __name__ == "__main__":  # the old spelling of `mcar tokenize` (a name, not an import: tools sit above data)
+    import importlib
 
-    vq = load_vq(a.vq)
-    tokenize_dir(a.episodes, a.out, a.source, vq, vq_id(a.vq), a.batch, a.min_frames, not a.keep_null,
-                 not a.keep_gui, a.rank, a.world, size=check_frame_size(vq, a.size, "--size"))
-
-
-if __name__ == "__main__":
-    main()
+    importlib.import_module("mcar.tools.tokenize").main()

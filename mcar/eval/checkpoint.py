@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from mcar.core.layout import Layout
 from mcar.core.precision import compute_dtype
-from mcar.train.task import check_state_shapes, load_checkpoint
+from mcar.train.checkpoint_io import check_state_shapes, load_checkpoint
 
 
 def resolve_ckpt(ckpt: str | None) -> Path:

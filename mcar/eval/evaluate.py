@@ -24,12 +24,10 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-import mcar.config  # noqa: F401  (registers resolvers)
-from mcar.config import to_dict
+from mcar.hydra_app import to_dict
 from mcar.core.sampler import build_sampler
 from mcar.eval import metrics as M
 from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype
@@ -40,7 +38,6 @@ from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_
 from mcar.eval.scoring import Scorer, score_rows
 from mcar.tokenizer.devices import resolve_device
 from mcar.tokenizer.render import mask_image, schedule_table, write_png
-from mcar.train.task import finish_wandb
 
 log = logging.getLogger("mcar.eval.evaluate")
 
@@ -99,13 +96,3 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     log_wandb(cfg, rows, per_frame, media)
     log.info("results (%s):\n%s", out, (out / "results.md").read_text())
     return rows
-
-
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="evaluate")
-@finish_wandb
-def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,6 @@ import logging
 import time
 from pathlib import Path
 
-import hydra
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,7 +27,6 @@ from einops import rearrange
 from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
-import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.core.layout import Layout
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
@@ -341,12 +339,3 @@ def train_idm(cfg: DictConfig) -> dict:
     log.info("IDM held-out accuracy %.3f, movement actions %s (majority baseline %.3f, macro F1 %.3f) -> %s",
              final["accuracy"], final["moves_accuracy"], final["majority_baseline"], final["macro_f1"], out)
     return report
-
-
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="idm")
-def main(cfg: DictConfig) -> None:
-    train_idm(cfg)
-
-
-if __name__ == "__main__":
-    main()

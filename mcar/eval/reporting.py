@@ -15,7 +15,7 @@ from mcar.eval.idm import PR_COLUMNS
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
-from mcar.train.task import hydra_job
+from mcar.train.jobs import hydra_job
 
 log = logging.getLogger("mcar.eval.evaluate")
 COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "unchanged", "action_f1", "action_acc",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from mcar.train.task import load_checkpoint
+from mcar.train.checkpoint_io import load_checkpoint
 
 log = logging.getLogger("mcar")
 

@@ -2,12 +2,12 @@
 the DiagD mask (proxy slots), the paper's plain DiagD mask and the causal mask (the control), evaluate each with
 the sampler it was tuned for, and write the table to RESULTS.md.
 
-    python -m mcar.table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h on 2 cores
-    python -m mcar.table3 experiment=crafter_table3            # GPU scale
-    python -m mcar.table3 experiment=crafter_table3_cpu trainer.max_steps=50 table3.finetune.steps=10  # smoke
+    mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h on 2 cores
+    mcar table3 experiment=crafter_table3            # GPU scale
+    mcar table3 experiment=crafter_table3_cpu trainer.max_steps=50 table3.finetune.steps=10  # smoke
 
-Every stage is one of the project's documented commands (train.py, python -m mcar.idm, finetune.py,
-python -m mcar.evaluate), run as a subprocess, printed, and logged to outputs/table3/<name>/logs/. Finished
+Every stage is one of the project's documented commands (mcar train, mcar idm, mcar finetune, mcar evaluate),
+run as a subprocess, printed, and logged to outputs/table3/<name>/logs/. Finished
 stages are recorded in outputs/table3/<name>/state.json and skipped on a re-run; an interrupted training stage
 resumes from its last checkpoint. Extra overrides go to the training stages; data/vq/paths/logger/seed overrides
 go to every stage. The experiment config's `table3` block lists the samplers, fine-tunings and evaluation settings.
@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-import mcar.config  # noqa: F401  (registers resolvers)
 from mcar.eval.metrics import fmt
 from mcar.data.common import build_datamodule
+from mcar.hydra_app import register_resolvers
 
-REPO = Path(__file__).resolve().parents[2]
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
 METRICS = [("fvd", -1), ("psnr", 1), ("ssim", 1), ("action_f1", 1), ("loss_tf", -1)]  # (column, better sign)
 
@@ -38,11 +37,12 @@ METRICS = [("fvd", -1), ("psnr", 1), ("ssim", 1), ("action_f1", 1), ("loss_tf", 
 # ------------------------------------------------------------------------------------------------ config
 def compose_experiment(overrides: list[str]) -> DictConfig:
     """The training config of `experiment=...` + overrides, with hydra's choices (which data option)."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
 
     if not any(o.startswith("experiment=") for o in overrides):
-        raise ValueError("experiment= is required, e.g. python -m mcar.table3 experiment=crafter_table3_cpu")
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        raise ValueError("experiment= is required, e.g. mcar table3 experiment=crafter_table3_cpu")
+    register_resolvers()
+    with initialize_config_module(config_module="mcar.conf", version_base="1.3"):
         cfg = compose("train", overrides, return_hydra_config=True)
     if "table3" not in cfg:
         raise ValueError(f"{[o for o in overrides if o.startswith('experiment=')][0]}: the experiment config has "
@@ -122,15 +122,15 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
     pre_ckpt = Path(cfg.checkpoint.dir) / "last.ckpt"
     idm = Path(cfg.paths.checkpoint_root) / f"{t.name}-idm" / "idm.pt"
 
-    stages.run("pretrain", python(str(REPO / "train.py"), *overrides, f"hydra.run.dir={out}/pretrain"),
+    stages.run("pretrain", python("-m", "mcar.cli", "train", *overrides, f"hydra.run.dir={out}/pretrain"),
                resume_from=pre_ckpt)
-    stages.run("idm", python("-m", "mcar.eval.idm", *data, *t.idm, f"out={idm}", f"hydra.run.dir={out}/idm"))
+    stages.run("idm", python("-m", "mcar.cli", "idm", *data, *t.idm, f"out={idm}", f"hydra.run.dir={out}/idm"))
 
     logger = [o for o in shared if o.startswith("logger")]
 
     def evaluate(model: str, ckpt: Path, sampler: str, *extra: str) -> None:
         stages.run(f"eval/{model}/{sampler}", python(
-            "-m", "mcar.eval.evaluate", *data, *logger, f"ckpt={ckpt}", f"name={model}", f"idm={idm}", *t.evaluate,
+            "-m", "mcar.cli", "evaluate", *data, *logger, f"ckpt={ckpt}", f"name={model}", f"idm={idm}", *t.evaluate,
             *t.samplers[sampler], *extra, f"run_name=eval-{t.name}-{model}-{sampler}",
             f"hydra.run.dir={out}/eval/{model}/{sampler}"))
 
@@ -142,7 +142,7 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
         run_name = f"{t.name}-ft-{label}"
         ft_ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
         stages.run(f"finetune/{label}", python(
-            str(REPO / "finetune.py"), *overrides, *t.finetune.overrides, *ft.overrides, f"init_from={pre_ckpt}",
+            "-m", "mcar.cli", "finetune", *overrides, *t.finetune.overrides, *ft.overrides, f"init_from={pre_ckpt}",
             f"steps={t.finetune.steps}", f"run_name={run_name}", f"hydra.run.dir={out}/finetune/{label}"),
             resume_from=ft_ckpt)
         for sampler in ft.samplers:
@@ -201,9 +201,7 @@ def table_md(rows: list[dict]) -> list[str]:
 
 def facts(cfg: DictConfig) -> dict:
     """Model size, data size, steps and machine, for the RESULTS section."""
-    import hydra
-
-    from mcar.train.task import load_checkpoint
+    from mcar.train.checkpoint_io import load_checkpoint
 
     state = load_checkpoint(Path(cfg.checkpoint.dir) / "last.ckpt")
     arch = cfg.model.arch
@@ -260,9 +258,9 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
                "facts": info, "stages": state}
     (out / "table3.json").write_text(json.dumps(payload, indent=2, default=str))
 
-    lines = [f"<!-- table3:{t.name} start (written by python -m mcar.table3; do not edit by hand) -->",
+    lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
              f"## {t.name}: {t.label}", "",
-             f"Command: `python -m mcar.table3 {' '.join(sys.argv[1:]) or 'experiment=' + t.name}`  ",
+             f"Command: `mcar table3 {' '.join(sys.argv[1:]) or 'experiment=' + t.name}`  ",
              f"Machine: {info['machine']}; {info['date']}. {wall_times(state)}", "",
              f"Model: `{info['model']}`, {info['params'] / 1e6:.2f}M parameters ({info['arch']}). "
              f"Data: {info['data']}. Pre-training "
@@ -311,7 +309,3 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     dry = "--dry-run" in args
     run_pipeline([a for a in args if a != "--dry-run"], dry_run=dry)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcar.data.tokens import TokenDataModule
+from mcar.data.token_clips import TokenDataModule
 
 
 class VPTDataModule(TokenDataModule):

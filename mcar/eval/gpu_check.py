@@ -1,4 +1,4 @@
-"""`python -m mcar.bench memory|gpu`: the planned training memory, and the one check a GPU machine runs first.
+"""`mcar bench memory|gpu` (mcar/tools/bench.py): the planned training memory, and the one check a GPU machine runs first.
 
 memory: the peak memory per device that the configured training step will need (mcar.train.memory), the largest batch
 that fits bench.memory.budget_gib with and without activation checkpointing, and a whole-model measurement on
@@ -33,13 +33,14 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.config import to_dict
+from mcar.hydra_app import to_dict
 from mcar.core.flops import mfu, peak_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.train.memory import GiB, measure_step_peak, plan_training
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
+from mcar.eval.speed import run_sampler
 from mcar.tokenizer.devices import resolve_device, sync
 
 
@@ -198,10 +199,8 @@ SAMPLER_KEYS = ("sampler", "k", "clip_frames", "passes", "fps", "ms_per_pass", "
 
 
 def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
-    """One sampler (ntp, or DiagD on the configured schedule) at `frames` frames, as `python -m mcar.bench
+    """One sampler (ntp, or DiagD on the configured schedule) at `frames` frames, as `mcar bench
     sampler` times it; over_floor: ms per pass over the bandwidth floor (bench's floor_ms_per_pass)."""
-    from mcar.bench import run_sampler
-
     scfg = cfg.copy()
     with open_dict(scfg):
         scfg.data.clip_frames = int(frames)

@@ -1,0 +1,52 @@
+"""`mcar <tool> [overrides]`: one command line for every tool (mcar/tools/<tool>.py, configured by conf/<tool>.yaml).
+
+    mcar train model=700m                     mcar finetune mask=diagd steps=1000
+    mcar generate ckpt=checkpoints/<run>      mcar bench sampler model=300m
+
+Overrides are Hydra's (`key=value`, `group=option`, `--multirun`, `--cfg job`). `python -m mcar.<tool>`,
+`python train.py` and `python finetune.py` run the same code.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# tool -> what it does (the modules are imported only when run: `mcar --help` stays instant)
+TOOLS = {
+    "train": "pre-train a world model (train.py)",
+    "finetune": "fine-tune a checkpoint, e.g. with the DiagD mask (finetune.py)",
+    "generate": "generate a clip from a checkpoint: mp4 + gif next to the ground truth",
+    "evaluate": "score samplers on held-out clips: FVD, PSNR, SSIM, LPIPS, action F1, speed",
+    "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
+    "bench": "speed and memory: bench sampler|train|memory|gpu",
+    "idm": "train the inverse dynamics model that evaluate's action F1 uses",
+    "table3": "the paper's table 3 pipeline: pre-train, fine-tune, evaluate, write RESULTS.md",
+    "convert": "convert a public checkpoint (MineWorld) into an mcar checkpoint",
+    "soak": "kill -9 a training run at random moments and check it resumes bit for bit",
+    "crafter_gen": "play seeded Crafter episodes into mp4 + jsonl",
+    "tokenize": "VQ-tokenise episodes into token shards",
+    "vq_train": "train a VQ tokenizer on episodes",
+    "vq_eval": "score a VQ on held-out frames: PSNR, SSIM, codebook usage",
+    "vq_patches": "fit the exact patch VQ of Crafter's tiles",
+}
+
+
+def usage() -> str:
+    width = max(map(len, TOOLS))
+    return (f"usage: mcar <tool> [overrides]\n\n" + "\n".join(f"  {n:<{width}}  {what}" for n, what in TOOLS.items())
+            + "\n\n`mcar <tool> --help` shows a tool's config (conf/<tool>.yaml) and how to override it.")
+
+
+def main(argv: list[str] | None = None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return None
+    name, rest = args[0], args[1:]
+    if name not in TOOLS:
+        sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
+    return importlib.import_module(f"mcar.tools.{name}").main(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""How every mcar tool meets Hydra: the packaged configs (`pkg://mcar.conf`), the OmegaConf resolvers they use,
+registered explicitly by each entry point, and the old `--flag value` spelling of the tools that had argparse.
+
+`hydra_tool(name)` makes a tool's `main(argv=None)` from its job function (conf/<name>.yaml, Hydra's run dirs,
+multirun and `--cfg`); `compose_tool(name, argv)` composes conf/<name>.yaml without run dirs, for the small tools
+(convert, tokenize, crafter_gen, vq_eval, vq_patches) whose output goes where `out=` says.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_PATH = "pkg://mcar.conf"
+
+
+def _precision() -> str:
+    """bf16 mixed precision where a GPU is present, full fp32 on CPU."""
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def asset_path(name: str) -> str:
+    """The absolute path of a committed asset folder, mcar/assets/<name> (conf: `${mcar_asset:vq_crafter_tiles}`)."""
+    assets = Path(__file__).parent / "assets"
+    if not (assets / name).is_dir():
+        raise FileNotFoundError(f"no committed asset {name!r} in {assets} (there: "
+                                f"{sorted(p.name for p in assets.iterdir() if p.is_dir())})")
+    return str(assets / name)
+
+
+def register_resolvers() -> None:
+    """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
+    for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
+                     "mcar_prod": lambda *xs: math.prod(int(x) for x in xs), "mcar_precision": _precision,
+                     "mcar_asset": asset_path}.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def to_dict(cfg: DictConfig | dict | None) -> dict:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def legacy_flags(argv: list[str], positional: tuple[str, ...] = ()) -> list[str]:
+    """Old argparse spellings -> Hydra overrides: `--min-frames 8` -> `min_frames=8`, `--size 224 384` ->
+    `size=[224,384]`, a bare `--keep-null` -> `keep_null=true`, and bare words -> the named `positional` keys.
+    Hydra overrides (`key=value`) pass through, so both spellings mix in one command."""
+    out, words, i = [], list(positional), 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and len(arg) > 2 and "=" not in arg:
+            values = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("--") and "=" not in argv[i + 1]:
+                values.append(argv[i + 1])
+                i += 1
+            key = arg[2:].replace("-", "_")
+            out.append(f"{key}=" + ("true" if not values else values[0] if len(values) == 1
+                                    else "[" + ",".join(values) + "]"))
+        elif arg.startswith("--") and "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            out.append(f"{key.replace('-', '_')}={value}")
+        elif "=" not in arg and words:
+            out.append(f"{words.pop(0)}={arg}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def compose_tool(config_name: str, argv: list[str] | None = None, positional: tuple[str, ...] = ()) -> DictConfig:
+    """conf/<config_name>.yaml with the command line's overrides (Hydra syntax, or the old `--flags`)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    args = legacy_flags(sys.argv[1:] if argv is None else list(argv), positional)
+    if any(a in ("-h", "help=true") for a in args):
+        raise SystemExit(f"usage: mcar {config_name} key=value ... (the keys and their defaults: "
+                         f"{Path(__file__).parent / 'conf' / (config_name + '.yaml')})")
+    register_resolvers()
+    try:
+        with initialize_config_module(version_base="1.3", config_module="mcar.conf"):
+            cfg = compose(config_name, overrides=args)
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown key or group: say which, no traceback
+        raise SystemExit(f"mcar {config_name}: {e}") from e
+    missing = sorted(k for k in cfg if OmegaConf.is_missing(cfg, k))
+    if missing:
+        raise SystemExit(f"mcar {config_name}: give {', '.join(k + '=...' for k in missing)} "
+                         f"(conf/{config_name}.yaml has no default for {'them' if len(missing) > 1 else 'it'})")
+    return cfg
+
+
+def hydra_tool(config_name: str, legacy: bool = False, words=None):
+    """Decorator: a job function taking the composed config -> the tool's `main(argv=None)` under @hydra.main
+    (conf/<config_name>.yaml). `legacy=True` also accepts the old `--flag value` spelling; `words` rewrites the
+    arguments first (e.g. bench's mode as a bare first word)."""
+    import hydra
+
+    def wrap(job):
+        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(job)
+
+        @functools.wraps(job)
+        def main(argv: list[str] | None = None):
+            args = sys.argv[1:] if argv is None else list(argv)
+            args = words(args) if words else args
+            saved, sys.argv = sys.argv, [sys.argv[0], *(legacy_flags(args) if legacy else args)]
+            register_resolvers()
+            try:
+                return app()
+            finally:
+                sys.argv = saved
+
+        main.job = job  # the undecorated job, for callers that compose the config themselves
+        return main
+
+    return wrap

@@ -1,0 +1,32 @@
+"""`mcar bench sampler|train|memory|gpu [hydra overrides]`: speed and memory on random weights (conf/bench.yaml).
+
+sampler, train: mcar/eval/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/eval/gpu_check.py.
+The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from mcar.eval.gpu_check import run_gpu, run_memory
+from mcar.eval.speed import run_sampler, run_train
+from mcar.hydra_app import hydra_tool
+
+MODES = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu}
+
+
+def mode_words(argv: list[str]) -> list[str]:
+    """`sampler|train|memory|gpu` as the first word -> the bench.mode override Hydra understands."""
+    return [f"bench.mode={argv[0]}", *argv[1:]] if argv and argv[0] in MODES else argv
+
+
+@hydra_tool("bench", words=mode_words)
+def main(cfg: DictConfig) -> None:
+    if cfg.bench.mode not in MODES:
+        raise ValueError(f"bench.mode={cfg.bench.mode!r}: run `mcar bench {'|'.join(MODES)} ...`")
+    line = json.dumps(MODES[cfg.bench.mode](cfg))
+    Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.bench.out).write_text(line + "\n")
+    print(line, flush=True)

@@ -1,0 +1,197 @@
+"""Convert public checkpoints into mcar checkpoints:
+
+    mcar convert mineworld <checkpoint> out=checkpoints/<name> [model=mineworld_700m] [frames=16]
+
+`mineworld`: MineWorld's LLaMA (transformers' LlamaForCausalLM layout: GQA, 1D RoPE, untied head) from
+- a Hugging Face folder (config.json + model.safetensors, sharded safetensors or pytorch_model.bin),
+- or one file: .safetensors, .bin, or MineWorld's own .ckpt ({"state_dict": {"transformer.model...": ...}}; its VQ
+  keys `tokenizer.*` are left out).
+The model's shape comes from config.json when there is one, else from `model=` (conf/model/<name>.yaml, e.g.
+mineworld_700m), else from the weights (then `heads=` is needed). Frames are 14 x 24 image tokens + 11 actions
+(`h=`, `w=`, `n_a=` override); the clip length defaults to max_position_embeddings / frame length.
+
+The result is an mcar checkpoint (`<out>/last.ckpt`: the model's weights and hyperparameters) that
+`mcar generate`, `mcar evaluate` and `mcar finetune init_from=` load. transformers is not needed to convert.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import yaml
+
+from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.schedule import ScheduleConfig
+from mcar.hydra_app import compose_tool
+
+log = logging.getLogger("mcar.convert")
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MINEWORLD_LAYOUT = dict(h=14, w=24, n_a=11)  # 336 image tokens then 11 action tokens per frame, 347 slots
+MINEWORLD_16F_POSITIONS = 16 * 347  # max_position_embeddings of its *_16f configs (5,552)
+# LLaMA (transformers) name -> mcar name; q/k/v are concatenated into wqkv
+RENAMES = [(r"^model\.embed_tokens\.", "tok_embeddings."), (r"^model\.norm\.", "norm."), (r"^lm_head\.", "output."),
+           (r"\.self_attn\.o_proj\.", ".attention.wo."), (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
+           (r"\.mlp\.up_proj\.", ".feed_forward.w3."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+           (r"\.input_layernorm\.", ".attention_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+           (r"^model\.layers\.", "layers.")]
+
+
+def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(LLaMA state dict with `model.` / `lm_head.` keys, config.json's dict or None) from a folder or a file."""
+    config = None
+    if src.is_dir():
+        if (src / "config.json").exists():
+            config = json.loads((src / "config.json").read_text())
+        files = sorted(src.glob("*.safetensors")) or sorted(src.glob("pytorch_model*.bin")) or \
+            sorted(src.glob("*.ckpt")) + sorted(src.glob("*.pt"))
+        if not files:
+            raise FileNotFoundError(f"{src}: no *.safetensors, pytorch_model*.bin, *.ckpt or *.pt inside")
+    elif src.exists():
+        files = [src]
+    else:
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            part = load_file(str(f))
+        else:  # .bin is a plain state dict; MineWorld's .ckpt wraps it in {"state_dict": ...} (Lightning)
+            part = torch.load(f, map_location="cpu", weights_only=f.suffix == ".bin")
+            part = part.get("state_dict", part)
+        state.update(part)
+    llama, skipped = {}, 0
+    for key, value in state.items():
+        key = key.removeprefix("transformer.")  # MineWorld's LlamaLVM wrapper
+        if key.startswith(("model.", "lm_head.")) and torch.is_tensor(value):
+            llama[key] = value
+        else:
+            skipped += 1
+    if not llama:
+        raise ValueError(f"{src}: no LLaMA weights (keys model.* / lm_head.*, optionally under transformer.)")
+    if skipped:
+        log.info("left out %d tensors that are not the LLaMA (e.g. MineWorld's VQ, tokenizer.*)", skipped)
+    return llama, config
+
+
+def model_config(llama: dict, config: dict | None, preset: str | None, heads: int | None) -> tuple[ModelConfig, int | None]:
+    """(the mcar ModelConfig, max_position_embeddings or None), checked against the weights' shapes."""
+    vocab, dim = llama["model.embed_tokens.weight"].shape
+    n_layers = 1 + max(int(m.group(1)) for k in llama if (m := re.match(r"model\.layers\.(\d+)\.", k)))
+    mlp = llama["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    max_pos, arch = None, dict(vocab_size=vocab, dim=dim, n_layers=n_layers, mlp_dim=mlp, rope="1d")
+    if config is not None:
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError("config.json: attention_bias / mlp_bias are not supported (mcar layers have no biases)")
+        rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps theta and type here
+        scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+        if scaling:
+            raise ValueError(f"config.json: rope_scaling={scaling} is not supported (plain RoPE only)")
+        heads = config["num_attention_heads"]
+        if config.get("head_dim") not in (None, dim // heads):
+            raise ValueError(f"config.json: head_dim={config['head_dim']} is not hidden_size / num_attention_heads "
+                             f"= {dim // heads}, which mcar's attention assumes")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act={config['hidden_act']!r}; mcar's MLP is SwiGLU (silu)")
+        arch |= dict(n_heads=heads,
+                     n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                     rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                     norm_eps=float(config.get("rms_norm_eps", 1e-6)))
+        max_pos = config.get("max_position_embeddings")
+    elif preset is not None:
+        path = CONF / "model" / f"{preset}.yaml"
+        if not path.exists():
+            raise FileNotFoundError(f"model={preset}: no {path}")
+        given = yaml.safe_load(path.read_text())["arch"]
+        arch |= {k: v for k, v in given.items() if k in ("n_heads", "n_kv_heads", "rope_base", "norm_eps")}
+        max_pos = MINEWORLD_16F_POSITIONS
+    elif heads is not None:
+        kv_dim = llama["model.layers.0.self_attn.k_proj.weight"].shape[0]
+        arch |= dict(n_heads=heads, n_kv_heads=kv_dim // (dim // heads))
+    else:
+        raise ValueError("no config.json next to the weights: pass model=<conf/model name> (e.g. mineworld_700m) "
+                         "or heads=<attention heads>")
+    cfg = ModelConfig(**arch)
+    for name, want in [("model.layers.0.self_attn.q_proj.weight", (cfg.n_heads * cfg.head_dim, dim)),
+                       ("model.layers.0.self_attn.k_proj.weight", (cfg.n_kv_heads * cfg.head_dim, dim))]:
+        if tuple(llama[name].shape) != want:
+            raise ValueError(f"{name} has shape {tuple(llama[name].shape)}, the config asks {want} "
+                             f"(n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim})")
+    return cfg, max_pos
+
+
+def to_mcar(llama: dict, cfg: ModelConfig, tie: bool = False) -> dict[str, torch.Tensor]:
+    """LLaMA names -> mcar's (wqkv = [q; k; v]); q/k need no permutation: both rotate (x[:D/2], x[D/2:])."""
+    out = {}
+    for key, value in llama.items():
+        m = re.match(r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.weight", key)
+        if m:
+            if m.group(2) == "q":
+                i = m.group(1)
+                parts = [llama[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
+                out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(parts, 0)
+            continue
+        if key.endswith(".bias") or "rotary_emb" in key:
+            if key.endswith(".bias"):
+                raise ValueError(f"{key}: mcar layers have no biases")
+            continue
+        for pattern, repl in RENAMES:
+            key = re.sub(pattern, repl, key)
+        out[key] = value
+    if "output.weight" not in out:
+        if not tie:
+            raise ValueError("no lm_head.weight and tie_word_embeddings is false")
+        out["output.weight"] = out["tok_embeddings.weight"]
+    with torch.device("meta"):  # shapes only, no memory
+        expected = Transformer(cfg).state_dict()
+    missing, unexpected = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+    wrong = [k for k in expected if k in out and tuple(out[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or wrong:
+        raise ValueError(f"converted weights do not fit the model: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def convert_mineworld(src: str | Path, out: str | Path, preset: str | None = None, heads: int | None = None,
+                      frames: int | None = None, dtype: str = "float32", **layout) -> Path:
+    """-> the written checkpoint path (<out>/last.ckpt)."""
+    llama, config = read_weights(Path(src))
+    cfg, max_pos = model_config(llama, config, preset, heads)
+    lay = Layout(**(MINEWORLD_LAYOUT | {k: int(v) for k, v in layout.items()}))
+    if frames is None:
+        if not max_pos:
+            raise ValueError("frames=<clip frames> is needed: no max_position_embeddings in the config")
+        frames = max_pos // lay.frame_len
+    if max_pos and lay.n_slots(frames) > max_pos:
+        raise ValueError(f"frames={frames}: {lay.n_slots(frames)} slots exceed max_position_embeddings={max_pos}")
+    tie = bool(config and config.get("tie_word_embeddings"))
+    weights = to_mcar(llama, cfg, tie)
+    weights = {f"model.{k}": v.to(getattr(torch, dtype)) for k, v in weights.items()}
+    hp = dict(arch={f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__},
+              layout=dict(h=lay.h, w=lay.w, n_a=lay.n_a), clip_frames=int(frames),
+              mask={"name": "causal", "backend": "auto"}, schedule=asdict(ScheduleConfig(proxy="prompt")), optim={},
+              max_steps=1, model_name=preset or "mineworld")
+    path = Path(out) / "last.ckpt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"hyper_parameters": hp, "state_dict": weights, "converted_from": str(src)}, tmp)
+    tmp.replace(path)  # atomic: a killed conversion never leaves a half-written last.ckpt
+    log.info("wrote %s: %s, %d layers, dim %d, %d/%d heads, vocab %d, %d frames of %d slots", path, hp["model_name"],
+             cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, frames, lay.frame_len)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`mcar convert mineworld <checkpoint> out=...` (conf/convert.yaml)."""
+    c = compose_tool("convert", argv, positional=("format", "src"))
+    if c.format != "mineworld":
+        sys.exit(f"format={c.format!r}: mcar convert knows `mineworld` only\n\n{__doc__}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(convert_mineworld(c.src, c.out, c.model.name if "model" in c else None, c.heads, c.frames, c.dtype,
+                            **{k: c[k] for k in ("h", "w", "n_a") if c[k] is not None}))

@@ -1,0 +1,11 @@
+"""`mcar crafter_gen out=... size=[H,W] [episodes=24 frames=128 ...]` (conf/crafter_gen.yaml): play Crafter
+episodes into <name>.mp4 + <name>.jsonl (mcar/data/crafter_gen.py)."""
+from mcar.data.crafter_gen import generate
+from mcar.hydra_app import compose_tool
+
+
+def main(argv: list[str] | None = None) -> None:
+    c = compose_tool("crafter_gen", argv)
+    generate(c.out, int(c.episodes), int(c.frames), int(c.seed), {"random": c.random, "explorer": c.explorer},
+             int(c.workers), size=tuple(c.size), view=tuple(c.view) if c.view else None, daylight=c.daylight,
+             lossless=bool(c.lossless))

@@ -1,0 +1,11 @@
+"""`mcar train [hydra overrides]` (= `python train.py`): pre-train an MC-AR model (conf/train.yaml has every option)."""
+from omegaconf import DictConfig
+
+from mcar.hydra_app import hydra_tool
+from mcar.train.jobs import check_renamed_overrides
+from mcar.train.task import run
+
+
+@hydra_tool("train", words=check_renamed_overrides)
+def main(cfg: DictConfig) -> None:
+    run(cfg)

@@ -1,0 +1,83 @@
+"""One Hydra job of a training run: its name (a multirun job's number, its W&B group), its checkpoint dir, the
+checkpoint it resumes, renamed overrides refused by name, and its W&B run closed whatever happens."""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mcar.train.checkpoint_io import is_sharded_checkpoint
+
+
+# overrides of the keys that moved into config groups: train.py / finetune.py refuse them with the new name
+RENAMED = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_ratio"}
+
+
+def check_renamed_overrides(args: list[str]) -> list[str]:
+    """Exit with the new name when a command line overrides a renamed key (Hydra would only say it is unknown)."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in RENAMED:
+            sys.exit(f"{key} is now {RENAMED[key]} (conf/lr_schedule/): pass {arg.replace(key, RENAMED[key], 1)}")
+    return args
+
+
+def finish_wandb(fn):
+    """Task wrapper: whatever happens, close the W&B run so the next multirun job opens its own."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.finish()
+            except ImportError:
+                pass
+
+    return wrapped
+
+
+def hydra_job() -> tuple[bool, int, str]:
+    """(is multirun, job number, group name) of the current Hydra job; (False, 0, 'mcar') outside Hydra."""
+    if not HydraConfig.initialized():
+        return False, 0, "mcar"
+    hc = HydraConfig.get()
+    multi = hc.mode == RunMode.MULTIRUN
+    group = Path(hc.sweep.dir).name if multi else hc.job.name
+    return multi, hc.job.num if multi else 0, group
+
+
+def finalize_run_name(cfg: DictConfig) -> None:
+    multi, num, group = hydra_job()
+    with open_dict(cfg):
+        if multi:
+            cfg.run_name = f"{cfg.run_name}-j{num}"
+        if cfg.get("logger") and "group" in cfg.logger:
+            cfg.logger.group = group
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    """checkpoint.dir (default <paths.checkpoint_root>/<run_name>): where Checkpoints writes and `last` resumes."""
+    return Path(OmegaConf.select(cfg, "checkpoint.dir", default=None) or
+                Path(cfg.paths.checkpoint_root) / cfg.run_name)
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt; else a file that must exist (or the folder
+    of a sharded checkpoint: trainer=fsdp trainer.strategy.save_distributed_checkpoint=true)."""
+    p = cfg.get("ckpt_path")
+    if p is None:
+        return None
+    path = checkpoint_dir(cfg) / "last.ckpt" if p == "last" else Path(p)
+    if not (path.is_file() or is_sharded_checkpoint(path)):
+        hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
+        raise FileNotFoundError(f"ckpt_path: checkpoint not found: {path}{hint}")
+    return str(path)
