@@ -1,4 +1,5 @@
-"""Video quality metrics: PSNR and SSIM per frame index (torchmetrics), LPIPS and FVD from local weight files.
+"""Video quality metrics: PSNR (mcar.tokenizer.quality) and SSIM (torchmetrics) per frame index, LPIPS and FVD from
+local weight files.
 
 Frames are float in [0, 1], videos (B, T, 3, H, W). Networks we cannot ship (I3D for FVD, LPIPS) come from local
 TorchScript files given by config; when a file is absent or fails, the metric is `Unavailable(reason)`, never a
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 from einops import rearrange
-from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+from torchmetrics.functional.image import structural_similarity_index_measure
+
+from mcar.tokenizer.quality import psnr
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,9 @@ def _flat(gen: torch.Tensor, gt: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def psnr_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
-    """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) PSNR in dB; +inf where the frames are identical."""
+    """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) PSNR in dB (float32); +inf where the frames are identical."""
     g, t = _flat(gen, gt)
-    psnr = peak_signal_noise_ratio(g, t, data_range=1.0, reduction="none", dim=(1, 2, 3))  # (B*T,)
-    return psnr.view(gen.shape[:2])
+    return psnr(g, t, data_range=1.0, dim=(1, 2, 3)).view(gen.shape[:2])
 
 
 def psnr_pooled(gen: torch.Tensor, gt: torch.Tensor, dim=None) -> torch.Tensor:
@@ -54,9 +56,9 @@ def psnr_pooled(gen: torch.Tensor, gt: torch.Tensor, dim=None) -> torch.Tensor:
     in [0, 1]; +inf only where all pooled frames are identical. The row value: a mean of per-frame PSNRs is +inf
     as soon as one generated frame equals its target (a "nothing moves" clip of tile-exact data), which would say
     nothing of the others."""
-    mse = (gen.double() - gt.double()).pow(2).mean((2, 3, 4))  # (B, T)
-    pooled = mse.mean() if dim is None else mse.mean(dim)
-    return 10 * torch.log10(1 / pooled)
+    # dim indexes (B, T); the MSE is also over each frame's (3, H, W)
+    over = (0, 1) if dim is None else tuple(d % 2 for d in ((dim,) if isinstance(dim, int) else dim))
+    return psnr(gen.double(), gt.double(), data_range=1.0, dim=(*over, 2, 3, 4))  # float64, as before
 
 
 def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,12 @@ import logging
 import math
 import time
 from collections import deque
+from importlib.resources import files
 
 import hydra
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
@@ -42,13 +44,19 @@ def constant(step: int, total: int, warmup_steps: int = 0) -> float:
     return (step + 1) / warmup_steps if step < warmup_steps else 1.0
 
 
-# The defaults of conf/optim/adamw.yaml and conf/lr_schedule/warmup_cosine.yaml. Checkpoints written before those
-# groups existed hold a plain `optim` dict (lr, betas, weight_decay, eps, warmup_steps, min_lr_ratio): it is read
-# as these with its values (`legacy_optim`).
-ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3.0e-4, "betas": [0.9, 0.95],
-         "weight_decay": 0.1, "eps": 1.0e-8}
-WARMUP_COSINE = {"_target_": "mcar.train.module.warmup_cosine", "_partial_": True, "min_lr_ratio": 0.1}
-CONSTANT = {"_target_": "mcar.train.module.constant", "_partial_": True}
+def conf_defaults(group: str, option: str) -> dict:
+    """The packaged conf/<group>/<option>.yaml as a dict, its interpolated keys (`${model...}`) left out."""
+    cfg = OmegaConf.create((files("mcar.conf") / group / f"{option}.yaml").read_text())
+    return {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
+            if not (isinstance(v, str) and "${" in v)}
+
+
+# Checkpoints written before conf/optim and conf/lr_schedule existed hold a plain `optim` dict (lr, betas,
+# weight_decay, eps, warmup_steps, min_lr_ratio): it is read as these groups' defaults with its values
+# (`legacy_optim`). The defaults are read from the packaged files: one place for them.
+ADAMW = conf_defaults("optim", "adamw")
+WARMUP_COSINE = conf_defaults("lr_schedule", "warmup_cosine")
+CONSTANT = conf_defaults("lr_schedule", "constant")
 
 
 def legacy_optim(optim: dict, lr_schedule: dict | None) -> tuple[dict, dict]:

@@ -13,7 +13,6 @@ are plain diffusers folders (`VQModel.from_pretrained`).
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
+from mcar.tokenizer import quality
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq import (L2Quantizer, build_vq, check_frame_size, decode_latents, frame_size, load_vq, save_vq,
                                to_input, to_uint8, use_l2_quantizer)
@@ -157,7 +157,7 @@ class VQLit(L.LightningModule):
             self.usage.mul_(self.cfg.usage_decay).add_(hits, alpha=1 - self.cfg.usage_decay)
         if self.cfg.restart_every and self.global_step % self.cfg.restart_every == 0 and self.global_step > 0:
             self.restart_dead_codes()
-        psnr = 10 * math.log10(4.0 / max(mse.item(), 1e-10))  # x in [-1, 1]: peak-to-peak 2
+        psnr = quality.psnr(rec.detach(), x, data_range=2.0, min_mse=1e-10).item()  # x in [-1, 1]
         self.log_dict({"train/loss": loss, "train/mse": mse, "train/q_loss": q_loss, "train/psnr": psnr,
                        "train/live_codes": (self.usage > self.cfg.dead_threshold).float().sum(),
                        "train/restarts": self.restarts.float()}, prog_bar=True)
@@ -203,8 +203,8 @@ class VQLit(L.LightningModule):
 def frame_scores(x: torch.Tensor, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) PSNR in dB and (B,) SSIM of whole frames, images in [-1, 1] compared on [0, 1]."""
     a, b = (x + 1) / 2, (rec.clamp(-1, 1) + 1) / 2
-    mse = (a - b).pow(2).flatten(1).mean(1)
-    return 10 * torch.log10(1 / mse.clamp_min(1e-10)), ssim_fn(b, a, data_range=1.0, reduction="none")
+    psnr = quality.psnr(a, b, data_range=1.0, dim=tuple(range(1, a.dim())), min_mse=1e-10)  # finite: a mean
+    return psnr, ssim_fn(b, a, data_range=1.0, reduction="none")
 
 
 def previous_best(out: Path) -> float:
@@ -295,7 +295,7 @@ def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]
         torch.set_num_threads(threads)  # vq_train's thread count is for its own background runs
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="vq_train")
+@hydra.main(version_base="1.3", config_path="pkg://mcar.conf", config_name="vq_train")
 def main(cfg: DictConfig) -> None:
     train(cfg)
 

@@ -1,0 +1,20 @@
+"""Image quality numbers shared by the tokenizer tools, training and evaluation: the one home of the PSNR formula."""
+from __future__ import annotations
+
+import torch
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float, dim: int | tuple[int, ...] | None = None,
+         min_mse: float = 0.0) -> torch.Tensor:
+    """PSNR in dB, 10 log10(data_range^2 / MSE), the mean squared error over `dim` (None: every element).
+
+    +inf where a and b are identical, unless `min_mse` > 0 floors the MSE (a finite value to log or average).
+    Computed in the inputs' float dtype, at least float32 (uint8 frames: float32; pass float64 for float64)."""
+    if a.shape != b.shape:
+        raise ValueError(f"psnr of tensors of different shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    mse = (a.to(dtype) - b.to(dtype)).pow(2)
+    mse = mse.mean() if dim is None else mse.mean(dim)
+    if min_mse > 0:
+        mse = mse.clamp_min(min_mse)
+    return 10 * torch.log10(data_range**2 / mse)
