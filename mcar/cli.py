@@ -33,7 +33,7 @@ TOOLS = {
 
 def usage() -> str:
     width = max(map(len, TOOLS))
-    return (f"usage: mcar <tool> [overrides]\n\n" + "\n".join(f"  {n:<{width}}  {what}" for n, what in TOOLS.items())
+    return ("usage: mcar <tool> [overrides]\n\n" + "\n".join(f"  {n:<{width}}  {what}" for n, what in TOOLS.items())
             + "\n\n`mcar <tool> --help` shows a tool's config (conf/<tool>.yaml) and how to override it.")
 
 

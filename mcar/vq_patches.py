@@ -1,73 +1,7 @@
-"""Fit a patch VQ (mcar.tokenizer.patch_vq) on the frames of a folder of episodes (mp4), and report it.
+"""`python -m mcar.vq_patches`, kept for existing commands: the same as `mcar vq_patches` (mcar/tools/vq_patches.py)."""
+import sys
 
-    python -m mcar.vq_patches data/crafter/<setting>/episodes --out mcar/assets/vq_crafter_tiles --codes 256
-
-The committed `vq_crafter_tiles` (conf/vq/tiles.yaml) was made with this command on the training episodes of
-`data=crafter_tiles` (the last 2 episodes by name are held out and measured here: PSNR and codes used).
-"""
-from __future__ import annotations
-
-import argparse
-import json
-import time
-from pathlib import Path
-
-import numpy as np
-import torch
-
-from mcar.tokenizer import quality
-from mcar.tokenizer.patch_vq import fit_patch_vq
-from mcar.tokenizer.video import read_mp4
-from mcar.tokenizer.vq import decode_tokens, encode_tokens, to_uint8
-
-
-def read_frames(paths: list[Path]) -> torch.Tensor:
-    frames = []
-    for p in paths:
-        video, err = read_mp4(p)
-        if err:
-            print(f"{p}: {err} (using the {len(video)} frames that decoded)")
-        frames.append(video)
-    return torch.from_numpy(np.concatenate(frames))
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """PSNR in dB of uint8 frames over all their pixels; inf where identical."""
-    return quality.psnr(a, b, data_range=255.0).item()
-
-
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("episodes", help="a folder of <name>.mp4 episodes")
-    ap.add_argument("--out", required=True, help="the PatchVQ folder to write (config.json + safetensors)")
-    ap.add_argument("--codes", type=int, default=256)
-    ap.add_argument("--patch", type=int, default=16)
-    ap.add_argument("--held-out", type=int, default=2, help="the last N episodes by name are only measured")
-    ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    mp4s = sorted(Path(a.episodes).glob("*.mp4"))
-    if len(mp4s) <= a.held_out:
-        raise SystemExit(f"{a.episodes}: {len(mp4s)} mp4 episodes, need more than --held-out={a.held_out}")
-    train, held = mp4s[: len(mp4s) - a.held_out], mp4s[len(mp4s) - a.held_out:]
-    t0 = time.time()
-    vq, stats = fit_patch_vq(read_frames(train), a.patch, a.codes, a.iters, a.seed)
-    held_frames = read_frames(held) if held else None
-    if held_frames is not None:
-        ids = torch.cat([encode_tokens(vq, f) for f in held_frames.split(64)])
-        rec = torch.cat([to_uint8(decode_tokens(vq, i)) for i in ids.split(64)])
-        exact = (rec == held_frames).all(-1).unfold(1, a.patch, a.patch).unfold(2, a.patch, a.patch)
-        stats.update(held_out_frames=len(held_frames), held_out_psnr=round(psnr(rec, held_frames), 2),
-                     held_out_exact_patches=round(float(exact.flatten(-2).all(-1).float().mean()), 4),
-                     held_out_codes_used=int(ids.unique().numel()))
-    stats.update(train_episodes=len(train), seconds=round(time.time() - t0, 1), command=" ".join(
-        ["python -m mcar.vq_patches", a.episodes, f"--out {a.out}", f"--codes {a.codes}", f"--patch {a.patch}",
-         f"--held-out {a.held_out}", f"--iters {a.iters}", f"--seed {a.seed}"]))
-    vq.save_pretrained(a.out)
-    (Path(a.out) / "metrics.json").write_text(json.dumps(stats, indent=1) + "\n")
-    print(json.dumps(stats))
-    return stats
-
+from mcar.cli import main
 
 if __name__ == "__main__":
-    main()
+    main(["vq_patches", *sys.argv[1:]])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staged GPU check (mcar/gpucheck.py): each stage in its own process under a timeout, writing <stage>.json into
+# The staged GPU check (mcar/eval/gpu_check.py): each stage in its own process under a timeout, writing <stage>.json into
 # the output folder; a stage whose JSON is already there is skipped (run again after a kill or a timeout: it
 # resumes), then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included).
 #

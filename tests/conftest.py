@@ -59,7 +59,8 @@ def compose(config_name: str = "train", overrides: list[str] = ()):
     from mcar.hydra_app import register_resolvers
 
     register_resolvers()
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         return hydra_compose(config_name=config_name, overrides=list(overrides))

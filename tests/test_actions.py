@@ -2,8 +2,19 @@
 import numpy as np
 import pytest
 
-from mcar.tokenizer.actions import (CAM_BINS, CAM_ZERO_BIN, CRAFTER_ACTIONS, VPT_OFFSETS, VPT_SLOTS, VPT_VOCAB, CrafterActions,
-                          VPTActions, action_space, bin_to_camera, camera_to_bin)
+from mcar.tokenizer.actions import (
+    CAM_BINS,
+    CAM_ZERO_BIN,
+    CRAFTER_ACTIONS,
+    VPT_OFFSETS,
+    VPT_SLOTS,
+    VPT_VOCAB,
+    CrafterActions,
+    VPTActions,
+    action_space,
+    bin_to_camera,
+    camera_to_bin,
+)
 
 
 def test_camera_mu_law_bins():

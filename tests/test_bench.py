@@ -7,11 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcar.eval.speed import fit_pass_costs
-
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler
+from mcar.eval.speed import fit_pass_costs
 from tests.conftest import run_script
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
@@ -19,7 +18,8 @@ TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3"
 SAMPLER_FIELDS = {"model", "params", "device", "dtype", "sampler", "k", "d", "batch_size", "frames_generated",
                   "passes", "tokens_generated", "seconds", "fps", "tokens_per_s", "ms_per_pass",
                   "bare_forward_ms_per_pass", "fps_per_stream", "fps_total", "bytes_per_pass", "bandwidth",
-                  "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass", "visible_cols_per_pass",
+                  "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass",
+                  "visible_cols_per_pass",
                   "cache_cols_per_pass", "buckets", "pass_costs"}
 PASS_COST_FIELDS = {"prefill_ms", "prefill_rows", "fixed_ms", "ms_per_row", "us_per_col", "r2", "ms_by_rows",
                     "mean_ms"}

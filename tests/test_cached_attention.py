@@ -113,9 +113,9 @@ def tiny_checkpoint(tmp_path):
 
 
 def test_load_model_dtype(tmp_path):
-    from mcar.eval.checkpoint import load_model, sampling_dtype
     from mcar.core.layout import Layout
     from mcar.core.sampler import ScheduleSampler
+    from mcar.eval.checkpoint import load_model, sampling_dtype
 
     path = tiny_checkpoint(tmp_path)
     fp32, _ = load_model(path, "cpu")  # the default on CPU: unchanged
@@ -146,7 +146,7 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
     """evaluate and generate ask load_model for bfloat16 on a (mocked) CUDA device, float32 on CPU."""
     import importlib
 
-    mod = importlib.import_module({"evaluate": "mcar.eval.evaluate"}.get(entry, f"mcar.{entry}"))
+    mod = importlib.import_module({"evaluate": "mcar.eval.evaluate"}.get(entry, f"mcar.tools.{entry}"))
     seen = {}
 
     def fake_load_model(ckpt, device, dtype=None):

@@ -6,9 +6,10 @@ submitit's submission (sbatch) is replaced by a capture, so the sbatch script th
 import os
 
 import pytest
-from hydra import compose as hydra_compose, initialize_config_dir
-from hydra.types import RunMode
 import submitit  # the test extra installs hydra-submitit-launcher: a missing plugin fails here, not skips
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.types import RunMode
 from hydra.utils import instantiate
 
 from .conftest import CONF

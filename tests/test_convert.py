@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from mcar.tools.convert import convert_mineworld, main
 from mcar.core.layout import Layout
 from mcar.core.masks import CausalMask
 from mcar.core.sampler import ScheduleSampler
+from mcar.tools.convert import convert_mineworld, main
 
-transformers = pytest.importorskip("transformers", reason="the parity test needs transformers: pip install -e '.[convert]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="the parity test needs transformers: pip install -e '.[convert]'")
 
 LAYOUT, FRAMES, CODES = Layout(3, 4, 2), 3, 32  # 14 slots per frame: 12 image tokens then 2 actions
 

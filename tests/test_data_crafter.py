@@ -12,7 +12,7 @@ from mcar.data.common import StepBatches
 from mcar.data.crafter import CrafterDataModule
 from mcar.data.crafter_gen import ACTIONS, generate, play_episode
 from mcar.tokenizer.video import read_mp4
-from mcar.tokenizer.vq import save_vq
+from mcar.tokenizer.vq_model import save_vq
 from tests.test_data_vpt import tiny_vq
 
 CRAFTER_CONF = OmegaConf.load(Path(__file__).parents[1] / "mcar" / "conf" / "data" / "crafter.yaml")
@@ -96,13 +96,13 @@ def test_prepare_is_cached(crafter_dm, capsys):
 
 def test_mismatched_config_is_a_clear_error(crafter_dm):
     dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
-                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=1024,
-                           action_vocab_size=17, clip_frames=4, batch_size=2)
+                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1,
+                           codebook_size=1024, action_vocab_size=17, clip_frames=4, batch_size=2)
     with pytest.raises(ValueError, match="codebook_size=16 but data.codebook_size=1024"):
         dm.setup()
     dm = CrafterDataModule(root=str(crafter_dm.root), episodes=3, frames_per_episode=24, workers=1,
-                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1, codebook_size=16,
-                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=3)
+                           policy_mix={"explorer": 1.0}, vq_path=crafter_dm.vq_path, h=14, w=24, n_a=1,
+                           codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=3)
     with pytest.raises(ValueError, match="data.val_episodes=3"):
         dm.setup()
 

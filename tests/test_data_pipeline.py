@@ -5,13 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from mcar.core.layout import Layout
 from mcar.data.common import EpochPermutation, StepBatches, clip_indices
 from mcar.data.synthetic import SHIFTS, SyntheticClips, SyntheticDataModule
 
 from .conftest import compose
-from mcar.core.layout import Layout
 
 SIZES = [1, 2, 3, 4, 5, 7, 15, 16, 17, 63, 64, 65, 97, 256, 1000, 1021, 1024, 4096, 4099]
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.data.episodes import read_episode_actions
 from mcar.data.tokenize import tokenize_dir
-from mcar.tokenizer.video import write_mp4
 from mcar.data.vpt_actions import parse_vpt
-from mcar.tokenizer.vq import build_vq
+from mcar.tokenizer.actions import VPT_OFFSETS
+from mcar.tokenizer.video import write_mp4
+from mcar.tokenizer.vq_model import build_vq
 
 SIZE = (224, 384)  # the frame size of data=vpt: 14 x 24 tokens, x16
 TINY_VQ = dict(block_out_channels=[8, 8, 8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 5,
@@ -42,7 +42,8 @@ RECORDS = [
     rec(keys=[K + "w", K + "s"], dx=13, dy=-4),  # 2 both of a pair -> null pair; camera 1.95 deg yaw (float)
     rec(keys=[K + "e"], gui=True, dx=50),  # 3 inventory open: GUI frame, dropped
     rec(hotbar=2),  # 4 scroll wheel 0 -> 2: hotbar.3, not null
-    rec(keys=[K + "left.control", K + "t"], buttons=[0], new_buttons=[0], hotbar=2),  # 5 real attack + sprint; "t" unknown
+    # 5 real attack + sprint; "t" unknown
+    rec(keys=[K + "left.control", K + "t"], buttons=[0], new_buttons=[0], hotbar=2),
     rec(hotbar=2),  # 6 null, dropped
     rec(keys=[K + "5", K + "a", K + "d", K + "space", K + "q", K + "left.shift"], buttons=[1], hotbar=4),  # 7
     rec(dy=1200, dx=-3, hotbar=4),  # 8 pitch 180 deg -> clipped to the last bin; yaw -0.45 -> zero bin

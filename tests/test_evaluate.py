@@ -132,6 +132,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     from mcar.eval.generation import reference_clips
     from mcar.eval.scoring import Scorer, score, score_rows
     from mcar.tokenizer.clips import join_clip
+
     from .test_data_vpt import tiny_vq
 
     layout, cb, T, P = Layout(2, 3, 1), 16, 5, 1

@@ -5,11 +5,11 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import mcar.core.model
-from mcar.core.masks import DiagDMask
 from mcar.core.layout import Layout
-from mcar.core.visibility import SlotTable, block_stats, causal_table
+from mcar.core.masks import DiagDMask
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import Schedule
+from mcar.core.visibility import SlotTable, block_stats, causal_table
 
 PAPER = Layout(14, 24, 11)  # MC-AR / MineWorld: 16-frame clips, one prompt frame
 FRAMES = 16

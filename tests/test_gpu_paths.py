@@ -11,7 +11,6 @@
 import re
 
 import pytest
-
 import torch
 from torch._dynamo.testing import CompileCounter
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from mcar.train.memory import count_params, fit_activations, measure_step_peak, plan
 from mcar.core.model import ModelConfig, Transformer
+from mcar.train.memory import count_params, fit_activations, measure_step_peak, plan
 
 from .conftest import REPO, script_env
 

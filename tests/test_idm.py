@@ -3,8 +3,7 @@ code grids whose action is a known shift, and the per-action precision / recall 
 import pytest
 import torch
 
-from mcar.eval.idm import (InverseDynamics, MOVES, PR_COLUMNS, action_pr, fit, load_idm, random_codebook,
-                           save_idm)
+from mcar.eval.idm import MOVES, PR_COLUMNS, InverseDynamics, action_pr, fit, load_idm, random_codebook, save_idm
 
 NAMES = {0: "noop", 1: "move_left", 2: "move_right", 3: "move_up", 4: "move_down"}
 

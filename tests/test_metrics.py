@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from mcar.core.layout import Layout
 from mcar.eval import metrics as M
 from mcar.eval.idm import InverseDynamics, action_scores, check_idm_fits, frame_pairs
-from mcar.core.layout import Layout
 
 
 def scipy_frechet(f1: np.ndarray, f2: np.ndarray) -> float:
@@ -121,7 +121,7 @@ def test_an_idm_of_other_tokens_is_unavailable_with_the_reason():
 
 def test_mask_image_is_the_pooled_dense_mask():
     from mcar.core.schedule import Schedule
-    from mcar.tokenizer.render import mask_image
+    from mcar.tokenizer.pictures import mask_image
 
     table = Schedule(Layout(3, 4, 2), 3, 1, k=2).table()
     dense = table.dense().float()

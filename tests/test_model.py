@@ -1,12 +1,13 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcar.core.layout import Layout
 from mcar.core.masks import CausalMask
-from mcar.core.visibility import SlotTable, causal_table
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.rope import RoPE3D, apply_rope, rope_sections
+from mcar.core.visibility import SlotTable, causal_table
 
 from .conftest import compose
 

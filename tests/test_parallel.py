@@ -9,13 +9,13 @@ import pytest
 import torch
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from mcar.train.dashboard import generate_eager
 from mcar.core.layout import Layout
-from mcar.train.module import MCARModule
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
-from mcar.train.parallel import apply_activation_checkpointing, apply_compile, is_checkpointed
 from mcar.core.sampler import build_sampler
+from mcar.train.dashboard import generate_eager
+from mcar.train.module import MCARModule
+from mcar.train.parallel import apply_activation_checkpointing, apply_compile, is_checkpointed
 
 from .conftest import SMALL_DATA, compose, job_overrides, run_script
 
@@ -60,7 +60,8 @@ def module_with_grads() -> MCARModule:
     return m
 
 
-@pytest.mark.parametrize("algorithm", list(GradClipAlgorithmType))  # what Lightning passes (trainer.gradient_clip_algorithm)
+# what Lightning passes (trainer.gradient_clip_algorithm)
+@pytest.mark.parametrize("algorithm", list(GradClipAlgorithmType))
 def test_clipping_clips_and_logs_the_norm_before_clipping(monkeypatch, algorithm):
     m = module_with_grads()
     logged = {}

@@ -6,13 +6,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mcar.core.masks import DiagDMask
-from mcar.core.layout import Layout
-from mcar.core.masks import IGNORE, CausalMask, build_mask_factory, next_token_targets
-from mcar.core.visibility import SlotTable
-from mcar.core.model import ModelConfig, Transformer
 from mcar.core.keyed_rng import keyed_exponential
+from mcar.core.layout import Layout
+from mcar.core.masks import IGNORE, CausalMask, DiagDMask, build_mask_factory, next_token_targets
+from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler, build_sampler, filtered_probs
+from mcar.core.visibility import SlotTable
+
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None, key: torch.Tensor | None = None) -> torch.Tensor:

@@ -128,12 +128,13 @@ def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
 
 def test_start_frames_from_a_held_out_clip():
     """prompt=<held-out clip id> with 2 start frames (schedule.prompt_frames=2), local action ids (n_a = 2)."""
-    from mcar.eval.generation import held_out_source
-    from mcar.tools.play import build_session
-    from .test_cached_attention import tiny_checkpoint
-
     import tempfile
     from pathlib import Path
+
+    from mcar.eval.generation import held_out_source
+    from mcar.tools.play import build_session
+
+    from .test_cached_attention import tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_checkpoint(Path(tmp))  # h=3, w=4, n_a=2, clip_frames=3

@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 import mcar.core.compiling as compiling
 import mcar.core.keyed_rng as keyed_rng
 import mcar.core.sampler as sampler_mod
-from mcar.core.layout import Layout
-from mcar.core.model import ModelConfig, Transformer
 from mcar.core.buckets import pass_widths
 from mcar.core.keyed_rng import keyed_exponential
+from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler, build_sampler
 
 from .test_parity import clip_for, sample  # the same (V, T) clips

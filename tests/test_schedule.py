@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcar.core.layout import Layout
-from mcar.core.visibility import causal_table
 from mcar.core.schedule import Schedule
+from mcar.core.visibility import causal_table
 
 MCAR = Layout(14, 24, 11)
 

@@ -1,13 +1,12 @@
 """The committed action-following model (checkpoints/shipped/crafter_tiles_diagd: experiment=crafter_tiles + 150 steps
 of exact DiagD fine-tuning): press a move key in mcar.play and the world moves the way Crafter itself moves it."""
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from mcar.tokenizer.vq import encode_tokens, load_vq
+from mcar.tokenizer.vq_model import encode_tokens, load_vq
 from tests.conftest import REPO, compose
 
 SHIPPED = REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd"
@@ -44,8 +43,9 @@ def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
 
     start, truth = crafter_start(0)
     Image.fromarray(start).save(tmp_path / "start.png")
-    session = build_session(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles", f"prompt_image={tmp_path}/start.png",
-                                             "sampler.temperature=0", "threads=1"]))
+    session = build_session(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles",
+                                             f"prompt_image={tmp_path}/start.png", "sampler.temperature=0",
+                                             "threads=1"]))
     vq = load_vq(compose("play", ["data=crafter_tiles"]).vq.path)
     tokens = lambda frame: encode_tokens(vq, torch.from_numpy(np.ascontiguousarray(frame))[None])[0]
     t0 = tokens(start)[1:12, 1:23]  # the map's interior

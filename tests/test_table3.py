@@ -1,4 +1,4 @@
-"""Crafter table 3 (mcar/eval/table3.py): the gap formula, the RESULTS.md section, config checks, and the whole
+"""Crafter table 3 (mcar/tools/table3.py): the gap formula, the RESULTS.md section, config checks, and the whole
 pipeline (pre-train, IDM, evaluations, three fine-tunings, table) on a tiny synthetic setting, re-run = no-op."""
 import json
 import math
@@ -66,7 +66,8 @@ TINY = [*SMALL_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", "che
         "table3.finetune.overrides=['trainer.val_check_interval=2','checkpoint.every_n_steps=2']",
         "table3.idm=['steps=4','eval_every=2','batch_size=8']",
         "table3.evaluate=['n_clips=2','batch_size=2','videos=1','logger=none']",
-        "~table3.samplers.diagd_k1", "~table3.samplers.diagd_k4", "table3.samplers.diagd_k2_d28=['sampler=diagd','schedule.k=2','schedule.d=5']"]
+        "~table3.samplers.diagd_k1", "~table3.samplers.diagd_k4",
+        "table3.samplers.diagd_k2_d28=['sampler=diagd','schedule.k=2','schedule.d=5']"]
 
 
 @pytest.mark.slow

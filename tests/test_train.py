@@ -13,12 +13,13 @@ import lightning as L
 import pytest
 import torch
 from hydra.errors import HydraException
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from mcar.hydra_app import to_dict
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
 from mcar.eval.evaluate import load_model
+from mcar.hydra_app import to_dict
 from mcar.train.module import MCARModule, warmup_cosine
 from mcar.train.task import build_module
 
@@ -323,7 +324,7 @@ def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
 
 
 def test_piped_training_shows_progress(tmp_path):
-    """Lightning's rich bar prints nothing into a pipe (nohup logs, mcar.eval.table3 stages): tqdm lines must."""
+    """Lightning's rich bar prints nothing into a pipe (nohup logs, mcar.tools.table3 stages): tqdm lines must."""
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "train"), "trainer.max_steps=3",
                    "trainer.val_check_interval=3", "log_every_n_steps=1", "logger=none", "val_dashboard.n_clips=0")
     assert re.search(r"Epoch 0: .*3/\S+ \[", p.stdout + p.stderr), (p.stdout + p.stderr)[-2000:]

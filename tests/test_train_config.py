@@ -8,8 +8,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 
-from mcar.train.module import MCARModule, legacy_optim
 from mcar.train.callbacks import Checkpoints, SeenClips, build_callbacks
+from mcar.train.module import MCARModule, legacy_optim
 from mcar.train.task import build_module, build_trainer
 
 from .conftest import REPO, SMALL_DATA, compose, run_script

@@ -2,14 +2,22 @@
 measures, and the documented training command end to end (tiny)."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from diffusers import VQModel
 from omegaconf import OmegaConf
 
-from mcar.tokenizer.vq import SMALL_WEIGHTS, L2Quantizer, build_vq, decode_tokens, encode_tokens, load_vq, save_vq, vq_id
+from mcar.tokenizer.vq_model import (
+    SMALL_WEIGHTS,
+    L2Quantizer,
+    build_vq,
+    decode_tokens,
+    encode_tokens,
+    load_vq,
+    save_vq,
+    vq_id,
+)
 from tests.conftest import REPO, script_env
 from tests.test_data_vpt import TINY_VQ
 
@@ -54,7 +62,7 @@ def test_l2_quantizer_exports_to_a_plain_vqmodel(tmp_path):
 
 
 def test_kmeans_init_and_dead_code_restarts():
-    from mcar.train.vq import VQLit
+    from mcar.train.vq_training import VQLit
 
     cfg = OmegaConf.create({"init_from": None, "l2_codes": True, "vq": {"arch": TINY_VQ}, "seed": 0,
                             "dead_threshold": 0.01})
@@ -88,7 +96,7 @@ def test_committed_small_vq_loads():
 @pytest.mark.slow
 def test_vq_train_command_tiny(tmp_path):
     """`python -m mcar.vq_train` on generated Crafter episodes, tiny: best/ + last/ folders, metrics, PNG, resume."""
-    base = [sys.executable, "-m", "mcar.train.vq", f"episodes={tmp_path}/eps", f"out={tmp_path}/out",
+    base = [sys.executable, "-m", "mcar.train.vq_training", f"episodes={tmp_path}/eps", f"out={tmp_path}/out",
             "generate.episodes=3", "generate.frames=8", "generate.workers=1", "val_episodes=1", "val_per_episode=4",
             "val_stride=2", "crop=[64,64]", "batch_size=2", "val_every=3", "ckpt_every=3", "print_every=1",
             "kmeans_batches=1", "vq.arch.block_out_channels=[8,8,8,8,8]", "vq.arch.norm_num_groups=4",

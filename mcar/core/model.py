@@ -1,4 +1,5 @@
-"""A LLaMA-style decoder with 3D RoPE (or 1D, `rope`): pre-norm RMSNorm, SwiGLU, no biases, optional GQA, untied embeddings.
+"""A LLaMA-style decoder with 3D RoPE (or 1D, `rope`): pre-norm RMSNorm, SwiGLU, no biases, optional GQA, untied
+embeddings.
 
 Two ways to run it:
 - parallel (training, one-pass parity forward): `model(tokens, coords, mask)` with `mask` a dense boolean

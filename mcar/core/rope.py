@@ -52,7 +52,8 @@ class RoPE1D(nn.Module):
     def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """coords (..., S, 4) long -> cos, sin (..., S, D/2) float32."""
         if coords.shape[-1] != 4:
-            raise ValueError(f"1D RoPE reads the position column of Layout.coords (..., S, 4); got {tuple(coords.shape)}")
+            raise ValueError(f"1D RoPE reads the position column of Layout.coords (..., S, 4); "
+                             f"got {tuple(coords.shape)}")
         angle = coords[..., 3:].float() * self.inv_freq  # (..., S, D/2)
         return angle.cos(), angle.sin()
 

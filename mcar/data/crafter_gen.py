@@ -227,7 +227,9 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     return names
 
 
-if __name__ == "__main__":  # the old spelling of `mcar crafter_gen` (a name, not an import: tools sit above data)
-    import importlib
+if __name__ == "__main__":  # the old spelling of `mcar crafter_gen`: handed to the command line by name
+    import runpy
+    import sys
 
-    importlib.import_module("mcar.tools.crafter_gen").main()
+    sys.argv[1:1] = ["crafter_gen"]
+    runpy.run_module("mcar.cli", run_name="__main__")

@@ -19,7 +19,7 @@ from mcar.tokenizer.clips import join_clip
 def read_index(folder: str | Path) -> dict:
     f = Path(folder) / "index.json"
     if not f.exists():
-        raise FileNotFoundError(f"{f} not found: run the tokenisation job first (python -m mcar.data.tokenize)")
+        raise FileNotFoundError(f"{f} not found: run the tokenisation job first (mcar tokenize)")
     return json.loads(f.read_text())
 
 

@@ -48,7 +48,7 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
                      ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """-> (frame tokens (T, h, w) uint16 of the frames resized to size = (H, W) (None: as stored), action ids
     (T, n_a) uint16 in the action space `space` (None: the source's), notes). Raises EpisodeError if unusable."""
-    from mcar.tokenizer.vq import encode_tokens
+    from mcar.tokenizer.vq_model import encode_tokens
 
     ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui, space)
     if len(ids) == 0:
@@ -162,7 +162,9 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
     return index
 
 
-if __name__ == "__main__":  # the old spelling of `mcar tokenize` (a name, not an import: tools sit above data)
-    import importlib
+if __name__ == "__main__":  # the old spelling of `mcar tokenize`: handed to the command line by name
+    import runpy
+    import sys
 
-    importlib.import_module("mcar.tools.tokenize").main()
+    sys.argv[1:1] = ["tokenize"]
+    runpy.run_module("mcar.cli", run_name="__main__")

@@ -31,7 +31,7 @@ class VPTDataModule(TokenDataModule):
 
     @property
     def tokens_dir(self) -> Path:
-        from mcar.tokenizer.vq import vq_id
+        from mcar.tokenizer.vq_model import vq_id
 
         filters = ("" if self.drop_null else "_keepnull") + ("" if self.drop_gui else "_keepgui")
         space = "" if self.actions == "vpt" else f"_{self.actions}"
@@ -39,7 +39,7 @@ class VPTDataModule(TokenDataModule):
 
     def prepare_data(self) -> None:
         from mcar.data.tokenize import tokenize_dir
-        from mcar.tokenizer.vq import frame_size, load_vq, vq_id
+        from mcar.tokenizer.vq_model import frame_size, load_vq, vq_id
 
         if self.vq_path is None:
             print("warning: data=vpt with the small Crafter VQ; set vq.path to a VQ trained on Minecraft")

@@ -1,13 +1,13 @@
 """Evaluate a world model as the paper does: held-out clips, P prompt frames + every action as the prompt,
 generate the rest, compare with the ground truth. One results row per sampler setting.
 
-    python -m mcar.evaluate ckpt=checkpoints/<run>/last.ckpt data=crafter sampler=diagd schedule.k=2
-    python -m mcar.evaluate -m ckpt=... 'sampler=ntp,diagd' n_clips=16     # rows gather in <sweep dir>/results.*
-    python -m mcar.evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
+    mcar evaluate ckpt=checkpoints/<run>/last.ckpt data=crafter sampler=diagd schedule.k=2
+    mcar evaluate -m ckpt=... 'sampler=ntp,diagd' n_clips=16     # rows gather in <sweep dir>/results.*
+    mcar evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
 
 Columns: FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generated vs ground-truth frames (both
 decoded by the VQ, so the VQ's own loss is not counted), the action-following macro F1 of the inverse-dynamics
-model (`python -m mcar.idm`) on generated frame pairs vs the conditioning actions (and on ground-truth pairs, its
+model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth pairs, its
 ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per clip,
 i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
 schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation
@@ -27,17 +27,24 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from mcar.hydra_app import to_dict
+from mcar.core.devices import resolve_device
 from mcar.core.sampler import build_sampler
 from mcar.eval import metrics as M
 from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype
-from mcar.eval.generation import (generate_clips, held_out_data, load_vq_for, pick_clips, reference_clips,
-                                  sampler_label, teacher_forced_loss)
+from mcar.eval.generation import (
+    generate_clips,
+    held_out_data,
+    load_vq_for,
+    pick_clips,
+    reference_clips,
+    sampler_label,
+    teacher_forced_loss,
+)
 from mcar.eval.idm import action_names, check_idm_fits, load_idm
 from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_table, write_videos
 from mcar.eval.scoring import Scorer, score_rows
-from mcar.tokenizer.devices import resolve_device
-from mcar.tokenizer.render import mask_image, schedule_table, write_png
+from mcar.hydra_app import to_dict
+from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
 
 log = logging.getLogger("mcar.eval.evaluate")
 

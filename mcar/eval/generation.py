@@ -6,8 +6,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
+from mcar.core.devices import sync
 from mcar.core.schedule import ScheduleConfig
-from mcar.tokenizer.devices import sync
 from mcar.data.common import build_datamodule
 
 
@@ -42,7 +42,7 @@ def pick_clips(source, n_clips: int, ids=None) -> list[int]:
 
 def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
     """The VQ that decodes the data's tokens (vq.path; the committed small VQ when the data names none)."""
-    from mcar.tokenizer.vq import load_vq
+    from mcar.tokenizer.vq_model import load_vq
 
     return load_vq(OmegaConf.select(cfg, "vq.path", default=None)).to(device)
 
@@ -50,8 +50,8 @@ def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
 def load_for_sampling(cfg: DictConfig):
     """A sampling job's (module, hyperparameters, VQ, device): cfg.ckpt on cfg.device in cfg.dtype, checked against
     cfg.data, and the VQ that decodes the data's tokens (mcar.generate, mcar.play)."""
+    from mcar.core.devices import resolve_device
     from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
-    from mcar.tokenizer.devices import resolve_device
 
     device = resolve_device(cfg.device)
     module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))

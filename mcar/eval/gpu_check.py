@@ -1,4 +1,5 @@
-"""`mcar bench memory|gpu` (mcar/tools/bench.py): the planned training memory, and the one check a GPU machine runs first.
+"""`mcar bench memory|gpu` (mcar/tools/bench.py): the planned training memory, and the one check a GPU machine
+runs first.
 
 memory: the peak memory per device that the configured training step will need (mcar.train.memory), the largest batch
 that fits bench.memory.budget_gib with and without activation checkpointing, and a whole-model measurement on
@@ -33,15 +34,15 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.hydra_app import to_dict
+from mcar.core.devices import resolve_device, sync
 from mcar.core.flops import mfu, peak_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
-from mcar.train.memory import GiB, measure_step_peak, plan_training
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
 from mcar.eval.speed import run_sampler
-from mcar.tokenizer.devices import resolve_device, sync
+from mcar.hydra_app import to_dict
+from mcar.train.memory import GiB, measure_step_peak, plan_training
 
 
 def training_shape(cfg: DictConfig) -> dict:
@@ -194,7 +195,8 @@ def flex_check(cfg: DictConfig) -> dict:
 
 
 SAMPLER_KEYS = ("sampler", "k", "clip_frames", "passes", "fps", "ms_per_pass", "bare_forward_ms_per_pass", "overhead",
-                "bytes_per_pass", "bandwidth", "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass", "padded_rows_per_pass",
+                "bytes_per_pass", "bandwidth", "floor_ms_per_pass", "bandwidth_fraction", "rows_per_pass",
+                "padded_rows_per_pass",
                 "visible_cols_per_pass", "cache_cols_per_pass", "buckets", "dtype", "static", "compile", "device_name")
 
 
@@ -338,7 +340,8 @@ def markdown(r: dict) -> str:
         mfu_ = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else na
         lines.append(f"| {t['mask']} | {t['precision']} | {t['compile']} | {t['activation_checkpointing']} | "
                      f"{t['batch_size']} x {t['seq_len']} | {t['ms_per_step']} | {t['tokens_per_s']:,.0f} | "
-                     f"{t['tflops_per_s']} | {mfu_} | {t['host_syncs_per_step'] if t['host_syncs_per_step'] is not None else na} | "
+                     f"{t['tflops_per_s']} | {mfu_} | "
+                     f"{t['host_syncs_per_step'] if t['host_syncs_per_step'] is not None else na} | "
                      f"{t['peak_allocated_gib'] or na} / {t['peak_reserved_gib'] or na} |")
     lines += ["", "| sampler | frames | passes | ms/pass | floor ms/pass | over floor | frames/s | rows/pass | "
               "cache cols/pass | compiled |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -4,8 +4,8 @@ MineWorld scores action following with VPT's IDM; we train our own on the same d
 VQ tokens read as the VQ's frozen code vectors (so generated clips are scored without decoding, and two codes
 for one texture look alike), and report its held-out accuracy so the score can be trusted. Train it:
 
-    python -m mcar.idm data=crafter                 # -> checkpoints/idm-crafter/idm.pt + metrics.json
-    python -m mcar.idm data=crafter steps=1000 hidden=32   # + a CNN
+    mcar idm data=crafter                 # -> checkpoints/idm-crafter/idm.pt + metrics.json
+    mcar idm data=crafter steps=1000 hidden=32   # + a CNN
 
 Frame t's action a[t] is taken after seeing frame t and leads to frame t+1 (the layout of docs/diagd.md), so the
 IDM reads (frame t, frame t+1) and predicts the n_a action tokens a[t] (local ids, before the codebook offset).
@@ -15,8 +15,8 @@ generated frame pairs against the conditioning actions, as MineWorld reports.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -28,9 +28,9 @@ from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 from mcar.core.layout import Layout
+from mcar.data.common import build_datamodule
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
-from mcar.data.common import build_datamodule
 
 log = logging.getLogger("mcar.eval.idm")
 
@@ -188,7 +188,7 @@ def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | 
 
 def action_names(data, action_vocab_size: int) -> dict[int, str]:
     """Readable names of local action ids where the data config's action space is Crafter's, else the ids."""
-    from mcar.tokenizer.render import data_action_space
+    from mcar.tokenizer.pictures import data_action_space
 
     if data_action_space(data) == "crafter":
         from mcar.tokenizer.actions import CRAFTER_ACTIONS
@@ -213,11 +213,11 @@ def check_idm_fits(idm, datamodule, codebook_size: int, n_a: int, action_vocab_s
     c, want = idm.config, tokens_name(datamodule)
     if (c["codebook_size"], c["n_a"], c["action_vocab_size"]) != (codebook_size, n_a, action_vocab_size):
         return Unavailable(f"the IDM was trained for codebook {c['codebook_size']}, n_a {c['n_a']}, "
-                           f"{c['action_vocab_size']} actions, not this data's: retrain it (python -m mcar.idm)")
+                           f"{c['action_vocab_size']} actions, not this data's: retrain it (mcar idm)")
     have = idm.meta.get("tokens")
     if have and want and have != want:
         return Unavailable(f"the IDM was trained on {have}, the data is {want} (another VQ): retrain it "
-                           f"(python -m mcar.idm)")
+                           f"(mcar idm)")
     return idm
 
 
@@ -229,15 +229,15 @@ def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
 
 
 def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Unavailable:
-    """The IDM saved by `python -m mcar.idm`, or Unavailable naming the path to train it to."""
+    """The IDM saved by `mcar idm`, or Unavailable naming the path to train it to."""
     if not path:
-        return Unavailable(f"no inverse-dynamics model: set {config_key}=/path/idm.pt (python -m mcar.idm)")
+        return Unavailable(f"no inverse-dynamics model: set {config_key}=/path/idm.pt (mcar idm)")
     if not Path(path).is_file():
-        return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: python -m mcar.idm)")
+        return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: mcar idm)")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if "codebook" not in ckpt["state_dict"]:  # the token-id IDM (learned id embeddings) of before 2026-11-22
         return Unavailable(f"{config_key}={path} is an old token-id IDM (no VQ codebook in it): retrain it "
-                           f"(python -m mcar.idm)")
+                           f"(mcar idm)")
     model = InverseDynamics(**ckpt["config"], codebook=ckpt["state_dict"]["codebook"])
     model.load_state_dict(ckpt["state_dict"])
     model.meta = ckpt.get("meta", {})
@@ -296,7 +296,7 @@ def idm_codebook(datamodule, codebook_size: int, code_dim: int) -> tuple[torch.T
     and its vq_id; data without a VQ (synthetic): a fixed random codebook of `code_dim` and None."""
     if not hasattr(datamodule, "resolved_vq_path"):
         return random_codebook(codebook_size, code_dim), None
-    from mcar.tokenizer.vq import load_vq, vq_id
+    from mcar.tokenizer.vq_model import load_vq, vq_id
 
     path = datamodule.resolved_vq_path()
     return vq_codebook(load_vq(path)), vq_id(path)

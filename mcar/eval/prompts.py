@@ -12,7 +12,7 @@ from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
 from mcar.eval.generation import held_out_source
 from mcar.tokenizer.clips import join_clip
-from mcar.tokenizer.render import data_action_space
+from mcar.tokenizer.pictures import data_action_space
 
 
 def episode_clip(cfg: DictConfig, name: str, start: int, frames: int, layout: Layout) -> torch.Tensor:
@@ -40,7 +40,7 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
     """prompt_image + actions -> (N,) clip: the image's tokens, then zeros for the frames to generate."""
     from PIL import Image
 
-    from mcar.tokenizer.vq import encode_tokens, frame_size
+    from mcar.tokenizer.vq_model import encode_tokens, frame_size
 
     path = Path(cfg.prompt_image)
     if not path.is_file():

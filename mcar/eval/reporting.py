@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.eval import metrics as M
 from mcar.eval.idm import PR_COLUMNS
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
+from mcar.tokenizer.pictures import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
 from mcar.train.jobs import hydra_job
 

@@ -13,7 +13,7 @@ from mcar.core.layout import Layout
 from mcar.eval import metrics as M
 from mcar.eval.idm import MOVES, PR_COLUMNS, action_pr, action_scores, frame_pairs
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import decode_frames, invalid_image_tokens
+from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
 
 
 @dataclass(frozen=True)

@@ -11,25 +11,24 @@ memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see m
 from __future__ import annotations
 
 import functools
-import json
 import os
 import resource
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.hydra_app import to_dict
+from mcar.core.devices import resolve_device, sync
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, masked_loss
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler, forward_rows
-from mcar.tokenizer.devices import resolve_device, sync
 from mcar.data.common import build_datamodule
+from mcar.hydra_app import to_dict
+
 
 def timed(fn, device: torch.device, warmup: int, repeats: int):
     """(median seconds of fn() over `repeats` runs after `warmup` untimed ones, the last run's result)."""
@@ -88,7 +87,8 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     padded_rows_per_pass / cache_cols_per_pass: what this path runs (the static path pads to its buckets).
     bytes_per_pass: what a pass must read: the weights (less the embedding table, of which it reads a few rows)
     + K and V of its visible cache slots; floor_ms_per_pass: those bytes at the device's peak bandwidth (the time
-    no pass can beat); bandwidth_fraction: bytes_per_pass per ms_per_pass over the device's peak bandwidth (bench.bandwidth, else a table of GPUs; null on CPU). All means over every pass, prefill too.
+    no pass can beat); bandwidth_fraction: bytes_per_pass per ms_per_pass over the device's peak bandwidth
+    (bench.bandwidth, else a table of GPUs; null on CPU). All means over every pass, prefill too.
     """
     b, sched = cfg.bench, sampler.schedule(prompt_frames)
     t0 = time.perf_counter()
@@ -273,6 +273,6 @@ def bench_data(cfg: DictConfig) -> dict:
     batches = iter(loader)
     prefetched = loader.num_workers * (loader.prefetch_factor or 0)
     seconds, _ = timed(lambda: next(batches), torch.device("cpu"), int(b.warmup) + prefetched, int(b.repeats))
-    del batches, loader  # ends the loader workers before anything else runs
+    batches = loader = None  # ends the loader workers before anything else runs
     return dict(data_ms_per_step=round(1000 * seconds, 3), data_workers=dm.loader_workers(),
                 data_clips=len(dm.train_source))

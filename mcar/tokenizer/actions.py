@@ -11,7 +11,7 @@ The data pipeline adds the image codebook size to these ids, so actions live aft
 - `mineworld`: the same 11 slots and action dicts with the public MineWorld code's ids (its mcdataset.py): 23
   buttons (use, attack, forward, back, left, right, jump, sneak, sprint, drop, swapHands, pickItem, inventory,
   ESC, hotbar.1-9), the pitch and yaw bins, then <act_bos>, <null_act>, <act_eos>; 70 ids (its vocabulary of 8,262
-  = 8,192 codes + 70), for checkpoints converted with `python -m mcar.convert mineworld`.
+  = 8,192 codes + 70), for checkpoints converted with `mcar convert mineworld`.
 - `crafter`: one token per frame, the id of Crafter's action (17). Crafter's action is a single discrete choice,
   so one token carries it exactly and keeps frames short (336 + 1 slots).
 """

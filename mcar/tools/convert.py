@@ -80,7 +80,8 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     return llama, config
 
 
-def model_config(llama: dict, config: dict | None, preset: str | None, heads: int | None) -> tuple[ModelConfig, int | None]:
+def model_config(llama: dict, config: dict | None, preset: str | None,
+                 heads: int | None) -> tuple[ModelConfig, int | None]:
     """(the mcar ModelConfig, max_position_embeddings or None), checked against the weights' shapes."""
     vocab, dim = llama["model.embed_tokens.weight"].shape
     n_layers = 1 + max(int(m.group(1)) for k in llama if (m := re.match(r"model\.layers\.(\d+)\.", k)))

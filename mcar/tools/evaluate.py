@@ -1,4 +1,4 @@
-"""`mcar evaluate [hydra overrides]` (conf/evaluate.yaml): the command line of mcar.eval.evaluate.evaluate; see there."""
+"""`mcar evaluate [hydra overrides]` (conf/evaluate.yaml): the command line of mcar.eval.evaluate.evaluate."""
 from omegaconf import DictConfig
 
 from mcar.eval.evaluate import evaluate

@@ -1,4 +1,5 @@
-"""`mcar finetune mask=diagd steps=1000 [init_from=path/to.ckpt]` (= `python finetune.py`): fine-tune a pre-trained model.
+"""`mcar finetune mask=diagd steps=1000 [init_from=path/to.ckpt]` (= `python finetune.py`): fine-tune a pre-trained
+model.
 
 Starts from the weights of `init_from` (default: the newest last.ckpt of a pre-training run under checkpoints/),
 keeps that checkpoint's model config, and trains `steps` steps with a fresh optimiser into its own run dir.

@@ -7,7 +7,8 @@
 prompt: a held-out clip id (0 .. number of validation clips - 1), or an episode name of the data's token
 folder with an optional first frame. prompt_image + actions: a first frame (any size; resized to the frame the
 VQ turns into the data's h x w tokens: x16, 224x384) and one action per generated frame (Crafter action names,
-or local action ids; n_a ids per frame as a list when n_a > 1); there is no ground truth then. Writes <output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
+or local action ids; n_a ids per frame as a list when n_a > 1); there is no ground truth then. Writes
+<output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
 """
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ from mcar.eval.generation import load_for_sampling, sampler_label
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, side_by_side,
-                                   to_u8, write_gif)
+from mcar.tokenizer.pictures import (
+    action_labels,
+    data_action_space,
+    decode_frames,
+    invalid_image_tokens,
+    side_by_side,
+    to_u8,
+    write_gif,
+)
 from mcar.tokenizer.video import write_mp4
 
 log = logging.getLogger("mcar.generate")

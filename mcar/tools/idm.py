@@ -1,4 +1,4 @@
-"""`mcar idm [hydra overrides]` (conf/idm.yaml): the command line of mcar.eval.idm.train_idm; see there."""
+"""`mcar idm [hydra overrides]` (conf/idm.yaml): the command line of mcar.eval.idm.train_idm."""
 from omegaconf import DictConfig
 
 from mcar.eval.idm import train_idm

@@ -1,10 +1,10 @@
 """Play a trained world model in the browser: keys and buttons pick the action, DiagD draws the next frame.
 
     pip install -e '.[play]'                                  # gradio, an optional extra
-    python -m mcar.play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860]
-    python -m mcar.play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
+    mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860]
+    mcar play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
 
-    python -m mcar.play ckpt=... bench.steps=20               # no page: time the steps per k, print JSON
+    mcar play ckpt=... bench.steps=20               # no page: time the steps per k, print JSON
 
 Then open http://127.0.0.1:7860. Crafter keys: arrows or WASD move, space is `do`; buttons take the other
 actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, the k radio sets schedule.k.
@@ -35,7 +35,7 @@ from mcar.core.layout import Layout
 from mcar.core.sampler import ScheduleSampler, build_sampler
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
-from mcar.tokenizer.render import data_action_space, decode_frames, to_u8
+from mcar.tokenizer.pictures import data_action_space, decode_frames, to_u8
 
 log = logging.getLogger("mcar.play")
 

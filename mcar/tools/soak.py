@@ -4,7 +4,8 @@
 
 Runs `train.py` uninterrupted (the reference, alongside), and again from scratch, killing it with SIGKILL at
 `kills` random moments (each after a random step's checkpoint, a random part of a checkpoint interval later) and
-resuming each time from its last checkpoint until it finishes; trainer.max_steps sets the length (and so the time). Every step's loss of the killed-and-resumed run (the last
+resuming each time from its last checkpoint until it finishes; trainer.max_steps sets the length (and so the time).
+Every step's loss of the killed-and-resumed run (the last
 value logged for a step: a resume repeats the steps after its checkpoint) must equal the reference bit for bit,
 as must the final weights. Writes <out>/soak.json (kills, steps, mismatches, seconds) and prints it; exits 1 on a
 mismatch. Any train.py override may follow (e.g. model=tiny data=synthetic trainer.max_steps=4000).

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from mcar.eval.metrics import fmt
 from mcar.data.common import build_datamodule
+from mcar.eval.metrics import fmt
 from mcar.hydra_app import register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
@@ -185,7 +185,8 @@ def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
 
 def table_md(rows: list[dict]) -> list[str]:
     cols = [("setting", None), ("sampler", None), ("FVD", "fvd"), ("PSNR", "psnr"), ("SSIM", "ssim"),
-            ("UNCH", "unchanged"), ("action F1 (GT)", "action_f1"), ("LOSS_TF", "loss_tf"), ("FPS", "fps"), ("TP", "tp"), ("STEP", "step")]
+            ("UNCH", "unchanged"), ("action F1 (GT)", "action_f1"), ("LOSS_TF", "loss_tf"), ("FPS", "fps"),
+            ("TP", "tp"), ("STEP", "step")]
     digits = {"unchanged": 3, "ssim": 3, "action_f1": 3, "loss_tf": 3, "tp": 0}
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
@@ -247,7 +248,8 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
         for sampler in ft.samplers:
             rows.append({"setting": f"fine-tuned {t.finetune.steps} steps: {mask}", "key": (f"ft_{label}", sampler),
                          **read_row(out, f"ft_{label}", sampler)})
-    for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):  # no model: what the metrics read against
+    # no model: what the metrics read against
+    for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):
         rows.append({"setting": "reference, no model", "key": ("reference", ref["sampler"]), **ref})
     by_key = {r["key"]: r for r in rows}
     pre_ntp, pre_diagd = by_key[("pretrained", t.gap.ntp)], by_key[("pretrained", t.gap.diagd)]

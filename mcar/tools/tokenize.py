@@ -2,7 +2,7 @@
 shards + index (mcar/data/tokenize.py says what is written and how it resumes)."""
 from mcar.data.tokenize import tokenize_dir
 from mcar.hydra_app import compose_tool
-from mcar.tokenizer.vq import check_frame_size, load_vq, vq_id
+from mcar.tokenizer.vq_model import check_frame_size, load_vq, vq_id
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,7 +69,7 @@ class Checkpoints(ModelCheckpoint):
 
 def progress_bar(refresh_rate: int = 1) -> TQDMProgressBar:
     """A tqdm bar refreshed every `refresh_rate` steps (log_every_n_steps), on a terminal and in piped logs (nohup,
-    mcar.eval.table3 stages) alike. Not Lightning's default rich bar: it draws nothing in a pipe, and it reads the
+    mcar.tools.table3 stages) alike. Not Lightning's default rich bar: it draws nothing in a pipe, and it reads the
     logged metrics after every step, a host sync per step on CUDA (`.item()`)."""
     return TQDMProgressBar(refresh_rate=max(1, int(refresh_rate)))
 

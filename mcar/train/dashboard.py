@@ -13,13 +13,23 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from mcar.train.parallel import is_sharded
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.render import (action_labels, data_action_space, decode_frames, invalid_image_tokens, mask_image,
-                                   schedule_table, side_by_side, to_u8, write_gif, write_png)
+from mcar.tokenizer.pictures import (
+    action_labels,
+    data_action_space,
+    decode_frames,
+    invalid_image_tokens,
+    mask_image,
+    schedule_table,
+    side_by_side,
+    to_u8,
+    write_gif,
+    write_png,
+)
 from mcar.tokenizer.video import write_mp4
+from mcar.train.parallel import is_sharded
 
 log = logging.getLogger("mcar")
 SPEED_COLUMNS = ["step", "sampler", "passes", "fps", "tp", "seconds"]
@@ -76,7 +86,7 @@ class ValDashboard(Callback):
     def vq(self):
         """The VQ that decodes the data's tokens, loaded once; False when it cannot (no videos then)."""
         if self._vq is None:
-            from mcar.tokenizer.vq import load_vq
+            from mcar.tokenizer.vq_model import load_vq
 
             try:
                 self._vq = load_vq(self.vq_path)

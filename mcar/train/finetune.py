@@ -46,8 +46,8 @@ def prepare_finetune(cfg: DictConfig) -> str:
     asked = [o for o in command_line_overrides() if o.split("=")[0].lstrip("+~") == "model"]
     if asked and asked[-1].split("=", 1)[1] != hp.get("model_name"):
         raise ValueError(f"{asked[-1]}: fine-tuning keeps the model of init_from ({path}: "
-                         f"{hp.get('model_name', 'its own config')}); drop {asked[-1]}, or pass init_from= a checkpoint of "
-                         f"that model")
+                         f"{hp.get('model_name', 'its own config')}); drop {asked[-1]}, or pass init_from= a "
+                         f"checkpoint of that model")
     with open_dict(cfg):
         cfg.init_from = str(path)
         cfg.model.arch = hp["arch"]

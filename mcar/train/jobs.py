@@ -12,7 +12,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.train.checkpoint_io import is_sharded_checkpoint
 
-
 # overrides of the keys that moved into config groups: train.py / finetune.py refuse them with the new name
 RENAMED = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_ratio"}
 

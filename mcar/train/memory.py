@@ -101,7 +101,8 @@ def plan(cfg: ModelConfig, batch: int, seq_len: int, fit: dict, *, autocast_dtyp
         gathered = block_params(cfg) * (2 * (2 if autocast_dtype == torch.bfloat16 else 4) + 4)
     peak = max(12 * n_params / N + acts, 16 * n_params / N) + gathered
     return {"batch_size": batch, "seq_len": seq_len, "tokens_per_step": T, "fsdp_devices": N,
-            "weights_and_adamw_gib": round(12 * n_params / N / GiB, 3), "gradients_gib": round(4 * n_params / N / GiB, 3),
+            "weights_and_adamw_gib": round(12 * n_params / N / GiB, 3),
+            "gradients_gib": round(4 * n_params / N / GiB, 3),
             "activations_gib": round(acts / GiB, 3), "fsdp_gathered_gib": round(gathered / GiB, 3),
             "activation_bytes_per_token_per_layer": round(fit["per_token_per_layer"]),
             "head_bytes_per_token": round(fit["per_token"]), "peak_gib": round(peak / GiB, 3), "peak_bytes": int(peak)}

@@ -72,7 +72,7 @@ def claim(folder: str | Path, what: str, run_name: str) -> Path | None:
                 f"{what} {folder} belongs to another run that is still going (run_name={owner.get('run_name')!r}, "
                 f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}): give this run "
                 f"another run_name (or paths.output_dir / hydra.run.dir), or wait for it; if that run is gone, "
-                f"delete {lock}")
+                f"delete {lock}") from None
         except OSError as e:
             raise PermissionError(f"{what} {folder} is not writable ({e.strerror}): choose a writable location") from e
         with os.fdopen(fd, "w") as f:

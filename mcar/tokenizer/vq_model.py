@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from diffusers import VQModel
 from diffusers.models.autoencoders.vae import VectorQuantizer
+from einops import rearrange
 
 from mcar.tokenizer.patch_vq import PatchVQ, is_patch_vq_folder
 
@@ -75,7 +75,7 @@ def load_vq(path: str | Path | None = None) -> VQModel:
     path = Path(path) if path else SMALL_WEIGHTS
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no diffusers VQModel at {path} (expected {path}/config.json and weights); "
-                                f"set vq.path to a folder saved by save_pretrained / python -m mcar.vq_train")
+                                f"set vq.path to a folder saved by save_pretrained / mcar vq_train")
     if is_patch_vq_folder(path):
         return PatchVQ.from_pretrained(path)
     return VQModel.from_pretrained(str(path), low_cpu_mem_usage=False).eval()  # no `accelerate` needed

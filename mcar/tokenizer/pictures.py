@@ -24,7 +24,7 @@ def invalid_image_tokens(clips: torch.Tensor, layout: Layout, codebook_size: int
 @torch.no_grad()
 def decode_frames(vq, ids: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
     """(B, T, h, w) token ids -> (B, T, 3, H, W) float frames in [0, 1], decoded by the VQ."""
-    from mcar.tokenizer.vq import decode_tokens
+    from mcar.tokenizer.vq_model import decode_tokens
 
     n_codes = vq.quantize.n_e if hasattr(vq.quantize, "n_e") else vq.config.num_vq_embeddings
     if int(ids.max()) >= n_codes:

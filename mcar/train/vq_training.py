@@ -1,8 +1,8 @@
 """Train or fine-tune the diffusers VQModel image tokenizer (Lightning), on mp4 episodes split by episode.
 
-    python -m mcar.vq_train                                  # small VQ on Crafter (generates episodes if absent)
-    python -m mcar.vq_train vq=amused vq.path=/path/to/amused-vqvae episodes=/path/to/vpt  # fine-tune aMUSEd
-    python -m mcar.vq_train ckpt_path=last                   # resume out/lightning/last.ckpt
+    mcar vq_train                                  # small VQ on Crafter (generates episodes if absent)
+    mcar vq_train vq=amused vq.path=/path/to/amused-vqvae episodes=/path/to/vpt  # fine-tune aMUSEd
+    mcar vq_train ckpt_path=last                   # resume out/lightning/last.ckpt
 
 Loss: MSE reconstruction + codebook + 0.25 commitment. Against codebook collapse (a naive run used 15 of 1,024
 codes and drew flat green): l2-normalised 8-dim codes looked up by cosine (L2Quantizer), codes initialised by
@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import hydra
 import lightning as L
 import numpy as np
 import torch
@@ -30,10 +29,18 @@ from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
 from mcar.tokenizer import quality
 from mcar.tokenizer.video import read_mp4
-from mcar.tokenizer.vq import (L2Quantizer, build_vq, check_frame_size, decode_latents, frame_size, load_vq, save_vq,
-                               to_input, to_uint8, use_l2_quantizer)
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from mcar.tokenizer.vq_model import (
+    L2Quantizer,
+    build_vq,
+    check_frame_size,
+    decode_latents,
+    frame_size,
+    load_vq,
+    save_vq,
+    to_input,
+    to_uint8,
+    use_l2_quantizer,
+)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -276,16 +283,16 @@ def train(cfg: DictConfig) -> VQLit:
 def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]) -> VQLit:
     """The VQ a data module trains (data.vq_train=true): conf/vq_train.yaml + `overrides`, on Crafter episodes
     under root/vq_episodes, into root/vq; frames are the data's token grid (h, w) times the VQ's downsampling."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     root = Path(root)
     args = [f"paths.data_dir={root.parent}", f"paths.checkpoint_root={root}", f"episodes={root / 'vq_episodes'}",
             f"out={root / 'vq'}", *overrides]
-    if GlobalHydra.instance().is_initialized():  # inside a Hydra job (train.py): its search path holds conf/
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra job (mcar train): its search path holds conf/
         cfg = compose("vq_train", overrides=args)
     else:
-        with initialize_config_dir(str(CONF), version_base="1.3"):
+        with initialize_config_module("mcar.conf", version_base="1.3"):
             cfg = compose("vq_train", overrides=args)
     cfg.frame_size = list(frame_size(cfg.vq.arch, *grid, what="data.h, data.w"))
     threads = torch.get_num_threads()
@@ -293,12 +300,3 @@ def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]
         return train(cfg)
     finally:
         torch.set_num_threads(threads)  # vq_train's thread count is for its own background runs
-
-
-@hydra.main(version_base="1.3", config_path="pkg://mcar.conf", config_name="vq_train")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
-
-
-if __name__ == "__main__":
-    main()

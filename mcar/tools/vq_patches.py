@@ -1,0 +1,63 @@
+"""Fit a patch VQ (mcar.tokenizer.patch_vq) on the frames of a folder of episodes (mp4), and report it.
+
+    mcar vq_patches episodes=data/crafter/<setting>/episodes out=mcar/assets/vq_crafter_tiles codes=256
+
+(conf/vq_patches.yaml; the old `<episodes> --out ... --codes 256` spelling works too.)
+
+The committed `vq_crafter_tiles` (conf/vq/tiles.yaml) was made with this command on the training episodes of
+`data=crafter_tiles` (the last 2 episodes by name are held out and measured here: PSNR and codes used).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mcar.hydra_app import compose_tool
+from mcar.tokenizer import quality
+from mcar.tokenizer.patch_vq import fit_patch_vq
+from mcar.tokenizer.video import read_mp4
+from mcar.tokenizer.vq_model import decode_tokens, encode_tokens, to_uint8
+
+
+def read_frames(paths: list[Path]) -> torch.Tensor:
+    frames = []
+    for p in paths:
+        video, err = read_mp4(p)
+        if err:
+            print(f"{p}: {err} (using the {len(video)} frames that decoded)")
+        frames.append(video)
+    return torch.from_numpy(np.concatenate(frames))
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of uint8 frames over all their pixels; inf where identical."""
+    return quality.psnr(a, b, data_range=255.0).item()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    c = compose_tool("vq_patches", argv, positional=("episodes",))
+    mp4s = sorted(Path(c.episodes).glob("*.mp4"))
+    if len(mp4s) <= c.held_out:
+        raise SystemExit(f"{c.episodes}: {len(mp4s)} mp4 episodes, need more than held_out={c.held_out}")
+    train, held = mp4s[: len(mp4s) - c.held_out], mp4s[len(mp4s) - c.held_out:]
+    t0 = time.time()
+    vq, stats = fit_patch_vq(read_frames(train), c.patch, c.codes, c.iters, c.seed)
+    held_frames = read_frames(held) if held else None
+    if held_frames is not None:
+        ids = torch.cat([encode_tokens(vq, f) for f in held_frames.split(64)])
+        rec = torch.cat([to_uint8(decode_tokens(vq, i)) for i in ids.split(64)])
+        exact = (rec == held_frames).all(-1).unfold(1, c.patch, c.patch).unfold(2, c.patch, c.patch)
+        stats.update(held_out_frames=len(held_frames), held_out_psnr=round(psnr(rec, held_frames), 2),
+                     held_out_exact_patches=round(float(exact.flatten(-2).all(-1).float().mean()), 4),
+                     held_out_codes_used=int(ids.unique().numel()))
+    stats.update(train_episodes=len(train), seconds=round(time.time() - t0, 1), command=" ".join(
+        ["mcar vq_patches", f"episodes={c.episodes}", f"out={c.out}", f"codes={c.codes}", f"patch={c.patch}",
+         f"held_out={c.held_out}", f"iters={c.iters}", f"seed={c.seed}"]))
+    vq.save_pretrained(c.out)
+    (Path(c.out) / "metrics.json").write_text(json.dumps(stats, indent=1) + "\n")
+    print(json.dumps(stats))
+    return stats
