@@ -4,8 +4,8 @@ sampler: generate frames prompt_frames..T-1 of a random clip with the configured
 bench.batch_size), median over bench.repeats after bench.warmup runs; also times the bare model forwards of the
 same passes (same inputs, same cache, no gathering or sampling) to measure the sampler's own overhead.
 bench.compare=true runs NTP and the configured DiagD in one process and adds speedup and pass_ratio.
-train: forward + backward + AdamW steps on random clips under the configured mask; tokens/s, ms/step, peak
-memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/eval/gpu_check.py.
+train: forward + backward + optimiser steps (conf/optim) on random clips under the configured mask; tokens/s,
+ms/step, peak memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/eval/gpu_check.py.
 
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import resource
 import statistics
 import time
 
+import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -234,7 +235,9 @@ def run_train(cfg: DictConfig) -> dict:
     factory = build_mask_factory(mcfg.pop("name"), layout, frames, schedule=to_dict(cfg.schedule), **mcfg)
     clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
     batch = factory(clip)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optim = {"fused": True} | to_dict(cfg.optim)  # conf/optim (the training's optimiser), fused unless set
+    optim["betas"] = tuple(optim.get("betas", (0.9, 0.999)))
+    opt = hydra.utils.instantiate(optim, _convert_="all")(model.parameters())
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step():
