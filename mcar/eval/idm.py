@@ -31,6 +31,7 @@ from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
+from mcar.train.checkpoint_io import load_weights_only
 
 log = logging.getLogger("mcar.eval.idm")
 
@@ -234,7 +235,7 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
         return Unavailable(f"no inverse-dynamics model: set {config_key}=/path/idm.pt (mcar idm)")
     if not Path(path).is_file():
         return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: mcar idm)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_weights_only(path, "inverse-dynamics model")
     if "codebook" not in ckpt["state_dict"]:  # the token-id IDM (learned id embeddings) of before 2026-11-22
         return Unavailable(f"{config_key}={path} is an old token-id IDM (no VQ codebook in it): retrain it "
                            f"(mcar idm)")

@@ -78,7 +78,10 @@ def load_vq(path: str | Path | None = None) -> VQModel:
                                 f"set vq.path to a folder saved by save_pretrained / mcar vq_train")
     if is_patch_vq_folder(path):
         return PatchVQ.from_pretrained(path)
-    return VQModel.from_pretrained(str(path), low_cpu_mem_usage=False).eval()  # no `accelerate` needed
+    try:  # diffusers reads .bin weights with weights_only=True: a pickle that would run code is refused there
+        return VQModel.from_pretrained(str(path), low_cpu_mem_usage=False).eval()  # no `accelerate` needed
+    except Exception as e:
+        raise ValueError(f"cannot load the VQ at {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
 
 
 def to_input(frames_u8: torch.Tensor) -> torch.Tensor:

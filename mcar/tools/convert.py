@@ -29,6 +29,7 @@ from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import ScheduleConfig
 from mcar.hydra_app import compose_tool
+from mcar.train.checkpoint_io import load_weights_only
 
 log = logging.getLogger("mcar.convert")
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -63,7 +64,7 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
 
             part = load_file(str(f))
         else:  # .bin is a plain state dict; MineWorld's .ckpt wraps it in {"state_dict": ...} (Lightning)
-            part = torch.load(f, map_location="cpu", weights_only=f.suffix == ".bin")
+            part = load_weights_only(f, "checkpoint")
             part = part.get("state_dict", part)
         state.update(part)
     llama, skipped = {}, 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mcar.hydra_app import compose_tool
+from mcar.train.checkpoint_io import load_checkpoint
 
 DEFAULTS = ["model=tiny", "data=synthetic", "logger=csv", "log_every_n_steps=1", "trainer.val_check_interval=1000",
             "val_dashboard.n_clips=0"]
@@ -51,7 +52,7 @@ def resume_from(ckpt_dir: Path) -> list[str]:
 
 
 def final_state(ckpt: Path) -> dict:
-    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return load_checkpoint(ckpt)["state_dict"]
 
 
 def newest_step(ckpt_dir: Path) -> int:

@@ -1,7 +1,10 @@
-"""Checkpoint files: written atomically, read with a clear error, checked tensor by tensor against a model."""
+"""Checkpoint files: written atomically, read as weights only (a file from elsewhere never runs code), with a clear
+error, and checked tensor by tensor against a model."""
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -20,25 +23,43 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
 
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        """Lightning's resume (`ckpt_path=`) reads weights only too, whatever its caller asks."""
+        return load_weights_only(path, "checkpoint")
+
 
 def is_sharded_checkpoint(path: Path) -> bool:
     """A folder of per-rank shards (torch.distributed.checkpoint) with Lightning's meta.pt beside them."""
     return path.is_dir() and (path / "meta.pt").is_file()
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_weights_only(path: str | Path, what: str = "checkpoint", mmap: bool = False) -> dict:
+    """torch.load with weights_only=True: tensors and plain Python data, never code. A file that holds anything else
+    (a pickled object whose unpickling could run code, e.g. one calling os.system) is refused, naming the file and
+    the object it asked for."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise FileNotFoundError(f"{what} not found: {path}")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save's zip archive, or its legacy pickle
-        raise ValueError(f"{path} is not a checkpoint written by torch.save: it starts with {head!r}, not a zip "
+        raise ValueError(f"{path} is not a {what} written by torch.save: it starts with {head!r}, not a zip "
                          f"archive (a text file, or the wrong path?)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and head == b"PK\x03\x04")
+    except pickle.UnpicklingError as e:
+        asked = re.search(r"(Unsupported (?:global|operand)[^\n.]*)", str(e))
+        raise ValueError(f"refused to load {what} {path}: it holds more than tensors and plain data "
+                         f"({asked.group(1) if asked else 'an object weights-only loading does not allow'}), and "
+                         f"unpickling that could run code. mcar loads weights only: if you trust the file, save "
+                         f"its tensors alone (a state_dict) with torch.save and load that.") from None
     except Exception as e:  # truncated or not a checkpoint at all
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+        raise ValueError(f"cannot read {what} {path}: {e}") from e
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A training checkpoint (ours, a colleague's, a converted one), weights only."""
+    return load_weights_only(path, "checkpoint", mmap=True)
 
 
 def check_state_shapes(module: torch.nn.Module, state: dict, source: str) -> None:

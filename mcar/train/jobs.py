@@ -3,6 +3,7 @@ checkpoint it resumes, renamed overrides refused by name, and its W&B run closed
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,19 @@ def finalize_run_name(cfg: DictConfig) -> None:
             cfg.run_name = f"{cfg.run_name}-j{num}"
         if cfg.get("logger") and "group" in cfg.logger:
             cfg.logger.group = group
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.,=+-]*")
+
+
+def check_run_name(name) -> str:
+    """run_name names a folder under paths.checkpoint_root (and a W&B run): a plain name, no path in it, so a run
+    never writes outside the checkpoint root (`run_name=../../x`)."""
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"run_name={name!r}: a plain name is needed (letters, digits and _ . , = + -, starting "
+                         f"with a letter or digit; no / and no ..), it names the run's folder under "
+                         f"paths.checkpoint_root")
+    return name
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:

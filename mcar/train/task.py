@@ -18,7 +18,7 @@ from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import build_callbacks
 from mcar.train.checkpoint_io import AtomicCheckpointIO, check_state_shapes, is_sharded_checkpoint, load_checkpoint
-from mcar.train.jobs import checkpoint_dir, finalize_run_name, finish_wandb, resolve_ckpt_path
+from mcar.train.jobs import check_run_name, checkpoint_dir, finalize_run_name, finish_wandb, resolve_ckpt_path
 from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 
@@ -60,6 +60,7 @@ def use_tensor_cores_for_fp32(device: torch.device) -> None:
 def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback] = ()) -> dict:
     """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning); callbacks:
     added to the configured ones (benchmarks)."""
+    check_run_name(cfg.run_name)
     finalize_run_name(cfg)
     return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks)
 

@@ -41,6 +41,7 @@ from mcar.tokenizer.vq_model import (
     to_uint8,
     use_l2_quantizer,
 )
+from mcar.train.checkpoint_io import load_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -273,7 +274,7 @@ def train(cfg: DictConfig) -> VQLit:
     ckpt_path = cfg.ckpt_path
     if ckpt_path == "last":
         ckpt_path = out / "lightning" / "last.ckpt"
-        start = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"]
+        start = load_checkpoint(ckpt_path)["global_step"]
     loader = DataLoader(crops, batch_size=None, sampler=StepsFrom(start))
     val_loader = DataLoader([to_input(b) for b in val_frames.split(cfg.val_batch)], batch_size=None)
     trainer.fit(lit, loader, val_loader, ckpt_path=str(ckpt_path) if ckpt_path else None)
