@@ -53,8 +53,8 @@ def test_dtype_follows_the_inputs_at_least_float32():
 
 def test_every_former_psnr_site_agrees_with_the_home():
     """A caller that re-implements the formula (and drifts) fails here."""
-    from mcar import vq_patches
     from mcar.eval import metrics as M
+    from mcar.tools import vq_patches
     from mcar.train.vq_training import frame_scores
 
     g = torch.Generator().manual_seed(0)
