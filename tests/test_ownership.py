@@ -2,6 +2,7 @@
 run's lock is taken over, an unwritable location fails before any work, a fresh run never writes beside another
 run's checkpoints."""
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -9,24 +10,51 @@ import sys
 import pytest
 
 from mcar.train.ownership import LOCK, check_fresh_checkpoint_dir, claim, release
-from tests.conftest import SMALL_DATA, job_overrides, run_script
+from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script
 
 
-def test_a_live_owner_is_refused_and_a_dead_one_taken_over(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_a_live_owner_is_refused_and_a_killed_ones_lock_is_free(tmp_path):
+    code = (f"from mcar.train.ownership import claim; import time; claim({str(tmp_path)!r}, 'output dir', 'seed1');"
+            f" print('held', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        (tmp_path / LOCK).write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename,
-                                                 "started": "2026-11-22 10:00:00", "run_name": "seed1"}))
+        assert other.stdout.readline().strip() == "held"
         with pytest.raises(RuntimeError, match=rf"output dir {tmp_path} belongs to another run that is still going "
                                                rf"\(run_name='seed1', pid {other.pid}"):
             claim(tmp_path, "output dir", "seed2")
     finally:
-        other.kill()
+        other.kill()  # kill -9: the kernel drops its lock; its lock file stays behind
         other.wait()
-    lock = claim(tmp_path, "output dir", "seed2")  # the owner is gone (kill -9): taken over
+    assert (tmp_path / LOCK).exists()
+    lock = claim(tmp_path, "output dir", "seed2")
     assert json.loads(lock.read_text())["pid"] == os.getpid() and claim(tmp_path, "output dir", "x") == lock
     release(lock)
     assert not lock.exists()
+
+
+def _claim_and_report(folder, barrier, results):
+    try:
+        results.put(claim(folder, "output dir", f"p{os.getpid()}") is not None)
+    except RuntimeError:
+        results.put(False)
+    barrier.wait()  # nobody releases before everyone has tried
+
+
+def test_racing_claims_over_a_killed_runs_lock_leave_exactly_one_owner(tmp_path):
+    """The old takeover (read, unlink, create) let two processes own one folder in about 1 of 100 trials."""
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(25):
+        folder = tmp_path / f"t{trial}"
+        folder.mkdir()
+        (folder / LOCK).write_text(json.dumps({"pid": 999999, "host": os.uname().nodename}))  # a killed run's
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_claim_and_report, args=(folder, barrier, results)) for _ in range(4)]
+        for proc in procs:
+            proc.start()
+        owners = sum(results.get(timeout=60) for _ in procs)
+        for proc in procs:
+            proc.join(60)
+        assert owners == 1, f"trial {trial}: {owners} owners"
 
 
 def test_only_global_rank_zero_locks(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ class CrafterDataModule(TokenDataModule):
 
     def prepare_data(self) -> None:
         from mcar.data.crafter_gen import generate
-        from mcar.data.tokenize import tokenize_dir
+        from mcar.data.tokenize import stale_index, tokenize_dir
         from mcar.tokenizer.vq_model import frame_size, load_vq, vq_id
 
         if self.vq_train and not (self.vq_root / "vq" / "best" / "config.json").exists():
@@ -91,16 +91,16 @@ class CrafterDataModule(TokenDataModule):
                  self.policy_mix or None, self.workers, size=frame_size(vq, self.layout.h, self.layout.w),
                  view=self.view, daylight=self.daylight, lossless=self.lossless)
         t1 = time.time()
-        if (self.tokens_dir / "index.json").exists() and self._all_done():
+        stale = stale_index(self.tokens_dir, self.episode_names()) if (self.tokens_dir / "index.json").exists() \
+            else "no index.json yet"
+        if stale is None:
             print(f"crafter data ready in {self.root} (cached)")
             return
+        if (self.tokens_dir / "index.json").exists():
+            print(f"{self.tokens_dir}/index.json is stale ({stale}): tokenising what is missing, rebuilding it")
         tokenize_dir(self.episodes_dir, self.tokens_dir, "crafter", vq, vq_id(path), self.tokenize_batch,
                      min_frames=self.clip_frames, size=frame_size(vq, self.layout.h, self.layout.w))
         print(f"crafter data: generation {t1 - t0:.0f}s, tokenisation {time.time() - t1:.0f}s")
-
-    def _all_done(self) -> bool:
-        done = {p.name[: -len(".frames.npy")] for p in self.tokens_dir.glob("*.frames.npy")}
-        return set(self.episode_names()) <= done
 
     def train_vq(self) -> None:
         """Train a VQ into root/vq with the injected vq_trainer (on Crafter episodes under root/vq_episodes)."""

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from mcar.data.files import write_atomic, writing_into
 from mcar.tokenizer.actions import CRAFTER_ACTIONS
-from mcar.tokenizer.video import write_mp4
+from mcar.tokenizer.video import mp4_frame_count, write_mp4
 
 ACTIONS = CRAFTER_ACTIONS  # crafter's own order: the action id is the token
 MOVES = [1, 2, 3, 4]
@@ -161,17 +162,24 @@ def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix:
                   lossless: bool = False) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
-    if mp4.exists() and jsonl.exists():
+    if episode_complete(mp4, jsonl):
         return name  # cached
     video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight)
     if lossless:  # bit-exact RGB: a tile drawn twice gives the same pixels, so a patch VQ gives the same token
         write_mp4(video, mp4, fps=FPS, crf=0, pix_fmt="rgb24", preset="veryfast", codec="libx264rgb")
     else:
         write_mp4(video, mp4, fps=FPS, crf=12, pix_fmt="yuv444p", preset="veryfast")  # near-lossless pixel art
-    tmp = jsonl.with_suffix(".part")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(jsonl)  # the jsonl appears last: both present == episode complete
+    write_atomic(jsonl, "".join(json.dumps(r) + "\n" for r in records))  # last: both present == complete
     return name
+
+
+def episode_complete(mp4: Path, jsonl: Path) -> bool:
+    """Both files there and the mp4 holds one frame per record (a cut-off or empty mp4 is made again)."""
+    if not (mp4.exists() and jsonl.exists()):
+        return False
+    with open(jsonl, "rb") as f:
+        records = sum(1 for line in f if line.strip())
+    return records > 0 and mp4_frame_count(mp4) == records
 
 
 def die_with_parent(parent: int) -> None:
@@ -209,6 +217,11 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
     if frames < 1 or episodes < 1:
         raise ValueError(f"crafter generation needs episodes >= 1 and frames >= 1, got {episodes}, {frames}")
+    with writing_into(out_dir, "Crafter episodes"):  # one generator per folder; a second waits, then skips
+        return _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless)
+
+
+def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless) -> list[str]:
     bar = tqdm(total=episodes, desc=f"crafter episodes -> {out_dir}", unit="ep")
     names = []
     if workers > 1:

@@ -13,6 +13,7 @@ import torch
 
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
+from mcar.data.files import read_json
 from mcar.tokenizer.clips import join_clip
 
 
@@ -20,7 +21,7 @@ def read_index(folder: str | Path) -> dict:
     f = Path(folder) / "index.json"
     if not f.exists():
         raise FileNotFoundError(f"{f} not found: run the tokenisation job first (mcar tokenize)")
-    return json.loads(f.read_text())
+    return read_json(f, "delete it: the next run rebuilds it from the shards")
 
 
 def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], list[str]]:
@@ -102,6 +103,12 @@ class TokenDataModule(ClipDataModule):
         return None
 
     def make_sources(self):
+        from mcar.data.tokenize import build_index, stale_index
+
+        stale = stale_index(self.tokens_dir)
+        if stale and (self.tokens_dir / "meta.json").exists():  # shards written, index not (a kill between them)
+            print(f"{self.tokens_dir}/index.json is stale ({stale}): rebuilt from the shards")
+            build_index(self.tokens_dir, read_json(self.tokens_dir / "meta.json"))
         index = read_index(self.tokens_dir)
         self.check_meta(index.get("meta", {}))
         wanted = self.episode_names()

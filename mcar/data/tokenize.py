@@ -19,8 +19,7 @@ Frames are resized to `size` = (H, W) (the data modules pass their token grid ti
 """
 from __future__ import annotations
 
-import json
-import os
+import io
 import warnings
 from pathlib import Path
 
@@ -28,16 +27,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mcar.data.files import read_json, write_atomic, write_json, writing_into
 from mcar.tokenizer.actions import action_space
 from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.tokenizer.video import FrameStream
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    write_atomic(path, buf.getvalue())
 
 
 VPT_SIZE = (360, 640)  # (H, W) of VPT's recordings
@@ -91,31 +90,61 @@ def build_index(out: Path, meta: dict) -> dict:
         n = np.load(f, mmap_mode="r").shape[0]
         episodes.append({"name": name, "frames": int(n)})
     index = {"meta": meta, "episodes": episodes}
-    tmp = out / "index.json.part"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / "index.json")
+    write_json(out / "index.json", index)
     return index
+
+
+def stale_index(out: str | Path, names: list[str] | None = None) -> str | None:
+    """Why index.json does not describe the shards on disk (None: it does): unreadable, an episode whose shards
+    are gone or hold another frame count, shards it does not list, or (names given) wanted episodes neither in
+    it nor skipped. Reads the .npy headers only."""
+    out = Path(out)
+    try:
+        index = read_json(out / "index.json")
+    except (OSError, ValueError) as e:
+        return str(e)
+    listed = {e["name"]: e["frames"] for e in index.get("episodes", [])}
+    on_disk = {f.name[: -len(".frames.npy")]: f for f in out.glob("*.frames.npy")}
+    if set(on_disk) - set(listed):
+        return f"shards not in the index: {sorted(set(on_disk) - set(listed))[:5]}"
+    for name, frames in listed.items():
+        if name not in on_disk or not (out / f"{name}.actions.npy").exists():
+            return f"{name}: listed, but its shards are gone"
+        if np.load(on_disk[name], mmap_mode="r").shape[0] != frames:
+            return f"{name}: listed with {frames} frames, its shard holds another count"
+    skipped = read_json(out / "skipped.json") if (out / "skipped.json").exists() else {}
+    missing = [n for n in names or [] if n not in listed and n not in skipped]
+    if missing:
+        return f"episodes neither tokenised nor skipped: {missing[:5]}"
+    return None
 
 
 def check_meta(out: Path, meta: dict) -> None:
     """Refuse to mix shards made with another VQ or action space in one folder."""
     f = out / "meta.json"
     if f.exists():
-        old = json.loads(f.read_text())
+        old = read_json(f, "it records the VQ and action space of this folder's tokens: delete the folder")
         if old != meta:
             raise ValueError(f"{out} holds tokens made with {old}, not {meta}; use another tokens folder "
                              f"or delete this one")
     else:
-        f.write_text(json.dumps(meta, indent=1))
+        write_json(f, meta)
 
 
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
                  world: int = 1, size: tuple[int, int] | None = None, space: str | None = None) -> dict:
     """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
-    stored). -> the index."""
+    stored). -> the index. One process per rank writes into a folder at a time (a second waits, then skips what
+    the first finished)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with writing_into(out, f"token shards (rank {rank} of {world})", f".mcar-writer.rank{rank}.lock"):
+        return _tokenize_dir(episodes, out, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
+                             size, space)
+
+
+def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
+                  size, space) -> dict:
     encoder = action_space(space or source)
     meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
             "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
@@ -153,7 +182,7 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
         _save_npy(out / f"{name}.actions.npy", actions)
         _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
         done += 1
-    (out / ("skipped.json" if world == 1 else f"skipped.rank{rank}.json")).write_text(json.dumps(skipped, indent=1))
+    write_json(out / ("skipped.json" if world == 1 else f"skipped.rank{rank}.json"), skipped)
     index = build_index(out, meta)
     print(f"tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in index['episodes'])} frames in "
           f"{out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))

@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from mcar.data.files import writing_into
 from mcar.eval import metrics as M
 from mcar.eval.idm import PR_COLUMNS
 from mcar.tokenizer.clips import split_clip
@@ -156,7 +157,13 @@ def gather_sweep(rows: list[dict]) -> None:
         return
     from hydra.core.hydra_config import HydraConfig
 
-    sweep = Path(HydraConfig.get().sweep.dir)
+    merge_rows(Path(HydraConfig.get().sweep.dir), rows)
+
+
+def merge_rows(sweep: Path, rows: list[dict]) -> None:
+    """Add `rows` to <sweep>/results.{csv,md}: a read-modify-write under the folder's lock, so jobs that finish
+    together (a parallel launcher) never drop each other's rows."""
     key = lambda r: (r["model"], r["sampler"])
     mine = {key(r) for r in rows}  # a re-run (or the reference rows every job adds) replaces, never duplicates
-    write_table([r for r in read_table(sweep / "results.csv") if key(r) not in mine] + rows, sweep)
+    with writing_into(sweep, "the sweep's results table", ".mcar-results.lock"):
+        write_table([r for r in read_table(sweep / "results.csv") if key(r) not in mine] + rows, sweep)

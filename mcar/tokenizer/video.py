@@ -27,8 +27,17 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
     pix_fmt="rgb24", crf=0 reads back bit for bit (pixel art: about 4 kB a frame at 224x384)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".part" + path.suffix)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.part{path.suffix}")  # this process's own temp name
     options = {k: str(v) for k, v in (("crf", crf), ("preset", preset)) if v is not None}
+    try:
+        _encode(frames, tmp, fps, codec, pix_fmt, options)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _encode(frames, tmp: Path, fps: float, codec: str, pix_fmt: str, options: dict) -> None:
     # the index first (faststart): a cut file still decodes
     with av.open(str(tmp), mode="w", options={"movflags": "+faststart"}) as out:
         stream = None
@@ -44,8 +53,6 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
         if stream is not None:
             for packet in stream.encode():
                 out.mux(packet)
-    os.replace(tmp, path)
-    return path
 
 
 class FrameStream:
@@ -67,6 +74,16 @@ class FrameStream:
             self.error = f"{type(e).__name__}: {e}"
         if self.count == 0 and self.error is None:
             self.error = "no video frames"
+
+
+def mp4_frame_count(path: str | Path) -> int:
+    """The video frames an mp4 holds (its packets, read without decoding); 0 when it cannot be opened (a file cut
+    off mid-write has no index)."""
+    try:
+        with av.open(str(path)) as container:
+            return sum(1 for packet in container.demux(video=0) if packet.size)
+    except Exception:  # PyAV raises several error types for damaged files
+        return 0
 
 
 def read_mp4(path: str | Path, size: tuple[int, int] | None = None, max_frames: int | None = None

@@ -29,7 +29,7 @@ from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import ScheduleConfig
 from mcar.hydra_app import compose_tool
-from mcar.train.checkpoint_io import load_weights_only
+from mcar.train.checkpoint_io import AtomicCheckpointIO, load_weights_only
 
 log = logging.getLogger("mcar.convert")
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -161,8 +161,13 @@ def to_mcar(llama: dict, cfg: ModelConfig, tie: bool = False) -> dict[str, torch
 
 
 def convert_mineworld(src: str | Path, out: str | Path, preset: str | None = None, heads: int | None = None,
-                      frames: int | None = None, dtype: str = "float32", **layout) -> Path:
-    """-> the written checkpoint path (<out>/last.ckpt)."""
+                      frames: int | None = None, dtype: str = "float32", overwrite: bool = False, **layout) -> Path:
+    """-> the written checkpoint path (<out>/last.ckpt). An `out` that holds checkpoints (a trained run) is refused
+    unless overwrite=True."""
+    held = sorted(p.name for p in Path(out).glob("*.ckpt")) if Path(out).is_dir() else []
+    if held and not overwrite:
+        raise FileExistsError(f"out={out} already holds checkpoints ({', '.join(held[:3])}): choose another out=, "
+                              f"or pass overwrite=true to replace its last.ckpt")
     llama, config = read_weights(Path(src))
     cfg, max_pos = model_config(llama, config, preset, heads)
     lay = Layout(**(MINEWORLD_LAYOUT | {k: int(v) for k, v in layout.items()}))
@@ -181,9 +186,9 @@ def convert_mineworld(src: str | Path, out: str | Path, preset: str | None = Non
               max_steps=1, model_name=preset or "mineworld")
     path = Path(out) / "last.ckpt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"hyper_parameters": hp, "state_dict": weights, "converted_from": str(src)}, tmp)
-    tmp.replace(path)  # atomic: a killed conversion never leaves a half-written last.ckpt
+    # atomic: a killed conversion never leaves a half-written last.ckpt
+    AtomicCheckpointIO().save_checkpoint({"hyper_parameters": hp, "state_dict": weights, "converted_from": str(src)},
+                                         path)
     log.info("wrote %s: %s, %d layers, dim %d, %d/%d heads, vocab %d, %d frames of %d slots", path, hp["model_name"],
              cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, frames, lay.frame_len)
     return path
@@ -196,4 +201,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"format={c.format!r}: mcar convert knows `mineworld` only\n\n{__doc__}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(convert_mineworld(c.src, c.out, c.model.name if "model" in c else None, c.heads, c.frames, c.dtype,
+                            bool(c.overwrite),
                             **{k: c[k] for k in ("h", "w", "n_a") if c[k] is not None}))

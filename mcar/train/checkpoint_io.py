@@ -2,13 +2,17 @@
 error, and checked tensor by tensor against a model."""
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+LOW_SPACE = 64 * 2**20  # torch.save on a full disk fails with a bare 'unexpected pos'; this little free space says why
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -20,8 +24,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            free = shutil.disk_usage(path.parent).free  # before the partial file goes: it may hold the space
+            tmp.unlink(missing_ok=True)
+            if getattr(e, "errno", None) == errno.ENOSPC or (isinstance(e, (OSError, RuntimeError))
+                                                             and free < LOW_SPACE):
+                raise OSError(errno.ENOSPC, f"no space left on {path.parent} ({free / 2**20:.0f} MiB free) while "
+                                            f"saving {path.name}; the earlier checkpoints are intact") from e
+            raise
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         """Lightning's resume (`ckpt_path=`) reads weights only too, whatever its caller asks."""

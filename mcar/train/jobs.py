@@ -94,3 +94,16 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
         raise FileNotFoundError(f"ckpt_path: checkpoint not found: {path}{hint}")
     return str(path)
+
+
+def write_hydra_record(cfg: DictConfig, output_dir: str | Path) -> None:
+    """Hydra's record of the job (.hydra/config.yaml: the config as it ran, hydra.yaml, overrides.yaml), written
+    once this run owns its output dir; conf/train.yaml turns Hydra's own early write off (hydra.output_subdir)."""
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    record = Path(output_dir) / ".hydra"
+    record.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, record / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hc}), record / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), record / "overrides.yaml")

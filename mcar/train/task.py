@@ -18,7 +18,14 @@ from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import build_callbacks
 from mcar.train.checkpoint_io import AtomicCheckpointIO, check_state_shapes, is_sharded_checkpoint, load_checkpoint
-from mcar.train.jobs import check_run_name, checkpoint_dir, finalize_run_name, finish_wandb, resolve_ckpt_path
+from mcar.train.jobs import (
+    check_run_name,
+    checkpoint_dir,
+    finalize_run_name,
+    finish_wandb,
+    resolve_ckpt_path,
+    write_hydra_record,
+)
 from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 
@@ -100,6 +107,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     # the config is checked: now this run takes its directories (owned, writable) before any step
     locks = [claim(output_dir, "output dir", cfg.run_name)]
     try:
+        write_hydra_record(cfg, output_dir)
         if cfg.checkpoint.every_n_steps is not None:
             if ckpt_path is None:  # a fresh run (or fine-tuning) writes into an empty checkpoint dir only
                 check_fresh_checkpoint_dir(checkpoint_dir(cfg), cfg.run_name)
