@@ -14,6 +14,7 @@ import torch
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
 from mcar.data.files import read_json
+from mcar.data.shards import check_entry, current_entry, open_shard, shard_paths
 from mcar.tokenizer.clips import join_clip
 
 
@@ -33,33 +34,22 @@ def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], li
     return names[:-val_episodes], names[-val_episodes:]
 
 
-def check_ids(path: Path, ids: np.ndarray, vocab: int, what: str, field: str) -> None:
-    if ids.size and int(ids.max()) >= vocab:
-        frame = int(np.argwhere(ids >= vocab)[0][0])
-        raise ValueError(f"{path}: {what} {int(ids.max())} (first at frame {frame}) is out of range for {field}={vocab}:"
-                         f" a corrupt or foreign shard; delete it (and its entry in index.json) to re-tokenise it")
-
-
 class TokenClips:
     """ClipSource over token shards of the given episodes."""
 
     def __init__(self, folder: str | Path, names: list[str], layout: Layout, frames: int, codebook_size: int,
-                 clip_stride: int = 1, action_vocab_size: int | None = None):
-        """Every shard's ids are checked against codebook_size (and action_vocab_size when given): a bad shard
-        is named, not found as an IndexError inside the model at step 0."""
+                 clip_stride: int = 1, action_vocab_size: int | None = None, entries: dict | None = None):
+        """Every shard is held against the layout and the vocabularies (mcar.data.shards) through its index entry
+        (`entries`, by name: no data read when it is current; without one the shard is read once): a bad shard
+        is named, with the field and the frame, not found as an IndexError inside the model at step 0."""
         self.layout, self.frames, self.codebook_size = layout, frames, codebook_size
-        folder = Path(folder)
+        folder, entries = Path(folder), entries or {}
         self.episodes, self.starts = [], []  # starts: (episode index, first frame)
         for name in names:
-            toks = np.load(folder / f"{name}.frames.npy", mmap_mode="r")  # (T, h, w) uint16
-            acts = np.load(folder / f"{name}.actions.npy", mmap_mode="r")  # (T, n_a) uint16
-            if toks.shape[1:] != (layout.h, layout.w) or acts.shape[1] != layout.n_a:
-                raise ValueError(f"{folder}/{name}: tokens {toks.shape[1:]} x {acts.shape[1]} actions per frame, "
-                                 f"but data.h, data.w, data.n_a = {layout.h}, {layout.w}, {layout.n_a}")
-            check_ids(folder / f"{name}.frames.npy", toks, codebook_size, "image token", "data.codebook_size")
-            if action_vocab_size is not None:
-                check_ids(folder / f"{name}.actions.npy", acts, action_vocab_size, "action id",
-                          "data.action_vocab_size")
+            check_entry(folder, current_entry(folder, entries.get(name), name), (layout.h, layout.w), layout.n_a,
+                        codebook_size, action_vocab_size)
+            frames_path, actions_path = shard_paths(folder, name)
+            toks, acts = open_shard(frames_path), open_shard(actions_path)  # (T, h, w), (T, n_a) memory-mapped
             e = len(self.episodes)
             self.episodes.append((toks, acts))
             self.starts += [(e, t) for t in range(0, len(toks) - frames + 1, clip_stride)]
@@ -79,14 +69,14 @@ class TokenDataModule(ClipDataModule):
     def __init__(self, h: int, w: int, n_a: int, codebook_size: int, action_vocab_size: int, clip_frames: int,
                  batch_size: int, seed: int = 0, num_workers: int = 0, val_clips: int = 8, val_episodes: int = 1,
                  clip_stride: int = 1, name: str | None = None, vocab_size: int | None = None,
-                 actions: str | None = None):
+                 actions: str | None = None, verify_shards: bool = False):
         """name: the config's; vocab_size: checked against codebook_size + action_vocab_size; actions: the action
         names' table (read by the tools: play, the IDM; VPT's datamodule also maps with it)."""
         super().__init__(Layout(h, w, n_a), clip_frames, batch_size, seed, num_workers, val_clips)
         check_vocab(codebook_size, action_vocab_size, vocab_size)
         self.name, self.actions = name, actions
         self.codebook_size, self.action_vocab_size = codebook_size, action_vocab_size
-        self.val_episodes, self.clip_stride = val_episodes, clip_stride
+        self.val_episodes, self.clip_stride, self.verify_shards = val_episodes, clip_stride, verify_shards
 
     @property
     def tokens_dir(self) -> Path:
@@ -118,7 +108,9 @@ class TokenDataModule(ClipDataModule):
             raise ValueError(f"{self.tokens_dir}: no episode has data.clip_frames={self.clip_frames} frames "
                              f"({len(index['episodes'])} episodes)")
         train, val = split_by_episode(usable, self.val_episodes)
+        # verify_shards: read every shard again (a full re-check), whatever the index says
+        entries = {} if self.verify_shards else {e["name"]: e for e in index["episodes"]}
         make = lambda names, stride: TokenClips(self.tokens_dir, names, self.layout, self.clip_frames,
-                                                self.codebook_size, stride, self.action_vocab_size)
+                                                self.codebook_size, stride, self.action_vocab_size, entries)
         # validation clips do not overlap: the first val_clips of them cover different frames
         return make(train, self.clip_stride), make(val, self.clip_frames)

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from mcar.data.files import read_json, write_atomic, write_json, writing_into
+from mcar.data.shards import current_entry, shard_bytes
 from mcar.tokenizer.actions import action_space
 from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.tokenizer.video import FrameStream
@@ -83,12 +84,16 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
 
 
 def build_index(out: Path, meta: dict) -> dict:
-    """index.json from the finished shards on disk."""
+    """index.json from the finished shards on disk, each checked and described once (mcar.data.shards: frames,
+    grid, id ranges, sizes); entries of an earlier index whose shards did not change are kept as they are."""
+    try:
+        old = {e["name"]: e for e in read_json(out / "index.json").get("episodes", [])}
+    except (OSError, ValueError):
+        old = {}
     episodes = []
     for f in sorted(out.glob("*.frames.npy")):
         name = f.name[: -len(".frames.npy")]
-        n = np.load(f, mmap_mode="r").shape[0]
-        episodes.append({"name": name, "frames": int(n)})
+        episodes.append(current_entry(out, old.get(name), name))
     index = {"meta": meta, "episodes": episodes}
     write_json(out / "index.json", index)
     return index
@@ -107,9 +112,12 @@ def stale_index(out: str | Path, names: list[str] | None = None) -> str | None:
     on_disk = {f.name[: -len(".frames.npy")]: f for f in out.glob("*.frames.npy")}
     if set(on_disk) - set(listed):
         return f"shards not in the index: {sorted(set(on_disk) - set(listed))[:5]}"
+    recorded = {e["name"]: e.get("bytes") for e in index.get("episodes", [])}
     for name, frames in listed.items():
         if name not in on_disk or not (out / f"{name}.actions.npy").exists():
             return f"{name}: listed, but its shards are gone"
+        if recorded[name] is not None and recorded[name] != shard_bytes(out, name):
+            return f"{name}: its shards changed since they were indexed"
         if np.load(on_disk[name], mmap_mode="r").shape[0] != frames:
             return f"{name}: listed with {frames} frames, its shard holds another count"
     skipped = read_json(out / "skipped.json") if (out / "skipped.json").exists() else {}
