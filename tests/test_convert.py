@@ -145,3 +145,37 @@ def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_pa
                                f"paths.output_dir={tmp_path / 'gen'}"])
     res = generate(cfg)
     assert res["passes"] == (FRAMES - 2) * 8 + 8  # DiagD k=2 on 3x4 frames: s_spa = 2*2 + 4
+
+
+def test_1d_rope_tables_equal_transformers_bit_for_bit_at_mineworld_head_dim():
+    """head_dim 64 (every MineWorld size) over 5,552 slots (16 frames of 347): our cos/sin equal LLaMA's exactly
+    (float32 inverse frequencies; float64-then-rounded ones differed in 10 of 32 and drifted the logits)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from mcar.core.rope import RoPE1D
+
+    slots = 16 * 347
+    config = LlamaConfig(hidden_size=2048, num_attention_heads=32, max_position_embeddings=slots, rope_theta=10000.0)
+    theirs = LlamaRotaryEmbedding(config)
+    pos = torch.arange(slots)[None]
+    cos_t, sin_t = theirs(torch.zeros(1, dtype=torch.float32), pos)  # (1, S, 64): (cos | cos)
+    ours = RoPE1D(64, 10000.0)
+    coords = torch.zeros(1, slots, 4, dtype=torch.long)
+    coords[..., 3] = pos
+    cos, sin = ours(coords)
+    assert torch.equal(ours.inv_freq, theirs.inv_freq)
+    assert torch.equal(torch.cat([cos, cos], -1), cos_t) and torch.equal(torch.cat([sin, sin], -1), sin_t)
+
+
+def test_a_ckpt_that_records_its_length_converts_at_that_length(tmp_path):
+    """A MineWorld .ckpt keeps its transformer config in its hyper-parameters: a 32-frame one used to convert at the
+    preset's 16 frames unless frames= was given."""
+    hf = tiny_llama(tmp_path)
+    state = {f"transformer.{k}": v for k, v in hf.state_dict().items()}
+    frame_len = LAYOUT.frame_len
+    torch.save({"state_dict": state, "hyper_parameters": {"model": {"config": {"max_position_embeddings":
+                                                                                4 * frame_len}}}},
+               tmp_path / "long.ckpt")
+    path = convert_mineworld(tmp_path / "long.ckpt", tmp_path / "out", heads=8, h=3, w=4, n_a=2)
+    assert torch.load(path, weights_only=True)["hyper_parameters"]["clip_frames"] == 4

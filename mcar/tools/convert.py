@@ -43,9 +43,10 @@ RENAMES = [(r"^model\.embed_tokens\.", "tok_embeddings."), (r"^model\.norm\.", "
            (r"^model\.layers\.", "layers.")]
 
 
-def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(LLaMA state dict with `model.` / `lm_head.` keys, config.json's dict or None) from a folder or a file."""
-    config = None
+def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
+    """(LLaMA state dict with `model.` / `lm_head.` keys, config.json's dict or None, the max_position_embeddings
+    a .ckpt records beside its weights (MineWorld's hyper-parameters) or None) from a folder or a file."""
+    config, recorded = None, None
     if src.is_dir():
         if (src / "config.json").exists():
             config = json.loads((src / "config.json").read_text())
@@ -65,6 +66,7 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
             part = load_file(str(f))
         else:  # .bin is a plain state dict; MineWorld's .ckpt wraps it in {"state_dict": ...} (Lightning)
             part = load_weights_only(f, "checkpoint")
+            recorded = recorded or recorded_positions({k: v for k, v in part.items() if k != "state_dict"})
             part = part.get("state_dict", part)
         state.update(part)
     llama, skipped = {}, 0
@@ -78,7 +80,20 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
         raise ValueError(f"{src}: no LLaMA weights (keys model.* / lm_head.*, optionally under transformer.)")
     if skipped:
         log.info("left out %d tensors that are not the LLaMA (e.g. MineWorld's VQ, tokenizer.*)", skipped)
-    return llama, config
+    return llama, config, recorded
+
+
+def recorded_positions(obj, depth: int = 0) -> int | None:
+    """The first `max_position_embeddings` found in nested dicts / lists (a checkpoint's hyper-parameters)."""
+    if depth > 6:
+        return None
+    if isinstance(obj, dict):
+        if isinstance(obj.get("max_position_embeddings"), int):
+            return obj["max_position_embeddings"]
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return next((n for v in obj if (n := recorded_positions(v, depth + 1))), None)
+    return None
 
 
 def model_config(llama: dict, config: dict | None, preset: str | None,
@@ -168,8 +183,10 @@ def convert_mineworld(src: str | Path, out: str | Path, preset: str | None = Non
     if held and not overwrite:
         raise FileExistsError(f"out={out} already holds checkpoints ({', '.join(held[:3])}): choose another out=, "
                               f"or pass overwrite=true to replace its last.ckpt")
-    llama, config = read_weights(Path(src))
+    llama, config, recorded = read_weights(Path(src))
     cfg, max_pos = model_config(llama, config, preset, heads)
+    if recorded and not (config and config.get("max_position_embeddings")):
+        max_pos = recorded  # the checkpoint's own length (a 32-frame MineWorld), not the preset's 16 frames
     lay = Layout(**(MINEWORLD_LAYOUT | {k: int(v) for k, v in layout.items()}))
     if frames is None:
         if not max_pos:
