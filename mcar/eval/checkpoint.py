@@ -2,6 +2,7 @@
 that the data config fits it."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,6 +11,8 @@ from omegaconf import DictConfig
 from mcar.core.layout import Layout
 from mcar.core.precision import compute_dtype
 from mcar.train.checkpoint_io import check_state_shapes, load_checkpoint
+
+log = logging.getLogger("mcar")
 
 
 def resolve_ckpt(ckpt: str | None) -> Path:
@@ -70,3 +73,11 @@ def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
         raise ValueError(f"data={data.name} (h, w, n_a, vocab) = ({data.h}, {data.w}, {data.n_a}, {data.vocab_size}) "
                          f"does not fit the checkpoint's ({own.h}, {own.w}, {own.n_a}, {hp['arch']['vocab_size']}): "
                          f"pass the data config the model was trained on (data=..., data.h=...)")
+
+
+def warn_past_trained_length(frames: int, hp: dict) -> None:
+    """Sampling more frames than the model trained on reaches RoPE positions it never saw: allowed, said once."""
+    trained = int(hp.get("clip_frames", frames))
+    if frames > trained:
+        log.warning("frames=%d runs past the %d frames this model was trained on: positions it never saw, expect "
+                    "the clip to degrade after frame %d", frames, trained, trained)

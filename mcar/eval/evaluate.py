@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from mcar.core.devices import resolve_device
 from mcar.core.sampler import build_sampler
 from mcar.eval import metrics as M
-from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype
+from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
 from mcar.eval.generation import (
     generate_clips,
     held_out_data,
@@ -52,6 +52,9 @@ log = logging.getLogger("mcar.eval.evaluate")
 def evaluate(cfg: DictConfig) -> list[dict]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    for key in ("n_clips", "batch_size"):
+        if cfg[key] is not None and int(cfg[key]) < 1:
+            raise ValueError(f"{key}={cfg[key]}: evaluate needs at least 1 (conf/evaluate.yaml)")
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     out = Path(cfg.paths.output_dir)
@@ -60,6 +63,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)
     frames = cfg.frames or hp["clip_frames"]
+    warn_past_trained_length(frames, hp)
     scfg = to_dict(cfg.sampler)
     sampler = build_sampler(scfg, layout, frames, cb, schedule=to_dict(cfg.schedule))
     P = sampler.prompt_frames

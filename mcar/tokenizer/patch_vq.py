@@ -79,7 +79,12 @@ class PatchVQ(torch.nn.Module):
 
 def is_patch_vq_folder(path: str | Path) -> bool:
     cfg = Path(path) / "config.json"
-    return cfg.exists() and json.loads(cfg.read_text()).get("_class_name") == CLASS_NAME
+    if not cfg.exists():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("_class_name") == CLASS_NAME
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg} is not a VQ config (a JSON object): {e}") from None
 
 
 def nearest(x: torch.Tensor, codes: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

@@ -78,6 +78,10 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int |
             skipped += 1
     if not llama:
         raise ValueError(f"{src}: no LLaMA weights (keys model.* / lm_head.*, optionally under transformer.)")
+    missing = [k for k in ("model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight") if k not in llama]
+    if missing:
+        raise ValueError(f"{src}: LLaMA weights without {missing[0]} (found {sorted(llama)[:4]} ...): not a whole "
+                         f"LlamaForCausalLM checkpoint")
     if skipped:
         log.info("left out %d tensors that are not the LLaMA (e.g. MineWorld's VQ, tokenizer.*)", skipped)
     return llama, config, recorded

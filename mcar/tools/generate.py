@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from mcar.core.sampler import build_sampler
+from mcar.eval.checkpoint import warn_past_trained_length
 from mcar.eval.generation import load_for_sampling, sampler_label
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
@@ -42,6 +43,7 @@ def generate(cfg: DictConfig) -> dict:
     module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
+    warn_past_trained_length(frames, hp)
     scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
     if cfg.prompt_image:
         schedule["prompt_frames"] = 1

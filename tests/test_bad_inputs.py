@@ -1,0 +1,57 @@
+"""Issue 3/5: inputs that used to fail deep inside torch or diffusers now fail naming the file or the field."""
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import REPO, SMALL_DATA, compose
+
+SMALL_VQ = REPO / "mcar" / "assets" / "vq_crafter_small"
+
+
+@pytest.mark.parametrize("key", ["n_clips", "batch_size"])
+def test_evaluate_refuses_zero_clips_or_batch(tmp_path, key):
+    from mcar.eval.evaluate import evaluate
+
+    cfg = compose("evaluate", [*SMALL_DATA, "ckpt=unused.ckpt", f"{key}=0", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=f"{key}=0: evaluate needs at least 1"):
+        evaluate(cfg)
+
+
+def test_a_vq_folder_of_another_shape_is_named(tmp_path):
+    from mcar.tokenizer.vq_model import load_vq
+
+    shutil.copytree(SMALL_VQ, tmp_path / "vq")
+    cfg = json.loads((tmp_path / "vq" / "config.json").read_text())
+    (tmp_path / "vq" / "config.json").write_text(json.dumps(cfg | {"num_vq_embeddings": 8192}))
+    with pytest.raises(ValueError, match=f"cannot load the VQ at {tmp_path / 'vq'}"):
+        load_vq(tmp_path / "vq")
+
+
+def test_a_malformed_vq_config_is_named(tmp_path):
+    from mcar.tokenizer.vq_model import load_vq
+
+    shutil.copytree(SMALL_VQ, tmp_path / "vq")
+    (tmp_path / "vq" / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'vq' / 'config.json'} is not a VQ config"):
+        load_vq(tmp_path / "vq")
+
+
+def test_convert_names_a_ckpt_without_layers(tmp_path):
+    from mcar.tools.convert import convert_mineworld
+
+    torch.save({"state_dict": {"model.embed_tokens.weight": torch.zeros(4, 2)}}, tmp_path / "x.ckpt")
+    with pytest.raises(ValueError, match="LLaMA weights without model.layers.0.mlp.gate_proj.weight"):
+        convert_mineworld(tmp_path / "x.ckpt", tmp_path / "out", heads=1)
+
+
+def test_sampling_past_the_trained_length_is_said(caplog):
+    from mcar.eval.checkpoint import warn_past_trained_length
+
+    with caplog.at_level(logging.WARNING, logger="mcar"):
+        warn_past_trained_length(3, {"clip_frames": 3})
+        assert not caplog.records
+        warn_past_trained_length(40, {"clip_frames": 3})
+    assert "frames=40 runs past the 3 frames this model was trained on" in caplog.text
