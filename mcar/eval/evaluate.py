@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from mcar.core.devices import resolve_device
 from mcar.core.sampler import build_sampler
+from mcar.data.files import write_atomic
 from mcar.eval import metrics as M
 from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
 from mcar.eval.generation import (
@@ -99,7 +100,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
     write_table(rows, out)
     per_frame = write_per_frame(curves, P, out)
-    (out / "results.json").write_text(json.dumps(
+    write_atomic(out / "results.json", json.dumps(
         {"rows": [{k: (str(v) if isinstance(v, M.Unavailable) else v) for k, v in r.items()} for r in rows],
          "per_frame": curves, "clip_ids": ids, "speed": {k: v[1] for k, v in outputs.items()}, "extra": extras},
         indent=2, default=str))

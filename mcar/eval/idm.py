@@ -14,7 +14,6 @@ generated frame pairs against the conditioning actions, as MineWorld reports.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
+from mcar.data.files import write_json
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
 from mcar.train.checkpoint_io import load_weights_only
@@ -336,7 +336,7 @@ def train_idm(cfg: DictConfig) -> dict:
     out = Path(cfg.out)
     save_idm(model, out, meta)
     report = {**meta, "per_action": final["per_action"], "history": history}
-    (out.parent / "metrics.json").write_text(json.dumps(report, indent=2))
+    write_json(out.parent / "metrics.json", report, indent=2)
     log.info("IDM held-out accuracy %.3f, movement actions %s (majority baseline %.3f, macro F1 %.3f) -> %s",
              final["accuracy"], final["moves_accuracy"], final["majority_baseline"], final["macro_f1"], out)
     return report

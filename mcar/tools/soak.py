@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mcar.data.files import write_json
 from mcar.hydra_app import compose_tool
 from mcar.train.checkpoint_io import load_checkpoint
 
@@ -113,7 +114,7 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                   steps_compared=len(got), mismatches=len(mismatches),
                   first_mismatch=mismatches[0] if mismatches else None, final_weights_equal=weights_equal,
                   soak_seconds=round(soak_s, 1), overrides=overrides)
-    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "soak.json", result)
     return result
 
 

@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from mcar.data.common import build_datamodule
+from mcar.data.files import write_atomic
 from mcar.eval.metrics import fmt
 from mcar.hydra_app import register_resolvers
 
@@ -258,7 +259,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
     info = facts(cfg)
     payload = {"rows": [{k: v for k, v in r.items() if k != "key"} for r in rows], "gap_closed": gaps,
                "facts": info, "stages": state}
-    (out / "table3.json").write_text(json.dumps(payload, indent=2, default=str))
+    write_atomic(out / "table3.json", json.dumps(payload, indent=2, default=str))
 
     lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
              f"## {t.name}: {t.label}", "",

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mcar.data.episodes import episode_files
+from mcar.data.files import write_atomic
 from mcar.eval.vq_scores import evaluate
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer.vq_model import check_frame_size, decode_latents, load_vq, save_vq, to_input
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
             rec = decode_latents(vq, vq.quantize(vq.encode(x).latents)[0])
         save_grid(Path(c.png), x, rec)
     if c.export:
-        (Path(c.export) / "metrics.json").write_text(json.dumps(
+        write_atomic(Path(c.export) / "metrics.json", json.dumps(
             {**m, "source": str(c.vq), "episodes": str(c.episodes), "n_episodes": len(files), "stride": c.stride},
             indent=1))
     return m

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcar.data.files import write_json
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer import quality
 from mcar.tokenizer.patch_vq import fit_patch_vq
@@ -58,6 +59,6 @@ def main(argv: list[str] | None = None) -> dict:
         ["mcar vq_patches", f"episodes={c.episodes}", f"out={c.out}", f"codes={c.codes}", f"patch={c.patch}",
          f"held_out={c.held_out}", f"iters={c.iters}", f"seed={c.seed}"]))
     vq.save_pretrained(c.out)
-    (Path(c.out) / "metrics.json").write_text(json.dumps(stats, indent=1) + "\n")
+    write_json(Path(c.out) / "metrics.json", stats)
     print(json.dumps(stats))
     return stats
