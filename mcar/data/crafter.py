@@ -2,7 +2,8 @@
 
 prepare_data() runs three cached stages under `root` (each skipped when its output is there, each with progress):
     1. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true, by
-                               the injected `vq_trainer`: conf/data/crafter.yaml names mcar.train.vq_training.train_for_data)
+                               the injected `vq_trainer`: conf/data/crafter.yaml names
+                               mcar.train.vq_training.train_for_data)
     2. <setting>/episodes/     generated Crafter episodes (mp4 + jsonl)   mcar.data.crafter_gen
     3. <setting>/tokens_<vq>/  token shards + index                       mcar.data.tokenize
 Frames are rendered at the token grid (data.h, data.w) times the VQ's downsampling (x16: 224x384).
@@ -107,7 +108,8 @@ class CrafterDataModule(TokenDataModule):
         trainer = self.vq_trainer
         if trainer is None:
             raise ValueError("data.vq_train=true needs data.vq_trainer, the function that trains the VQ "
-                             "(conf/data/crafter.yaml: {_target_: mcar.train.vq_training.train_for_data, _partial_: true})")
+                             "(conf/data/crafter.yaml: {_target_: mcar.train.vq_training.train_for_data, "
+                             "_partial_: true})")
         if not callable(trainer):  # its config: this module is instantiated with _recursive_=False
             import hydra
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
 from mcar.data.vpt_actions import parse_vpt
+from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
 
 
 class EpisodeError(Exception):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
+from mcar.data.common import ClipDataModule, check_vocab
 
 SHIFTS = [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0)]  # (rows, cols) per action id
 

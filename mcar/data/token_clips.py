@@ -5,14 +5,12 @@ per frame its h*w image ids (raster order), then its n_a action ids + codebook_s
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mcar.data.common import ClipDataModule, check_vocab
 from mcar.core.layout import Layout
+from mcar.data.common import ClipDataModule, check_vocab
 from mcar.data.files import read_json
 from mcar.data.shards import check_entry, current_entry, open_shard, shard_paths
 from mcar.tokenizer.clips import join_clip

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.data.files import read_json, write_atomic, write_json, writing_into
 from mcar.data.shards import current_entry, shard_bytes
 from mcar.tokenizer.actions import action_space
-from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.tokenizer.video import FrameStream
 
 

@@ -1,8 +1,9 @@
 """VPT (OpenAI Video-Pre-Training) recordings: <name>.mp4 (640x360, 20 Hz) + <name>.jsonl, one record per frame.
 
 A record has mouse{x, y, dx, dy, buttons, newButtons, dwheel, ...}, keyboard{keys, newKeys, chars}, isGuiOpen,
-hotbar (0..8), yaw, pitch, ... `parse_vpt` turns a file's records into the action dicts of mcar.tokenizer.actions.VPTActions
-and a keep mask, following VPT's own loader (data_loader.py, run_inverse_dynamics_model.py) except where noted:
+hotbar (0..8), yaw, pitch, ... `parse_vpt` turns a file's records into the action dicts of
+mcar.tokenizer.actions.VPTActions and a keep mask, following VPT's own loader (data_loader.py,
+run_inverse_dynamics_model.py) except where noted:
 
 - camera degrees = (dy, dx) * 360 / 2400 (pitch, yaw), kept as floats. VPT's loader writes them into an int64
   array and truncates them to whole degrees; we do not. While a GUI is open the mouse moves a cursor, not the
