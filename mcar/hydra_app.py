@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def hydra_tool(config_name: str, legacy: bool = False, words=None):
     import hydra
 
     def wrap(job):
-        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(job)
+        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(said_plainly(job))
 
         @functools.wraps(job)
         def main(argv: list[str] | None = None):
@@ -122,3 +123,32 @@ def hydra_tool(config_name: str, legacy: bool = False, words=None):
         return main
 
     return wrap
+
+
+SAID_PLAINLY = (ValueError, OSError, RuntimeError)  # what mcar raises with a message that says what to fix
+
+
+def raised_by_mcar(e: BaseException) -> bool:
+    """The exception comes from a `raise` in mcar's own code (not from inside torch, Lightning, ...)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).parent)
+
+
+def said_plainly(job):
+    """Our own errors end the command with their message only (Hydra would print a traceback and its
+    HYDRA_FULL_ERROR hint around it); HYDRA_FULL_ERROR=1 shows the full traceback, and errors from inside the
+    libraries keep theirs."""
+
+    @functools.wraps(job)
+    def run(cfg):
+        try:
+            return job(cfg)
+        except SAID_PLAINLY as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not raised_by_mcar(e):
+                raise
+            print(f"Error: {e}\n(the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+    return run

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mcar.train.ownership import LOCK, check_fresh_checkpoint_dir, claim, release
-from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script
+from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script, script_env
 
 
 def test_a_live_owner_is_refused_and_a_killed_ones_lock_is_free(tmp_path):
@@ -92,17 +92,34 @@ def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
     check_fresh_checkpoint_dir(tmp_path / "new", "seed2")  # absent or empty: fine
 
 
-def test_second_run_with_the_same_run_name_is_refused(tmp_path):
-    """Two runs, one run_name: the second fresh one is refused (it used to share the dirs, write -v1 checkpoints,
-    and a later ckpt_path=last resumed the first run's weights)."""
+def test_running_the_same_command_twice_gives_the_second_run_its_own_name(tmp_path):
+    """Two fresh runs, one run_name: the second becomes <run_name>-2, beside the first (it used to share the dirs
+    and write -v1 checkpoints, then it was refused: a dead end for a user who only ran the command again)."""
     common = [*SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=2",
               "checkpoint.every_n_steps=1", "run_name=same"]
     run_script("train.py", *common, "seed=1")
-    p = run_script("train.py", *common, "seed=2", f"hydra.run.dir={tmp_path}/out2", check=False)
-    assert p.returncode != 0 and "already holds checkpoints of run 'same'" in p.stderr
-    assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("*.ckpt")) == \
-        ["last.ckpt", "step0000001.ckpt", "step0000002.ckpt"]
-    assert not (tmp_path / "ckpt" / "same" / LOCK).exists()  # released at the end of the first run
+    first = (tmp_path / "ckpt" / "same" / "last.ckpt").read_bytes()
+    p = run_script("train.py", *common, "seed=2", f"hydra.run.dir={tmp_path}/out2")
+    assert "this fresh run is same-2 (resume the first with ckpt_path=last run_name=same)" in p.stdout + p.stderr
+    for name in ("same", "same-2"):
+        assert sorted(f.name for f in (tmp_path / "ckpt" / name).glob("*.ckpt")) == \
+            ["last.ckpt", "step0000001.ckpt", "step0000002.ckpt"]
+        assert not (tmp_path / "ckpt" / name / LOCK).exists()  # released at the end of each run
+    assert (tmp_path / "ckpt" / "same" / "last.ckpt").read_bytes() == first
+    p = run_script("train.py", *common, f"hydra.run.dir={tmp_path}/out3", "ckpt_path=last", "trainer.max_steps=3")
+    assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("step*.ckpt"))[-1] == "step0000003.ckpt"
+
+
+def test_our_errors_end_with_their_message_not_a_traceback(tmp_path):
+    env = {k: v for k, v in script_env().items() if k != "HYDRA_FULL_ERROR"}
+    cmd = [sys.executable, str(REPO / "train.py"), *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
+           "optim.lr=-1"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Error: " in p.stderr and "lr" in p.stderr
+    assert "Traceback" not in p.stderr and "(the traceback: HYDRA_FULL_ERROR=1)" in p.stderr
+    full = subprocess.run(cmd, cwd=REPO, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert full.returncode != 0 and "Traceback" in full.stderr
 
 
 # ---------------------------------------------------------------------------------------------- silent surprises

@@ -3,6 +3,7 @@ checkpoint it resumes, renamed overrides refused by name, and its W&B run closed
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.train.checkpoint_io import is_sharded_checkpoint
+
+log = logging.getLogger("mcar")
 
 # overrides of the keys that moved into config groups: train.py / finetune.py refuse them with the new name
 RENAMED = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_ratio"}
@@ -75,6 +78,23 @@ def check_run_name(name) -> str:
                          f"with a letter or digit; no / and no ..), it names the run's folder under "
                          f"paths.checkpoint_root")
     return name
+
+
+def take_free_run_name(cfg: DictConfig) -> None:
+    """A fresh run whose run_name already holds checkpoints (the same command run twice) becomes <run_name>-2, -3,
+    ... (said in the log); `ckpt_path=last` with the first name still resumes the first run. An explicit
+    checkpoint.dir is left as given (check_fresh_checkpoint_dir refuses it if taken)."""
+    if not OmegaConf.is_interpolation(cfg.checkpoint, "dir"):
+        return
+    taken = lambda d: d.is_dir() and any(d.glob("*.ckpt"))  # a live run without checkpoints yet: claim() refuses
+    first, n = cfg.run_name, 1
+    while taken(checkpoint_dir(cfg)):
+        n += 1
+        with open_dict(cfg):
+            cfg.run_name = f"{first}-{n}"
+    if n > 1:
+        log.warning("run_name %s already holds a run's checkpoints: this fresh run is %s (resume the first with "
+                    "ckpt_path=last run_name=%s)", first, cfg.run_name, first)
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:

@@ -24,6 +24,7 @@ from mcar.train.jobs import (
     finalize_run_name,
     finish_wandb,
     resolve_ckpt_path,
+    take_free_run_name,
     write_hydra_record,
 )
 from mcar.train.module import MCARModule
@@ -110,6 +111,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
         write_hydra_record(cfg, output_dir)
         if cfg.checkpoint.every_n_steps is not None:
             if ckpt_path is None:  # a fresh run (or fine-tuning) writes into an empty checkpoint dir only
+                take_free_run_name(cfg)
                 check_fresh_checkpoint_dir(checkpoint_dir(cfg), cfg.run_name)
             locks.append(claim(checkpoint_dir(cfg), "checkpoint dir", cfg.run_name))
         return _train(cfg, output_dir, module, datamodule, ckpt_path, callbacks)
