@@ -328,3 +328,23 @@ def test_piped_training_shows_progress(tmp_path):
     p = run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "train"), "trainer.max_steps=3",
                    "trainer.val_check_interval=3", "log_every_n_steps=1", "logger=none", "val_dashboard.n_clips=0")
     assert re.search(r"Epoch 0: .*3/\S+ \[", p.stdout + p.stderr), (p.stdout + p.stderr)[-2000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path):
+    """Issue 4/5 item 3: `finetune` and `generate` after `train data=synthetic ...` need no data= repeated (they
+    used to fail: "init_from ... was trained with data.n_a=2, but this run has data.n_a=1"); an override that
+    conflicts is still named."""
+    run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
+               "trainer.val_check_interval=2", "val_dashboard.n_clips=0")
+    ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["data"]["n_a"] == 2
+    p = run_script("finetune.py", *job_overrides(tmp_path, "ft"), f"init_from={ckpt}", "logger=none", "steps=1",
+                   "trainer.val_check_interval=1", "val_dashboard.n_clips=0", "run_name=ft")
+    assert "data as the checkpoint was trained (override with data=...)" in p.stdout + p.stderr
+    assert torch.load(tmp_path / "ckpt" / "ft" / "last.ckpt", weights_only=True)["global_step"] == 1
+    p = run_script("-m mcar.generate", f"ckpt={ckpt}", "prompt=0", f"hydra.run.dir={tmp_path}/gen")
+    assert list((tmp_path / "gen").glob("clip0_*.mp4"))
+    p = run_script("finetune.py", *job_overrides(tmp_path, "ft2"), f"init_from={ckpt}", "logger=none", "steps=1",
+                   "data.n_a=1", check=False)
+    assert p.returncode != 0 and "was trained with data.n_a=2, but this run has data.n_a=1" in p.stderr

@@ -46,6 +46,7 @@ from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_
 from mcar.eval.scoring import Scorer, score_rows
 from mcar.hydra_app import to_dict
 from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
+from mcar.train.jobs import adopt_checkpoint_config
 
 log = logging.getLogger("mcar.eval.evaluate")
 
@@ -61,6 +62,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+    adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
     layout, cb = module.layout, cfg.data.codebook_size
     check_data_fits(layout, hp, cfg.data)
     frames = cfg.frames or hp["clip_frames"]

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from mcar.core.devices import sync
 from mcar.core.schedule import ScheduleConfig
 from mcar.data.common import build_datamodule
+from mcar.train.jobs import adopt_checkpoint_config
 
 
 def held_out_data(cfg: DictConfig, frames: int):
@@ -55,6 +56,7 @@ def load_for_sampling(cfg: DictConfig):
 
     device = resolve_device(cfg.device)
     module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+    adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
     check_data_fits(module.layout, hp, cfg.data)
     return module, hp, load_vq_for(cfg, device), device
 

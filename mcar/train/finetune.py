@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from mcar.train.checkpoint_io import load_checkpoint
+from mcar.train.jobs import adopt_checkpoint_config, command_line_overrides
 
 log = logging.getLogger("mcar")
 
@@ -22,19 +23,13 @@ def newest_pretrained(checkpoint_root: str | Path) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
-def command_line_overrides() -> list[str]:
-    """The Hydra job's command-line overrides ([] outside a Hydra app)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
 def prepare_finetune(cfg: DictConfig) -> str:
     """Resolve cfg.init_from and copy the checkpoint's model config and layout checks into cfg."""
     path = Path(cfg.init_from) if cfg.get("init_from") else newest_pretrained(cfg.paths.checkpoint_root)
     hp = load_checkpoint(path).get("hyper_parameters", {})
     if "arch" not in hp:
         raise ValueError(f"init_from: {path} is not an mcar training checkpoint (no model config inside)")
+    adopt_checkpoint_config(cfg, hp, f"init_from={path}")
     data = cfg.data
     for field in ("h", "w", "n_a"):
         if hp["layout"][field] != data[field]:

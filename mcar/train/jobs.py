@@ -127,3 +127,29 @@ def write_hydra_record(cfg: DictConfig, output_dir: str | Path) -> None:
     OmegaConf.save(cfg, record / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": hc}), record / "hydra.yaml")
     OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), record / "overrides.yaml")
+
+
+def command_line_overrides() -> list[str]:
+    """The Hydra job's command-line overrides ([] outside a Hydra app)."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "vq")) -> list[str]:
+    """Take the config groups a checkpoint carries (its data and VQ, for sampling also its schedule) unless the
+    command line names them: `mcar finetune` after `mcar train data=synthetic`, or `mcar evaluate ckpt=...`, need
+    no data= repeated. A conflicting override is then checked against the checkpoint (check_data_fits). -> the
+    groups taken. Outside a Hydra app (a config composed in code) nothing is taken: the caller's config is whole."""
+    if not HydraConfig.initialized():
+        return []
+    keys = [(o.split("=", 1)[0].lstrip("+~"), o) for o in command_line_overrides() if "=" in o]
+    chosen = {key.split("@")[0] for key, _ in keys if "." not in key}  # data=crafter: the user's own choice
+    taken = [g for g in groups if hp.get(g) is not None and g not in chosen]
+    with open_dict(cfg):
+        for group in taken:
+            cfg[group] = OmegaConf.create(hp[group])
+        # data.n_a=1 on the command line still applies, on top of the checkpoint's data (and is then checked)
+        cfg.merge_with_dotlist([o.lstrip("+") for key, o in keys if key.split(".")[0] in taken and "." in key])
+    if taken:
+        log.info("%s: %s as the checkpoint was trained (override with %s)", source, " and ".join(taken),
+                 ", ".join(f"{g}=..." for g in taken))
+    return taken

@@ -120,7 +120,8 @@ class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
-                 sampler: dict | None = None, lr_schedule: dict | None = None):
+                 sampler: dict | None = None, lr_schedule: dict | None = None, data: dict | None = None,
+                 vq: dict | None = None):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -129,7 +130,9 @@ class MCARModule(L.LightningModule):
         written before those groups hold a plain AdamW `optim` dict with warmup_steps / min_lr_ratio: read as
         AdamW + warmup_cosine (`legacy_optim`).
         schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
-        `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused)."""
+        `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused).
+        data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
+        that load the checkpoint start from them (mcar.train.jobs.adopt_checkpoint_config)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = legacy_optim(optim, lr_schedule)
