@@ -99,10 +99,9 @@ def compose_tool(config_name: str, argv: list[str] | None = None, positional: tu
     return cfg
 
 
-def hydra_tool(config_name: str, legacy: bool = False, words=None):
+def hydra_tool(config_name: str, words=None):
     """Decorator: a job function taking the composed config -> the tool's `main(argv=None)` under @hydra.main
-    (conf/<config_name>.yaml). `legacy=True` also accepts the old `--flag value` spelling; `words` rewrites the
-    arguments first (e.g. bench's mode as a bare first word)."""
+    (conf/<config_name>.yaml). `words` rewrites the arguments first (e.g. bench's mode as a bare first word)."""
     import hydra
 
     def wrap(job):
@@ -112,7 +111,7 @@ def hydra_tool(config_name: str, legacy: bool = False, words=None):
         def main(argv: list[str] | None = None):
             args = sys.argv[1:] if argv is None else list(argv)
             args = words(args) if words else args
-            saved, sys.argv = sys.argv, [sys.argv[0], *(legacy_flags(args) if legacy else args)]
+            saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
             try:
                 return app()

@@ -148,7 +148,8 @@ def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "
         for group in taken:
             cfg[group] = OmegaConf.create(hp[group])
         # data.n_a=1 on the command line still applies, on top of the checkpoint's data (and is then checked)
-        cfg.merge_with_dotlist([o.lstrip("+") for key, o in keys if key.split(".")[0] in taken and "." in key])
+        cfg.merge_with_dotlist([o.lstrip("+") for key, o in keys
+                                if key.split(".")[0] in taken and "." in key and not o.startswith("~")])
     if taken:
         log.info("%s: %s as the checkpoint was trained (override with %s)", source, " and ".join(taken),
                  ", ".join(f"{g}=..." for g in taken))
