@@ -101,3 +101,13 @@ def test_old_argparse_spellings_still_run_their_tools(tmp_path):
     stats = json.loads((tmp_path / "pvq" / "metrics.json").read_text())
     assert stats["train_episodes"] == 2 and stats["held_out_frames"] == 6
     assert stats["command"].startswith("mcar vq_patches episodes=eps out=pvq codes=4")
+
+
+
+def test_the_old_module_spellings_of_evaluate_and_idm_still_run(tmp_path):
+    """table3 used to print `python -m mcar.eval.evaluate ...`: those commands reach the tools (here their --help)."""
+    env = {**script_env(), "PYTHONPATH": str(REPO)}
+    for module, tool in (("mcar.eval.evaluate", "evaluate"), ("mcar.eval.idm", "idm")):
+        p = subprocess.run([sys.executable, "-m", module, "--cfg", "job"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0 and f"task: {tool}" in p.stdout, p.stderr[-2000:]
