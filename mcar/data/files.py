@@ -62,7 +62,7 @@ class FolderLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)  # while still locked: no one can have locked this inode
+            self.path.unlink(missing_ok=True)  # before unlocking: a process waiting on this inode then sees it gone
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
@@ -77,7 +77,6 @@ def writing_into(folder: str | Path, what: str, lock_name: str = ".mcar-writer.l
         o = lock.owner()
         log.warning("%s: waiting for pid %s on %s (writing %s since %s)", folder, o.get("pid"), o.get("host"),
                     o.get("what", what), o.get("started"))
-        print(f"{folder}: waiting for pid {o.get('pid')} (writing {o.get('what', what)}) to finish", flush=True)
         lock.acquire(blocking=True, what=what)
     try:
         yield lock
