@@ -33,6 +33,20 @@ def asset_path(name: str) -> str:
     return str(assets / name)
 
 
+def relocated_asset(value):
+    """A path into another install's mcar/assets/<name> (a checkpoint's config, made on another machine or
+    clone) -> this install's asset of that name; anything else unchanged."""
+    if not isinstance(value, str) or "/" not in value:
+        return value
+    p = Path(value)
+    if p.exists() or p.parent.name != "assets" or p.parent.parent.name != "mcar":
+        return value
+    try:
+        return asset_path(p.name)
+    except FileNotFoundError:
+        return value
+
+
 def register_resolvers() -> None:
     """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
     for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),

@@ -105,6 +105,79 @@ def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
     assert s.k == 4
 
 
+def test_forked_games_do_not_share_their_state(crafter_files):
+    """Each browser session's game is a fork: steps, k and temperature of one never reach another, and a game
+    interleaved with another draws exactly the frames it draws alone (the model and samplers are shared)."""
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    solo = base.fork()
+    alone = [solo.step(a)[0].copy() for a in ["move_left", "do", "move_up"]]
+    a, b = base.fork(), base.fork()
+    assert a.steps == b.steps == 0 and np.array_equal(a.frame, base.frame)
+    b.set_k(4), b.set_temperature(0.0)
+    mixed = []
+    for act in ["move_left", "do", "move_up"]:
+        mixed.append(a.step(act)[0].copy())
+        b.step("move_right")
+    assert all(np.array_equal(x, y) for x, y in zip(alone, mixed))
+    assert (a.steps, a.k, a.temperature) == (3, 2, 1.0) and (b.steps, b.k, b.temperature) == (3, 4, 0.0)
+    assert a.info["action"] == "move_up" and b.info["action"] == "move_right" and base.steps == 0
+    assert a._samplers is b._samplers is base._samplers  # built once
+    with pytest.raises(ValueError, match="temperature=-1"):
+        a.set_temperature(-1)
+
+
+def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
+    """temperature 0 takes the most likely token: the frames do not depend on the seed; at 1 they do."""
+    frames = {}
+    for t in (0.0, 1.0):
+        for seed in (0, 1):
+            g = crafter_session(crafter_files, f"sampler.temperature={t}", f"seed={seed}")
+            frames[t, seed] = g.step("move_left")[0]
+    assert np.array_equal(frames[0.0, 0], frames[0.0, 1])
+    assert not np.array_equal(frames[1.0, 0], frames[1.0, 1])
+
+
+def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
+    """bench.rollouts: an oracle game (its model copies the real next frame) agrees 1.0 at every step; the
+    unchanged start frame is the copy_first row."""
+    from mcar.tools.play import rollout_agreement
+
+    s = crafter_session(crafter_files)
+    L, ft = H * W + 1, H * W
+    rng = torch.Generator().manual_seed(0)
+    clip = torch.cat([torch.cat([torch.randint(0, CB, (ft,), generator=rng), torch.tensor([CB + 3])])
+                      for _ in range(4)])
+    frames = clip.reshape(4, L)
+
+    class Oracle:  # the sampler's result: the real next frame (any model would do as well as this at best)
+        def __init__(self, target):
+            self.target, self.seed, self.temperature, self.top_k = target, 0, 1.0, None
+
+        def generate(self, model, c):
+            prev = c[0, :ft]
+            t = next(i for i in range(3) if torch.equal(frames[i, :ft], prev))
+            out = c.clone()
+            out[0, -L:-1] = frames[t + 1, :ft]
+            return out, type("S", (), {"passes": 1})()
+
+    s.sampler = lambda n=None: Oracle(None)
+    r = rollout_agreement(s, [clip])
+    assert r["agreement"] == [1.0, 1.0, 1.0] and r["final"] == 1.0 and r["clips"] == 1
+    same = [(frames[0, :ft] == frames[t, :ft]).float().mean().item() for t in (1, 2, 3)]
+    assert r["copy_first"] == [round(x, 4) for x in same]
+
+
+def test_serving_port_moves_past_a_taken_port():
+    from mcar.tools.play import serving_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        assert serving_port("127.0.0.1", taken) != taken
+        with pytest.raises(OSError, match="taken"):
+            serving_port("127.0.0.1", taken, tries=1)
+
+
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
     """python -m mcar.play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
     one JSON line printed and written to bench.out."""
@@ -172,6 +245,50 @@ def test_the_page_binds_crafter_keys_to_buttons(crafter_files):
     assert table["s"] == "move_down" and table["W"] == "move_up"
 
 
+@pytest.mark.slow
+def test_two_sessions_on_the_page_play_their_own_games(crafter_files, tmp_path, monkeypatch):
+    """Two gradio clients (two browser sessions) on one served page: each steps its own game (its steps, k and
+    frames are its own: the frames are those of a game played alone), idle games are dropped, the frames' temp
+    PNGs are deleted."""
+    pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
+    from gradio_client import Client
+    from PIL import Image
+
+    from mcar.tools.play import build_app
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "cache"))
+    s = crafter_session(crafter_files, "sampler.temperature=1.0")
+    alone = s.fork()
+    want = [alone.step(a)[0].copy() for a in ["move_left", "do", "move_left"]]
+    demo = build_app(s, buttons=["noop"], ks=[1, 2, 4], idle_minutes=6 / 60, cache_seconds=2)
+    kept = set((tmp_path / "cache").rglob("*.png"))  # the page's own start frame: gradio keeps it
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        a, b = (Client(url, verbose=False, download_files=str(tmp_path / n)) for n in "ab")
+        got = []
+        for act in ["move_left", "do", "move_left"]:
+            image, info_a = a.predict(api_name=f"/step_{act}")
+            got.append(np.asarray(Image.open(image).convert("RGB")))
+            assert "k=4" in b.predict(4, api_name="/set_k") if act == "do" else b.predict(api_name="/step_noop")
+        _, info_b = b.predict(api_name="/step_move_up")
+        assert "step 3" in info_a and "k=2" in info_a and "**move_left**" in info_a
+        assert "step 3" in info_b and "k=4" in info_b and "**move_up**" in info_b  # 2 noops + move_up
+        assert all(np.array_equal(x, y) for x, y in zip(want, got)), "a game's frames changed with another's steps"
+        assert demo.games.live == 2 and s.steps == 0  # the loaded session only lends its model
+        end = time.monotonic() + 40
+        made = lambda: set((tmp_path / "cache").rglob("*.png")) - kept  # noqa: E731
+        assert made(), "the steps' frames were not written where expected"
+        while (demo.games.live or made()) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert demo.games.live == 0, "idle games were not dropped"
+        assert not made(), f"the frames' temporary PNGs were not deleted: {sorted(made())}"
+    finally:
+        demo.close()
+
+
 # ---- the browser check ------------------------------------------------------------------------------------
 class Chromium:
     """Headless Chromium driven over the DevTools protocol on --remote-debugging-pipe (fd 3 in, fd 4 out:
@@ -211,9 +328,16 @@ class Chromium:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply["result"]
 
-    def open(self, url: str):
+    def open(self, url: str) -> str:
+        """A new tab on `url`, made the current one; -> its session id (for `use`)."""
         target = self.send("Target.createTarget", url=url)["targetId"]
         self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        return self.session
+
+    def use(self, session: str) -> None:
+        """Switch to a tab of `open`, brought to the front (a hidden tab does not load its images)."""
+        self.session = session
+        self.send("Page.bringToFront")
 
     def eval(self, expr: str):
         return self.send("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
@@ -264,8 +388,9 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatch):
-    """The page served on localhost, a headless Chromium presses ArrowLeft: the session steps (move_left) and a
-    screenshot of the frame differs from the one before."""
+    """The page served on localhost, two headless Chromium tabs (two sessions) at once: ArrowLeft in one steps
+    that tab's game only (move_left) and its frame changes on screen; the other tab stays at its start frame and
+    its own key press then gives its own step 1; a reload starts a new game with the k radio showing its k."""
     pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
     exe = chromium_exe()
     if exe is None:
@@ -278,24 +403,38 @@ def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatc
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     browser = Chromium(exe, tmp_path / "profile")
+    img, info = "document.querySelector('#play-frame img')", "document.getElementById('play-info').innerText"
     try:
-        browser.open(f"http://127.0.0.1:{port}/")
-        browser.wait("!!document.querySelector('#play-frame img') && window.__mcarPlayKeys === true")
-        browser.wait("document.querySelector('#play-frame img').complete")
-        src0 = browser.eval("document.querySelector('#play-frame img').src")
+        tabs = [browser.open(f"http://127.0.0.1:{port}/") for _ in range(2)]
+        for tab in tabs:
+            browser.use(tab)
+            browser.wait(f"!!{img} && window.__mcarPlayKeys === true && {img}.complete")
+        browser.use(tabs[0])
+        src0 = browser.eval(f"{img}.src")
         before = browser.screenshot("#play-frame img")
         browser.key("ArrowLeft", "ArrowLeft", 37)
-        end = time.monotonic() + 60
-        while s.steps < 1 and time.monotonic() < end:
-            time.sleep(0.1)
-        assert s.steps == 1 and s.info["action"] == "move_left"
-        browser.wait(f"document.querySelector('#play-frame img').src !== {json.dumps(src0)} && "
-                     "document.querySelector('#play-frame img').complete")
-        assert "move_left" in browser.wait("document.getElementById('play-info').innerText")
+        browser.wait(f"{img}.src !== {json.dumps(src0)} && {img}.complete")
+        assert "move_left" in browser.wait(info) and "step 1" in browser.eval(info)
         after = browser.screenshot("#play-frame img")
         assert before.shape == after.shape and before.size > 0
         diff = np.abs(before.astype(int) - after.astype(int)).mean()
         assert diff > 5, f"the frame on the page did not change (mean abs difference {diff:.2f})"
+
+        browser.use(tabs[1])  # the other session: still at its start, then its own first step
+        assert "reset" in browser.eval(info) and "step 0" in browser.eval(info)
+        np.testing.assert_array_equal(browser.screenshot("#play-frame img"), before)
+        browser.key("ArrowUp", "ArrowUp", 38)
+        browser.wait(f"{info}.includes('move_up')")
+        assert "step 1" in browser.eval(info) and demo.games.live == 2
+        browser.use(tabs[0])
+        assert "move_left" in browser.eval(info) and "step 1" in browser.eval(info)
+        assert s.steps == 0  # the loaded session only lends its model
+
+        browser.eval("document.querySelector('#play-k input[value=\"1\"]').click()")  # k=1 in this tab ...
+        browser.wait(f"{info}.includes('k=1')")
+        browser.send("Page.reload")  # ... a reload is a new session: a new game, the radio at its k again
+        browser.wait(f"!!{img} && {info}.includes('step 0')")
+        assert browser.wait("document.querySelector('#play-k input:checked')?.value") == str(s.k)
     finally:
         browser.close()
         demo.close()

@@ -43,6 +43,7 @@ class TokenClips:
         self.layout, self.frames, self.codebook_size = layout, frames, codebook_size
         folder, entries = Path(folder), entries or {}
         self.episodes, self.starts = [], []  # starts: (episode index, first frame)
+        self.episode_names = list(names)
         for name in names:
             check_entry(folder, current_entry(folder, entries.get(name), name), (layout.h, layout.w), layout.n_a,
                         codebook_size, action_vocab_size)

@@ -41,7 +41,7 @@ from mcar.eval.generation import (
     sampler_label,
     teacher_forced_loss,
 )
-from mcar.eval.idm import action_names, check_idm_fits, load_idm
+from mcar.eval.idm import action_names, check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_table, write_videos
 from mcar.eval.scoring import Scorer, score_rows
 from mcar.hydra_app import to_dict
@@ -79,7 +79,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
     nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d"),
             "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips"),
-            "idm": check_idm_fits(load_idm(cfg.idm), dm, cb, layout.n_a, cfg.data.action_vocab_size)}
+            "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
+                                   layout.n_a, cfg.data.action_vocab_size)}
     try:
         vq = load_vq_for(cfg, device)
     except FileNotFoundError as e:

@@ -2,6 +2,8 @@
 the teacher-forced loss on the sampler's schedule and the reference rows (ground truth, noise, copy_last)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
@@ -12,14 +14,78 @@ from mcar.data.common import build_datamodule
 from mcar.train.jobs import adopt_checkpoint_config
 
 
+class ShippedHeldOut:
+    """The held-out clips a checkpoint ships beside it (<run folder>/held_out: its data's validation episodes as
+    token shards, made by `export_held_out`): what a sampling tool needs of the data, with nothing to build.
+    val_source: non-overlapping `frames`-frame clips of every episode (as the data's validation set);
+    tokens_name: the token folder they were copied from (it names the VQ; the IDM checks it)."""
+
+    def __init__(self, folder: Path, data: DictConfig, frames: int):
+        from mcar.core.layout import Layout
+        from mcar.data.token_clips import TokenClips, read_index
+
+        index = read_index(folder)
+        self.tokens_dir, self.tokens_name = folder, index["meta"].get("tokens")
+        layout = Layout(data.h, data.w, data.n_a)
+        names = [e["name"] for e in index["episodes"] if e["frames"] >= frames]
+        entries = {e["name"]: e for e in index["episodes"]}
+        self.val_source = TokenClips(folder, names, layout, frames, data.codebook_size, frames,
+                                     data.action_vocab_size, entries)
+
+
+def held_out_folder(cfg: DictConfig) -> Path | None:
+    """cfg.held_out -> the token folder of shipped held-out clips, or None for the data's own validation episodes.
+    auto: <checkpoint's folder>/held_out when it exists (the shipped model's), else None; data: None; a path."""
+    from mcar.eval.checkpoint import resolve_ckpt
+
+    value = OmegaConf.select(cfg, "held_out", default="auto")
+    if value in (None, "data"):
+        return None
+    if value == "auto":
+        folder = resolve_ckpt(cfg.ckpt).parent / "held_out"
+        return folder if (folder / "index.json").is_file() else None
+    folder = Path(value)
+    if not (folder / "index.json").is_file():
+        raise FileNotFoundError(f"held_out={value}: no index.json there (auto: the checkpoint's held_out/ folder "
+                                f"or the data's validation episodes; data: always the data's)")
+    return folder
+
+
 def held_out_data(cfg: DictConfig, frames: int):
-    """The data module of the configured data, set up with `frames`-frame clips (val_source: held-out clips)."""
+    """The held-out clips, `frames` frames long, in `.val_source`: the checkpoint's shipped ones (held_out=auto
+    finds them; nothing to build), else the configured data's module, built on first use and set up."""
     with open_dict(cfg):
         cfg.data.clip_frames = frames
+    shipped = held_out_folder(cfg)
+    if shipped is not None:
+        return ShippedHeldOut(shipped, cfg.data, frames)
     dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("validate")
     return dm
+
+
+def export_held_out(dm, out: str | Path) -> Path:
+    """Copy a token data module's validation episodes (their shards) into `out`, an index.json beside them: what
+    `held_out=auto` reads when `out` is <run folder>/held_out. The data is built first if it is not yet."""
+    import shutil
+
+    from mcar.data.files import write_json
+    from mcar.data.shards import shard_paths
+    from mcar.data.token_clips import read_index
+    from mcar.data.tokenize import build_index
+
+    dm.prepare_data()
+    dm.setup("validate")
+    src, out = Path(dm.tokens_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in dm.val_source.episode_names:
+        for path in shard_paths(src, name):
+            shutil.copyfile(path, out / path.name)
+    meta = {**read_index(src)["meta"], "tokens": src.name}
+    write_json(out / "meta.json", meta)
+    build_index(out, meta)
+    return out
 
 
 def held_out_source(cfg: DictConfig, frames: int):

@@ -201,6 +201,8 @@ def action_names(data, action_vocab_size: int) -> dict[int, str]:
 # ------------------------------------------------------------------------------------------------ save / load
 def tokens_name(datamodule) -> str | None:
     """The token folder a data module reads (it names the VQ): an IDM only fits tokens of the VQ it saw."""
+    if getattr(datamodule, "tokens_name", None):  # shipped held-out clips: the folder they were copied from
+        return datamodule.tokens_name
     try:
         return Path(datamodule.tokens_dir).name
     except (AttributeError, NotImplementedError):
@@ -227,6 +229,16 @@ def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"config": model.config, "state_dict": model.state_dict(), "meta": meta}, tmp)
     tmp.replace(path)
+
+
+def resolve_idm(value: str | None, checkpoint_root: str | Path, data_name: str) -> str | None:
+    """evaluate's idm= -> a path: auto is <checkpoint_root>/idm-<data>/idm.pt (what `mcar idm` writes), else the
+    shipped <checkpoint_root>/shipped/idm-<data>/idm.pt when there is one; anything else as given."""
+    if value != "auto":
+        return value
+    own = Path(checkpoint_root) / f"idm-{data_name}" / "idm.pt"
+    shipped = Path(checkpoint_root) / "shipped" / f"idm-{data_name}" / "idm.pt"
+    return str(shipped if not own.is_file() and shipped.is_file() else own)
 
 
 def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Unavailable:

@@ -10,25 +10,32 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
-from mcar.eval.generation import held_out_source
+from mcar.eval.generation import held_out_folder, held_out_source
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import data_action_space
 
 
 def episode_clip(cfg: DictConfig, name: str, start: int, frames: int, layout: Layout) -> torch.Tensor:
-    """(N,) clip of `frames` frames of episode `name` from the data's token folder, from frame `start`."""
+    """(N,) clip of `frames` frames of episode `name` from frame `start`: from the checkpoint's shipped held-out
+    episodes when it is one of them (nothing to build), else from the data's token folder."""
     from mcar.data.token_clips import TokenClips
 
-    dm = build_datamodule(cfg.data)
-    if not hasattr(dm, "tokens_dir"):
-        raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id (prompt=0)")
-    dm.prepare_data()
-    f = Path(dm.tokens_dir) / f"{name}.frames.npy"
+    shipped = held_out_folder(cfg)
+    if shipped is not None and (shipped / f"{name}.frames.npy").exists():
+        folder = shipped
+    else:
+        dm = build_datamodule(cfg.data)
+        if not hasattr(dm, "tokens_dir"):
+            raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id "
+                             f"(prompt=0)")
+        dm.prepare_data()
+        folder = Path(dm.tokens_dir)
+    f = folder / f"{name}.frames.npy"
     if not f.exists():
-        names = sorted(p.name[: -len(".frames.npy")] for p in Path(dm.tokens_dir).glob("*.frames.npy"))
+        names = sorted(p.name[: -len(".frames.npy")] for p in folder.glob("*.frames.npy"))
         raise ValueError(f"prompt={name}: no episode {f}; episodes: {', '.join(names[:20])}"
                          + (" ..." if len(names) > 20 else ""))
-    source = TokenClips(dm.tokens_dir, [name], layout, frames, cfg.data.codebook_size)  # clip i starts at frame i
+    source = TokenClips(folder, [name], layout, frames, cfg.data.codebook_size)  # clip i starts at frame i
     if not 0 <= start < len(source):
         n = len(np.load(f, mmap_mode="r"))
         raise ValueError(f"prompt={name}:{start}: the episode has {n} frames; a {frames}-frame clip must "
@@ -49,7 +56,7 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
         raise ValueError("prompt_image needs actions=[...]: one action per frame to generate")
     H, W = frame_size(vq, layout.h, layout.w)
     img = Image.open(path).convert("RGB").resize((W, H), Image.BICUBIC)
-    ids = encode_tokens(vq, torch.from_numpy(np.asarray(img))[None].to(vq.device))[0].flatten().cpu()  # (h*w,)
+    ids = encode_tokens(vq, torch.from_numpy(np.array(img))[None].to(vq.device))[0].flatten().cpu()  # (h*w,)
     if int(ids.max()) >= cfg.data.codebook_size:
         raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="
                          f"{cfg.data.codebook_size}: use the VQ the model's data was tokenised with (vq.path)")

@@ -64,10 +64,26 @@ class PlaySession:
         self.sampler_cfg = dict(sampler or {"name": "diagd"})
         self.schedule_cfg = dict(schedule or {})
         self.k = int(self.schedule_cfg.get("k", 2))
+        self.temperature = float(self.sampler_cfg.get("temperature", 1.0))
+        self.top_k = self.sampler_cfg.get("top_k")
         self.actions = dict(actions or {})
         self._samplers: dict[tuple[int, int], ScheduleSampler] = {}
         self._lock = threading.Lock()
         self.reset()
+
+    def fork(self, start: torch.Tensor | None = None) -> "PlaySession":
+        """A new game from the start frame(s) (or `start`, tokens as in __init__) on the same model, VQ and
+        samplers (built once, shared): one per browser session. Steps of every fork take the one lock: the model
+        and its KV cache serve one at a time."""
+        game = object.__new__(PlaySession)
+        game.__dict__.update(self.__dict__)  # shares model, vq, start, _samplers, _lock, _start_frame
+        if start is not None:
+            game.start = torch.as_tensor(start).long().reshape(-1, self.layout.frame_len).cpu()[-(self.window - 1):]
+            del game._start_frame
+        game.k, game.temperature, game.top_k = int(self.schedule_cfg.get("k", 2)), \
+            float(self.sampler_cfg.get("temperature", 1.0)), self.sampler_cfg.get("top_k")
+        game.reset()
+        return game
 
     # ---- the sampler ------------------------------------------------------------------------------------
     def sampler(self, frames: int | None = None) -> ScheduleSampler:
@@ -93,6 +109,16 @@ class PlaySession:
                 self.k = old
                 raise
             self.info = {**self.info, "k": k}
+            return self.info
+
+    def set_temperature(self, temperature: float) -> dict:
+        """The sampling temperature of the next steps (0: greedy, the most likely token everywhere)."""
+        temperature = float(temperature)
+        if not temperature >= 0:
+            raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
+        with self._lock:
+            self.temperature = temperature
+            self.info = {**self.info, "temperature": temperature}
             return self.info
 
     # ---- actions ----------------------------------------------------------------------------------------
@@ -124,8 +150,8 @@ class PlaySession:
             if not hasattr(self, "_start_frame"):
                 self._start_frame = self.decode(self.start[-1])
             self.frame = self._start_frame.copy()
-            self.info = {"action": "reset", "fps": None, "k": self.k, "passes": 0, "step": 0, "seconds": 0.0,
-                         "frames": len(self.context)}
+            self.info = {"action": "reset", "fps": None, "k": self.k, "temperature": self.temperature, "passes": 0,
+                         "step": 0, "seconds": 0.0, "frames": len(self.context)}
             return self.frame, self.info
 
     def warm_up(self, action=None) -> float:
@@ -154,14 +180,15 @@ class PlaySession:
             clip = torch.cat([ctx, new]).reshape(1, -1).to(self.device)
             sampler = self.sampler(len(ctx) + 1)
             sampler.seed = self.seed + self.steps  # fresh noise each step, replayed after a reset
+            sampler.temperature, sampler.top_k = self.temperature, self.top_k  # this game's (samplers are shared)
             tokens, stats = sampler.generate(self.model, clip)
             frame_tokens = tokens[0, -L:].cpu()
             self.context = torch.cat([ctx, frame_tokens[None]])[-(self.window - 1):]
             self.frame = self.decode(frame_tokens)
             self.steps += 1
             dt = time.perf_counter() - t0
-            self.info = {"action": label, "fps": 1.0 / dt, "k": self.k, "passes": stats.passes, "step": self.steps,
-                         "seconds": dt, "frames": len(self.context)}
+            self.info = {"action": label, "fps": 1.0 / dt, "k": self.k, "temperature": self.temperature,
+                         "passes": stats.passes, "step": self.steps, "seconds": dt, "frames": len(self.context)}
             return self.frame, self.info
 
 
@@ -207,16 +234,43 @@ def build_session(cfg: DictConfig) -> PlaySession:
 
 
 # ---- the page ---------------------------------------------------------------------------------------------
+K_HELP = ("**k** is DiagD's slope: row i of the next frame starts k tokens after row i - 1, so a frame takes "
+          "(h - 1)·k + w model passes instead of h·w. Small k: fewer passes, a faster step; large k: each token "
+          "sees more of the row above it. **temperature** 0 takes the most likely token everywhere (the steadiest "
+          "world); higher values sample more freely (more variety, more drift).")
+
+
 def describe(info: dict) -> str:
     fps = "-" if info["fps"] is None else f"{info['fps']:.2f}"
     return (f"**{info['action']}** &nbsp; {fps} frames/s &nbsp; k={info['k']} ({info['passes']} passes) &nbsp; "
-            f"step {info['step']}, context {info['frames']} frame(s)")
+            f"temperature {info.get('temperature', '-')} &nbsp; step {info['step']}, context {info['frames']} "
+            f"frame(s)")
+
+
+class Games:
+    """One game per browser session, forked from the loaded session (its model, VQ and samplers are shared);
+    `live` counts the games a session still holds (gradio drops one after the session's idle time)."""
+
+    def __init__(self, base: PlaySession):
+        self.base, self.live, self._lock = base, 0, threading.Lock()
+
+    def of(self, game: PlaySession | None) -> PlaySession:
+        """The session's game; a new one (from the start frame) for a session that has none yet."""
+        if game is not None:
+            return game
+        with self._lock:
+            self.live += 1
+        return self.base.fork()
+
+    def dropped(self, game: PlaySession | None) -> None:
+        if game is not None:
+            with self._lock:
+                self.live -= 1
+            log.info("mcar.play: an idle game was dropped after %d step(s); %d live", game.steps, self.live)
 
 
 def key_script(keys: dict[str, str]) -> str:
     """Browser JS: a key of `keys` clicks the button `play-<action>` (not while typing in a field)."""
-    import json
-
     table = {**keys, **{k.upper(): v for k, v in keys.items() if len(k) == 1 and k.isalpha()}}
     return """() => {
   const keys = %s;
@@ -224,7 +278,7 @@ def key_script(keys: dict[str, str]) -> str:
   window.__mcarPlayKeys = true;
   document.addEventListener('keydown', (e) => {
     const t = e.target;
-    if (t && (t.tagName === 'TEXTAREA' || (t.tagName === 'INPUT' && t.type !== 'radio'))) return;
+    if (t && (t.tagName === 'TEXTAREA' || (t.tagName === 'INPUT' && t.type !== 'radio' && t.type !== 'range'))) return;
     const name = keys[e.key];
     if (!name) return;
     const b = document.getElementById('play-' + name);
@@ -235,29 +289,50 @@ def key_script(keys: dict[str, str]) -> str:
 }""" % json.dumps(table)
 
 
-def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "mcar play"):
-    """A gradio Blocks page over `session`: the frame, the action/fps line, the k choice, reset and one button per
-    action (the moves, then `buttons`); keys as in KEYS when the session knows those actions."""
+def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "mcar play", idle_minutes: float = 30,
+              cache_seconds: int = 120):
+    """A gradio Blocks page over `session`: the frame, the action/fps line, k and temperature, reset and one button
+    per action (the moves, then `buttons`); keys as in KEYS when the session knows those actions. Every browser
+    session plays its own game (a gr.State holding a fork of `session`), dropped after `idle_minutes` without a
+    step; the frames' temporary PNGs older than `cache_seconds` are deleted. -> the page (`demo.games`: Games)."""
     import gradio as gr
 
     names = [a for a in dict.fromkeys([*MOVES, "do", *buttons]) if a in session.actions] or \
         [str(i) for i in range(len(session.actions) or 0)]
     keys = {k: v for k, v in KEYS.items() if v in names}
     ks = sorted({int(k) for k in ks} | {session.k})
+    games = Games(session)
 
-    def show(frame_info):
-        frame, info = frame_info
-        return frame, describe(info)
+    def take(name, game):
+        game = games.of(game)
+        frame, info = game.step(name)
+        return frame, describe(info), game
 
-    def take(name):
-        return show(session.step(name))
+    def reset(game):
+        game = games.of(game)
+        frame, info = game.reset()
+        return frame, describe(info), game
 
-    def change_k(k):
-        return describe(session.set_k(int(k)))
+    def change_k(k, game):
+        game = games.of(game)
+        return describe(game.set_k(int(k))), game
+
+    def change_temperature(t, game):
+        game = games.of(game)
+        return describe(game.set_temperature(float(t))), game
+
+    def opened(game):  # a (re)loaded page shows its own game and that game's k and temperature
+        game = games.of(game)
+        return game.frame, describe(game.info), game.k, game.temperature, game
 
     # lossless frames where the Image component can say so (gradio >= 4.x's `format`; webp is the default)
     png = {"format": "png"} if "format" in inspect.signature(gr.Image.__init__).parameters else {}
-    with gr.Blocks(title=title, analytics_enabled=False) as demo:
+    cache = {"delete_cache": (cache_seconds, cache_seconds)} if cache_seconds and \
+        "delete_cache" in inspect.signature(gr.Blocks.__init__).parameters else {}
+    serial = {"concurrency_limit": 1, "concurrency_id": "play"}  # one model: steps of all sessions take turns
+    with gr.Blocks(title=title, analytics_enabled=False, **cache) as demo:
+        game = gr.State(None, time_to_live=idle_minutes * 60 if idle_minutes else None,
+                        delete_callback=games.dropped)
         gr.Markdown(f"### {title}\n" + ("Arrow keys or WASD move, space is `do`; " if keys else "")
                     + "the buttons take an action; each step generates the next frame with DiagD.")
         with gr.Row():
@@ -265,17 +340,39 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
                              elem_id="play-frame", **png)
             with gr.Column():
                 info = gr.Markdown(describe(session.info), elem_id="play-info")
-                k = gr.Radio(choices=ks, value=session.k, label="schedule.k (DiagD)", elem_id="play-k")
-                reset = gr.Button("reset", elem_id="play-reset")
+                k = gr.Radio(choices=ks, value=session.k, label="k (DiagD)", elem_id="play-k")
+                temperature = gr.Slider(0, 1.5, value=session.temperature, step=0.05, label="temperature",
+                                        elem_id="play-temperature")
+                reset_button = gr.Button("reset", elem_id="play-reset")
+                gr.Markdown(K_HELP, elem_id="play-help")
         with gr.Row():
             for name in names:
                 b = gr.Button(name, elem_id=f"play-{name}", size="sm")
-                b.click(partial(take, name), None, [image, info], concurrency_limit=1, concurrency_id="play")
-        reset.click(lambda: show(session.reset()), None, [image, info], concurrency_limit=1, concurrency_id="play")
-        k.change(change_k, k, info, concurrency_limit=1, concurrency_id="play")
-        demo.load(lambda: (session.frame, describe(session.info)), None, [image, info])
+                b.click(partial(take, name), game, [image, info, game], api_name=f"step_{name}", **serial)
+        reset_button.click(reset, game, [image, info, game], api_name="reset", **serial)
+        k.input(change_k, [k, game], [info, game], api_name="set_k", **serial)
+        temperature.release(change_temperature, [temperature, game], [info, game], api_name="set_temperature",
+                            **serial)
+        demo.load(opened, game, [image, info, k, temperature, game], api_name="open", **serial)
         demo.load(None, None, None, js=key_script(keys))
+    demo.games = games
     return demo
+
+
+def serving_port(host: str, port: int, tries: int = 100) -> int:
+    """`port` when it is free on `host`, else the next free one of the `tries` after it (said in the log)."""
+    import socket
+
+    for candidate in range(port, port + tries):
+        with socket.socket() as s:
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+        if candidate != port:
+            log.warning("mcar.play: port %d is taken: serving on %d instead", port, candidate)
+        return candidate
+    raise OSError(f"port={port}: it and the {tries - 1} after it are taken on {host}; pick another (port=...)")
 
 
 def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -> dict:
@@ -299,19 +396,57 @@ def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -
     return {"ks": out, "window": session.window, "threads": torch.get_num_threads(), "steps": steps}
 
 
+def print_bench(result: dict, out: str) -> None:
+    """One JSON line to stdout and to `out`."""
+    line = json.dumps(result)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(line + "\n")
+    print(line, flush=True)
+
+
+def rollout_agreement(session: PlaySession, clips: list[torch.Tensor]) -> dict:
+    """How well play holds together at the session's settings: each clip (F frames of a held-out episode) starts
+    a game at its first frame and takes the episode's own next F - 1 actions; each generated frame is compared
+    with the real one. -> {"agreement": per step, the mean fraction of image tokens equal to the real frame's;
+    "copy_first": the same for the unchanged start frame (nothing moves: the floor a model must beat);
+    "final", "mean": of agreement; "clips"}."""
+    L, ft = session.layout.frame_len, session.layout.frame_tokens
+    agree, still = [], []
+    for clip in clips:
+        frames = clip.reshape(-1, L)
+        game = session.fork(start=frames[:1])
+        row, row_still = [], []
+        for t in range(1, len(frames)):
+            ids = (frames[t - 1, ft:] - session.cb).tolist()  # the real action, as local ids
+            game.step(ids if len(ids) > 1 else ids[0])
+            real = frames[t, :ft]
+            row.append((game.context[-1, :ft] == real).float().mean().item())
+            row_still.append((frames[0, :ft] == real).float().mean().item())
+        agree.append(row), still.append(row_still)
+    per_step = [round(statistics.fmean(col), 4) for col in zip(*agree)]
+    return {"agreement": per_step, "copy_first": [round(statistics.fmean(col), 4) for col in zip(*still)],
+            "final": per_step[-1], "mean": round(statistics.fmean(per_step), 4), "clips": len(clips)}
+
+
 def play(cfg: DictConfig, block: bool = True):
     """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session). With bench.steps > 0, time
     the session instead (no page, no gradio): prints one JSON line, also written to bench.out; -> (None, session)."""
+    if cfg.bench.rollouts:
+        from mcar.eval.generation import held_out_source, pick_clips
+
+        session = build_session(cfg)
+        source = held_out_source(cfg, int(cfg.bench.rollout_steps) + 1)
+        clips = [source.clip(i) for i in pick_clips(source, int(cfg.bench.rollouts))]
+        result = {"ckpt": str(cfg.ckpt), "sampler": session.sampler_cfg.get("name"), "k": session.k,
+                  "temperature": session.temperature, "top_k": session.top_k, "window": session.window,
+                  "steps": int(cfg.bench.rollout_steps), **rollout_agreement(session, clips)}
+        return print_bench(result, cfg.bench.out), session
     if cfg.bench.steps:
         session = build_session(cfg)
         result = {"ckpt": str(cfg.ckpt), "device": str(session.device), "sampler": session.sampler_cfg.get("name"),
                   **bench_session(session, list(cfg.bench.ks or cfg.ks), list(cfg.bench.actions),
                                   int(cfg.bench.steps), int(cfg.bench.repeats))}
-        line = json.dumps(result)
-        Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.bench.out).write_text(line + "\n")
-        print(line, flush=True)
-        return None, session
+        return print_bench(result, cfg.bench.out), session
     try:
         import gradio  # noqa: F401
     except ImportError as e:
@@ -319,11 +454,13 @@ def play(cfg: DictConfig, block: bool = True):
     session = build_session(cfg)
     log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
     log.info("mcar.play: warm-up took %.1f s", session.warm_up())
-    demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks))
-    log.info("mcar.play: %s, window %d frames, k=%d: http://%s:%d", cfg.ckpt, session.window, session.k, cfg.host,
-             cfg.port)
-    demo.queue().launch(server_name=cfg.host, server_port=cfg.port, prevent_thread_lock=not block,
-                        inbrowser=False, share=False)
+    demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks), idle_minutes=cfg.idle_minutes,
+                     cache_seconds=cfg.cache_seconds)
+    port = serving_port(cfg.host, int(cfg.port))
+    log.info("mcar.play: %s, window %d frames, k=%d, temperature %g: http://%s:%d", cfg.ckpt, session.window,
+             session.k, session.temperature, cfg.host, port)
+    demo.queue().launch(server_name=cfg.host, server_port=port, prevent_thread_lock=not block,
+                        inbrowser=False, share=False, quiet=True)
     return demo, session
 
 

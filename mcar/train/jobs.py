@@ -134,6 +134,17 @@ def command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def relocate_assets(node):
+    """Every string leaf of a checkpoint's config through hydra_app.relocated_asset."""
+    from mcar.hydra_app import relocated_asset
+
+    if isinstance(node, dict):
+        return {k: relocate_assets(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [relocate_assets(v) for v in node]
+    return relocated_asset(node)
+
+
 def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "vq")) -> list[str]:
     """Take the config groups a checkpoint carries (its data and VQ, for sampling also its schedule) unless the
     command line names them: `mcar finetune` after `mcar train data=synthetic`, or `mcar evaluate ckpt=...`, need
@@ -145,8 +156,8 @@ def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "
     chosen = {key.split("@")[0] for key, _ in keys if "." not in key}  # data=crafter: the user's own choice
     taken = [g for g in groups if hp.get(g) is not None and g not in chosen]
     with open_dict(cfg):
-        for group in taken:
-            cfg[group] = OmegaConf.create(hp[group])
+        for group in taken:  # asset paths (the VQ) of the install that trained it point into this one's
+            cfg[group] = OmegaConf.create(relocate_assets(hp[group]))
         # data.n_a=1 on the command line still applies, on top of the checkpoint's data (and is then checked)
         cfg.merge_with_dotlist([o.lstrip("+") for key, o in keys
                                 if key.split(".")[0] in taken and "." in key and not o.startswith("~")])
