@@ -7,9 +7,11 @@ multirun and `--cfg`); `compose_tool(name, argv)` composes conf/<name>.yaml with
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -51,6 +53,7 @@ def register_resolvers() -> None:
     """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
     for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
                      "mcar_prod": lambda *xs: math.prod(int(x) for x in xs), "mcar_precision": _precision,
+                     "mcar_min_positive": lambda *xs: min(int(x) for x in xs if int(x) > 0),
                      "mcar_asset": asset_path}.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
@@ -113,6 +116,52 @@ def compose_tool(config_name: str, argv: list[str] | None = None, positional: tu
     return cfg
 
 
+CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-HJK]")  # tqdm's nested bars move the cursor up and clear lines
+
+
+class LineProgress:
+    """stdout / stderr going to a pipe or a file: each in-place redraw of a progress bar (a carriage return) becomes
+    a line of its own and cursor moves are dropped, so `mcar generate ... > generate.log` reads top to bottom
+    instead of as one 30 kB line."""
+
+    def __init__(self, stream):
+        self._stream, self._line_start = stream, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for i, piece in enumerate(CURSOR_MOVES.sub("", text).split("\r")):
+            if i and not self._line_start:
+                out.append("\n")
+                self._line_start = True
+            if piece:
+                out.append(piece)
+                self._line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def readable_progress():
+    """While a tool runs, stdout and stderr (tqdm draws on one, Lightning's bar on the other) that are not a
+    terminal show progress redraws as lines (LineProgress), at most one every 5 s per data bar (tqdm's
+    TQDM_MININTERVAL, unless set; the training bar redraws every log_every_n_steps)."""
+    names = [n for n in ("stdout", "stderr") if not getattr(sys, n).isatty()
+             and not isinstance(getattr(sys, n), LineProgress)]
+    saved = {n: getattr(sys, n) for n in names}
+    for n in names:
+        setattr(sys, n, LineProgress(saved[n]))
+    if names:
+        os.environ.setdefault("TQDM_MININTERVAL", "5")
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(sys, n, saved[n])
+
+
 def hydra_tool(config_name: str, words=None):
     """Decorator: a job function taking the composed config -> the tool's `main(argv=None)` under @hydra.main
     (conf/<config_name>.yaml). `words` rewrites the arguments first (e.g. bench's mode as a bare first word)."""
@@ -128,7 +177,8 @@ def hydra_tool(config_name: str, words=None):
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
             try:
-                return app()
+                with readable_progress():
+                    return app()
             finally:
                 sys.argv = saved
 

@@ -5,8 +5,10 @@ per frame its h*w image ids (raster order), then its n_a action ids + codebook_s
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mcar.core.layout import Layout
@@ -33,32 +35,57 @@ def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], li
 
 
 class TokenClips:
-    """ClipSource over token shards of the given episodes."""
+    """ClipSource over token shards of the given episodes, in O(episodes) memory: clip i's (episode, first frame)
+    is arithmetic over the episodes' cumulative clip counts (np.searchsorted), not a table of every start, and a
+    shard is memory-mapped when a clip first reads it (the last OPEN_SHARDS stay mapped: a corpus of 10^5 episodes
+    would pass the kernel's limit on mappings). Clips run episode by episode in `names` order, each episode's
+    starting at frames 0, clip_stride, 2 * clip_stride, ..."""
+
+    OPEN_SHARDS = 256
 
     def __init__(self, folder: str | Path, names: list[str], layout: Layout, frames: int, codebook_size: int,
                  clip_stride: int = 1, action_vocab_size: int | None = None, entries: dict | None = None):
         """Every shard is held against the layout and the vocabularies (mcar.data.shards) through its index entry
         (`entries`, by name: no data read when it is current; without one the shard is read once): a bad shard
         is named, with the field and the frame, not found as an IndexError inside the model at step 0."""
-        self.layout, self.frames, self.codebook_size = layout, frames, codebook_size
-        folder, entries = Path(folder), entries or {}
-        self.episodes, self.starts = [], []  # starts: (episode index, first frame)
-        self.episode_names = list(names)
-        for name in names:
-            check_entry(folder, current_entry(folder, entries.get(name), name), (layout.h, layout.w), layout.n_a,
-                        codebook_size, action_vocab_size)
-            frames_path, actions_path = shard_paths(folder, name)
-            toks, acts = open_shard(frames_path), open_shard(actions_path)  # (T, h, w), (T, n_a) memory-mapped
-            e = len(self.episodes)
-            self.episodes.append((toks, acts))
-            self.starts += [(e, t) for t in range(0, len(toks) - frames + 1, clip_stride)]
+        if clip_stride < 1:
+            raise ValueError(f"data.clip_stride={clip_stride}: it must be >= 1")
+        self.layout, self.frames, self.codebook_size, self.clip_stride = layout, frames, codebook_size, clip_stride
+        self.folder, self.episode_names, entries = Path(folder), list(names), entries or {}
+        lengths = []
+        for name in self.episode_names:
+            entry = current_entry(self.folder, entries.get(name), name)
+            check_entry(self.folder, entry, (layout.h, layout.w), layout.n_a, codebook_size, action_vocab_size)
+            lengths.append(int(entry["frames"]))
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # frames per episode
+        counts = np.maximum(0, (self.lengths - frames) // clip_stride + 1)  # clip starts per episode
+        self.ends = np.cumsum(counts)  # clips of episodes 0..e: episode e holds clips ends[e-1] .. ends[e]-1
+        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Clip i -> (episode index, first frame)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"clip {i} of {len(self)}")
+        e = int(np.searchsorted(self.ends, i, side="right"))
+        return e, int(i - (self.ends[e - 1] if e else 0)) * self.clip_stride
+
+    def shards(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Episode e's (T, h, w) image ids and (T, n_a) action ids, memory-mapped (the newest OPEN_SHARDS kept)."""
+        if e in self._open:
+            self._open.move_to_end(e)
+            return self._open[e]
+        frames_path, actions_path = shard_paths(self.folder, self.episode_names[e])
+        self._open[e] = open_shard(frames_path), open_shard(actions_path)
+        if len(self._open) > self.OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return self._open[e]
 
     def clip(self, i: int) -> torch.Tensor:
-        e, t = self.starts[i]
-        toks, acts = self.episodes[e]
+        e, t = self.locate(i)
+        toks, acts = self.shards(e)
         return join_clip(toks[t:t + self.frames], acts[t:t + self.frames], self.codebook_size)  # (F * frame_len,)
 
 

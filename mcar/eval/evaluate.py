@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from mcar.core.devices import resolve_device
+from mcar.core.devices import resolve_device, set_threads
 from mcar.core.sampler import build_sampler
 from mcar.data.files import write_atomic
 from mcar.eval import metrics as M
@@ -52,8 +52,7 @@ log = logging.getLogger("mcar.eval.evaluate")
 
 
 def evaluate(cfg: DictConfig) -> list[dict]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     for key in ("n_clips", "batch_size"):
         if cfg[key] is not None and int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]}: evaluate needs at least 1 (conf/evaluate.yaml)")

@@ -101,7 +101,7 @@ def _finite(v):
 
 def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: dict) -> None:
     """Results table, per-frame PSNR curves, videos and the mask image to the configured W&B run."""
-    if not cfg.get("logger") or "Wandb" not in str(cfg.logger.get("_target_", "")):
+    if not cfg.get("logger") or "wandb" not in str(cfg.logger.get("_target_", "")).lower():
         return
     import wandb
 

@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.core.devices import resolve_device, sync
+from mcar.core.devices import resolve_device, set_threads, sync
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, masked_loss
@@ -49,8 +49,7 @@ def setup(cfg: DictConfig):
     b = cfg.bench
     device = resolve_device(b.device)
     dtype = compute_dtype(device) if b.dtype == "auto" else getattr(torch, b.dtype)
-    if b.threads:
-        torch.set_num_threads(int(b.threads))
+    set_threads(b.threads)
     torch.manual_seed(cfg.seed)
     layout = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a))
     model = Transformer(ModelConfig(**to_dict(cfg.model.arch))).to(device)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.core.devices import set_threads
 from mcar.core.sampler import build_sampler
 from mcar.eval.checkpoint import warn_past_trained_length
 from mcar.eval.generation import load_for_sampling, sampler_label
@@ -39,6 +40,7 @@ log = logging.getLogger("mcar.generate")
 
 
 def generate(cfg: DictConfig) -> dict:
+    set_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, open_dict
 
+from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import ScheduleSampler, build_sampler
 from mcar.eval.prompts import prompt_clip
@@ -217,8 +218,7 @@ def build_session(cfg: DictConfig) -> PlaySession:
     from mcar.eval.generation import load_for_sampling
 
     torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
     window = int(cfg.window or hp["clip_frames"])

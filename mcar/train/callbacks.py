@@ -5,6 +5,7 @@ from pathlib import Path
 
 import hydra
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from mcar.hydra_app import to_dict
@@ -50,6 +51,15 @@ class Checkpoints(ModelCheckpoint):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._pending_log = checkpoint.get(self.PENDING_LOG)
+
+    def setup(self, trainer, pl_module, stage):
+        self._resuming = trainer.ckpt_path is not None
+        super().setup(trainer, pl_module, stage)
+
+    def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:  # Lightning's private check, pinned
+        """Only checkpoints count (not our owner lock), and not when the run resumes from them."""
+        if self.save_top_k != 0 and not getattr(self, "_resuming", False) and any(Path(dirpath).glob("*.ckpt")):
+            rank_zero_warn(f"Checkpoint directory {dirpath} already holds checkpoints: new ones may overwrite them.")
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
 from mcar.data.common import build_datamodule
@@ -29,6 +30,7 @@ from mcar.train.jobs import (
 )
 from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
+from mcar.train.quiet import quiet_lightning
 
 log = logging.getLogger("mcar")
 
@@ -47,6 +49,7 @@ def build_trainer(cfg: DictConfig, output_dir: str, extra_callbacks: list[Callba
     read ${paths.output_dir}, which is that directory under Hydra)."""
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
+    quiet_lightning()
     callbacks = build_callbacks(cfg.get("callbacks")) + list(extra_callbacks)
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") else False
@@ -74,6 +77,7 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
 
 
 def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks) -> dict:
+    set_threads(cfg.get("threads"))
     L.seed_everything(cfg.seed, workers=True)
 
     layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
