@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from mcar.core.layout import Layout
 from mcar.data.token_clips import TokenClips
 from mcar.data.tokenize import build_index
-from mcar.tokenizer.clips import join_clip
 
 LAYOUT, CODES, ACTIONS = Layout(2, 3, 1), 16, 4
 
@@ -46,18 +45,43 @@ def test_the_same_clips_in_the_same_order_as_the_table_of_starts(tmp_path_factor
         assert clips.locate(i) == (e, t)
         toks = np.load(folder / f"{names[e]}.frames.npy")[t:t + frames]
         acts = np.load(folder / f"{names[e]}.actions.npy")[t:t + frames]
-        assert np.array_equal(clips.clip(i).numpy(), join_clip(toks, acts, CODES).numpy())
+        want = np.concatenate([toks.reshape(frames, -1), acts.astype(np.int64) + CODES], axis=1).reshape(-1)
+        assert np.array_equal(clips.clip(i).numpy(), want)
     with pytest.raises(IndexError):
         clips.locate(len(oracle))
 
 
-def test_memory_is_per_episode_and_few_shards_stay_mapped(tmp_path, monkeypatch):
+def test_memory_is_per_episode_and_a_clip_reads_only_its_frames(tmp_path, monkeypatch):
+    import os
+
     names, entries = write_episodes(tmp_path, [9] * 40)
-    monkeypatch.setattr(TokenClips, "OPEN_SHARDS", 4)
     clips = TokenClips(tmp_path, names, LAYOUT, 3, CODES, 2, ACTIONS, entries)
     assert len(clips) == 40 * 4 and clips.ends.shape == (40,)  # one number per episode, not one per clip
-    assert not clips._open  # nothing mapped at start
-    for i in range(len(clips)):
-        clips.clip(i)
-        assert len(clips._open) <= 4
-    assert list(clips._open) == [36, 37, 38, 39]  # the newest
+    asked = []
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: asked.append(n) or pread(fd, n, offset))
+    clips.clip(5)
+    assert sorted(asked) == [3 * 1 * 2, 3 * 2 * 3 * 2]  # 3 frames of actions (n_a = 1), of 2x3 uint16 tokens
+    (tmp_path / "ep039.frames.npy").write_bytes((tmp_path / "ep039.frames.npy").read_bytes()[:200])
+    with pytest.raises(ValueError, match="ep039.frames.npy"):  # cut short after the index was made
+        [clips.clip(i) for i in range(len(clips))]
+
+
+def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_path):
+    """mcar bench data: synthetic VPT shards written once (then reused), one JSON row with the issue's fields."""
+    from mcar.eval.data_speed import run_data
+
+    from .conftest import compose
+
+    cfg = compose("bench", ["bench.mode=data", "bench.data.frames=3000", "bench.data.episode_frames=500",
+                            f"bench.data.dir={tmp_path}", "bench.data.workers=1", "bench.batch_size=2",
+                            "bench.repeats=3", "bench.warmup=1"])
+    row = run_data(cfg)
+    assert {"frames", "startup_s", "rss_mb_per_worker", "data_ms_per_step"} <= set(row)
+    assert row["frames"] == 3000 and row["episodes"] == 6 and row["batch_shape"] == [2, 16 * (14 * 24 + 11)]
+    assert row["clips"] == 5 * (500 - 16 + 1)  # the last episode is validation
+    assert row["startup_s"] > 0 and row["data_ms_per_step"] > 0 and 0 < row["uss_mb_per_worker"] <= \
+        row["rss_mb_per_worker"]
+    index = tmp_path / "synthetic_vpt_3000f_500" / "index.json"
+    made = index.stat().st_mtime_ns
+    assert run_data(cfg)["frames"] == 3000 and index.stat().st_mtime_ns == made  # the shards are reused

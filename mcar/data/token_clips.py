@@ -5,7 +5,7 @@ per frame its h*w image ids (raster order), then its n_a action ids + codebook_s
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ import torch
 from mcar.core.layout import Layout
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.data.files import read_json
-from mcar.data.shards import check_entry, current_entry, open_shard, shard_paths
+from mcar.data.shards import REMEDY, ShardError, check_entry, current_entry, open_shard, shard_paths
 from mcar.tokenizer.clips import join_clip
 
 
@@ -37,11 +37,10 @@ def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], li
 class TokenClips:
     """ClipSource over token shards of the given episodes, in O(episodes) memory: clip i's (episode, first frame)
     is arithmetic over the episodes' cumulative clip counts (np.searchsorted), not a table of every start, and a
-    shard is memory-mapped when a clip first reads it (the last OPEN_SHARDS stay mapped: a corpus of 10^5 episodes
-    would pass the kernel's limit on mappings). Clips run episode by episode in `names` order, each episode's
-    starting at frames 0, clip_stride, 2 * clip_stride, ..."""
-
-    OPEN_SHARDS = 256
+    clip reads just its own frames from the two .npy files (os.pread at an offset from the file's header, read
+    once per episode): no shard is mapped, so a loader worker's memory does not grow with the corpus and no
+    kernel limit on mappings is met. Clips run episode by episode in `names` order, each episode's starting at
+    frames 0, clip_stride, 2 * clip_stride, ..."""
 
     def __init__(self, folder: str | Path, names: list[str], layout: Layout, frames: int, codebook_size: int,
                  clip_stride: int = 1, action_vocab_size: int | None = None, entries: dict | None = None):
@@ -60,7 +59,7 @@ class TokenClips:
         self.lengths = np.asarray(lengths, dtype=np.int64)  # frames per episode
         counts = np.maximum(0, (self.lengths - frames) // clip_stride + 1)  # clip starts per episode
         self.ends = np.cumsum(counts)  # clips of episodes 0..e: episode e holds clips ends[e-1] .. ends[e]-1
-        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._headers: dict[int, tuple] = {}  # episode -> per file (path, data offset, dtype, frame shape)
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -72,21 +71,42 @@ class TokenClips:
         e = int(np.searchsorted(self.ends, i, side="right"))
         return e, int(i - (self.ends[e - 1] if e else 0)) * self.clip_stride
 
-    def shards(self, e: int) -> tuple[np.ndarray, np.ndarray]:
-        """Episode e's (T, h, w) image ids and (T, n_a) action ids, memory-mapped (the newest OPEN_SHARDS kept)."""
-        if e in self._open:
-            self._open.move_to_end(e)
-            return self._open[e]
-        frames_path, actions_path = shard_paths(self.folder, self.episode_names[e])
-        self._open[e] = open_shard(frames_path), open_shard(actions_path)
-        if len(self._open) > self.OPEN_SHARDS:
-            self._open.popitem(last=False)
-        return self._open[e]
+    def _header(self, e: int) -> tuple:
+        if e not in self._headers:
+            self._headers[e] = tuple(npy_header(path) for path in shard_paths(self.folder, self.episode_names[e]))
+        return self._headers[e]
+
+    def frames_of(self, e: int, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Frames t .. t+n-1 of episode e: ((n, h, w) image ids, (n, n_a) action ids), read from disk."""
+        return tuple(read_rows(h, t, n) for h in self._header(e))
 
     def clip(self, i: int) -> torch.Tensor:
         e, t = self.locate(i)
-        toks, acts = self.shards(e)
-        return join_clip(toks[t:t + self.frames], acts[t:t + self.frames], self.codebook_size)  # (F * frame_len,)
+        toks, acts = self.frames_of(e, t, self.frames)
+        return join_clip(toks, acts, self.codebook_size)  # (F * frame_len,)
+
+
+def npy_header(path: Path) -> tuple[Path, int, np.dtype, tuple[int, ...]]:
+    """A .npy shard -> (path, offset of its data, dtype, shape of one row), checked as open_shard checks it (the
+    mapping it makes to read the header is dropped at once)."""
+    arr = open_shard(path)
+    if not arr.flags.c_contiguous:
+        raise ShardError(f"{path}: a Fortran-order array; {REMEDY}")
+    return path, int(arr.offset), arr.dtype, tuple(arr.shape[1:])
+
+
+def read_rows(header: tuple, t: int, n: int) -> np.ndarray:
+    """Rows t .. t+n-1 of the .npy file `header` describes, with one pread."""
+    path, offset, dtype, row_shape = header
+    row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, n * row_bytes, offset + t * row_bytes)
+    finally:
+        os.close(fd)
+    if len(data) != n * row_bytes:
+        raise ShardError(f"{path}: rows {t}..{t + n - 1} run past its end (a truncated shard); {REMEDY}")
+    return np.frombuffer(data, dtype=dtype).reshape(n, *row_shape)
 
 
 class TokenDataModule(ClipDataModule):
@@ -140,3 +160,16 @@ class TokenDataModule(ClipDataModule):
                                                 self.codebook_size, stride, self.action_vocab_size, entries)
         # validation clips do not overlap: the first val_clips of them cover different frames
         return make(train, self.clip_stride), make(val, self.clip_frames)
+
+
+class TokenFolderDataModule(TokenDataModule):
+    """Train/val clips from a token folder made elsewhere (mcar tokenize, another machine, `mcar bench data`):
+    nothing to build, only read."""
+
+    def __init__(self, tokens_dir: str | Path, **kw):
+        super().__init__(**kw)
+        self._tokens_dir = Path(tokens_dir)
+
+    @property
+    def tokens_dir(self) -> Path:
+        return self._tokens_dir

@@ -11,6 +11,13 @@ from mcar.core.layout import Layout
 
 def join_clip(images, actions, codebook_size: int) -> torch.Tensor:
     """images (T, h, w) or (T, h*w) token ids, actions (T, n_a) local action ids -> (T * frame_len,) long clip."""
+    if isinstance(images, np.ndarray) and isinstance(actions, np.ndarray):  # shards: one int64 buffer, no copies
+        T = len(images)
+        ft = int(np.prod(images.shape[1:], dtype=np.int64))
+        out = np.empty((T, ft + int(np.prod(actions.shape[1:], dtype=np.int64))), np.int64)
+        out[:, :ft] = images.reshape(T, ft)
+        np.add(actions.reshape(T, -1), codebook_size, out=out[:, ft:], casting="unsafe")
+        return torch.from_numpy(out.reshape(-1))
     img = torch.as_tensor(np.asarray(images, np.int64) if isinstance(images, np.ndarray) else images).long()
     act = torch.as_tensor(np.asarray(actions, np.int64) if isinstance(actions, np.ndarray) else actions).long()
     frames = torch.cat([img.reshape(len(img), -1), act.reshape(len(act), -1) + codebook_size], 1)  # (T, frame_len)
