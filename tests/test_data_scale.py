@@ -75,7 +75,7 @@ def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_pat
 
     cfg = compose("bench", ["bench.mode=data", "bench.data.frames=3000", "bench.data.episode_frames=500",
                             f"bench.data.dir={tmp_path}", "bench.data.workers=1", "bench.batch_size=2",
-                            "bench.repeats=3", "bench.warmup=1"])
+                            "bench.data.steps=5", "bench.data.warmup_steps=1"])
     row = run_data(cfg)
     assert {"frames", "startup_s", "rss_mb_per_worker", "data_ms_per_step"} <= set(row)
     assert row["frames"] == 3000 and row["episodes"] == 6 and row["batch_shape"] == [2, 16 * (14 * 24 + 11)]

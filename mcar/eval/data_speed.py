@@ -6,7 +6,7 @@ tokens + 11 action ids a frame, 2,000-frame episodes), written once by the bench
 Measured: startup_s (a rank's data module from nothing to its first batch: index, shard checks, loader and
 workers up), rss_mb_main (that rank's process), rss_mb_per_worker / uss_mb_per_worker (each loader worker's
 resident and private memory, the largest), data_ms_per_step (the main process's median wait for the next batch
-of bench.batch_size clips of data.clip_frames frames, once the workers run ahead). Targets (issue 5/5): start-up
+of bench.batch_size clips of bench.data.clip_frames frames over bench.data.steps steps, after warm-up steps). Targets (issue 5/5): start-up
 <= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at 8 x 16 frames."""
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def run_data(cfg: DictConfig) -> dict:
     first = next(batches)
     startup_s = time.perf_counter() - t0
     prefetched = loader.num_workers * (loader.prefetch_factor or 0)
-    seconds, _ = timed(lambda: next(batches), torch.device("cpu"), int(b.warmup) + prefetched, int(b.repeats))
+    seconds, _ = timed(lambda: next(batches), torch.device("cpu"), int(d.warmup_steps) + prefetched, int(d.steps))
     workers = [memory_mb(pid) for pid in worker_pids(batches)]
     main_rss, _ = memory_mb(os.getpid())
     batches = loader = None  # ends the workers
