@@ -6,8 +6,9 @@ tokens + 11 action ids a frame, 2,000-frame episodes), written once by the bench
 Measured: startup_s (a rank's data module from nothing to its first batch: index, shard checks, loader and
 workers up), rss_mb_main (that rank's process), rss_mb_per_worker / uss_mb_per_worker (each loader worker's
 resident and private memory, the largest), data_ms_per_step (the main process's median wait for the next batch
-of bench.batch_size clips of bench.data.clip_frames frames over bench.data.steps steps, after warm-up steps). Targets (issue 5/5): start-up
-<= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at 8 x 16 frames."""
+of bench.batch_size clips of bench.data.clip_frames frames over bench.data.steps steps, after warm-up steps).
+Targets (issue 5/5): start-up <= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at
+8 x 16 frames."""
 from __future__ import annotations
 
 import os
