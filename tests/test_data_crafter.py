@@ -74,7 +74,7 @@ def test_clips_layout_and_split(crafter_dm):
     records = [json.loads(line) for line in (dm.episodes_dir / f"{names[0]}.jsonl").read_text().splitlines()]
     assert per_frame[:, 336].tolist() == [16 + r["action_id"] for r in records[:4]]
     # split by episode: the last episode is validation, never seen in training
-    assert len(train.episodes) == 2 and len(val.episodes) == 1
+    assert len(train.episode_names) == 2 and len(val.episode_names) == 1
     assert len(val) == index["episodes"][2]["frames"] // 4  # non-overlapping validation clips
     assert len(train) == sum(e["frames"] - 4 + 1 for e in index["episodes"][:2])  # every window (clip_stride 1)
 
@@ -149,7 +149,7 @@ def test_fewer_episodes_reuse_the_cache(crafter_dm, capsys):
     dm.prepare_data()
     assert "cached" in capsys.readouterr().out
     dm.setup()
-    assert len(dm.train_source.episodes) == 1 and len(dm.val_source.episodes) == 1  # only the 2 asked for
+    assert len(dm.train_source.episode_names) == 1 and len(dm.val_source.episode_names) == 1  # only the 2 asked for
 
 
 def _children(pid: int) -> set[int]:

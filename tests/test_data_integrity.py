@@ -84,7 +84,7 @@ def test_a_stale_index_is_found_and_rebuilt(tmp_path):
     train, val = dm.make_sources()
     assert stale_index(folder) is None
     assert [e["name"] for e in read_json(folder / "index.json")["episodes"]] == [f"e{i}" for i in range(1, 6)]
-    assert len(train.episodes) + len(val.episodes) == 5
+    assert len(train.episode_names) + len(val.episode_names) == 5
 
 
 def test_an_empty_index_is_rebuilt_and_an_empty_meta_is_named(tmp_path):
