@@ -52,13 +52,11 @@ class Checkpoints(ModelCheckpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._pending_log = checkpoint.get(self.PENDING_LOG)
 
-    def setup(self, trainer, pl_module, stage):
-        self._resuming = trainer.ckpt_path is not None
-        super().setup(trainer, pl_module, stage)
+    resuming = False  # set by the task (mcar.train.task) when the run resumes from a checkpoint
 
     def _ModelCheckpoint__warn_if_dir_not_empty(self, dirpath) -> None:  # Lightning's private check, pinned
         """Only checkpoints count (not our owner lock), and not when the run resumes from them."""
-        if self.save_top_k != 0 and not getattr(self, "_resuming", False) and any(Path(dirpath).glob("*.ckpt")):
+        if self.save_top_k != 0 and not self.resuming and any(Path(dirpath).glob("*.ckpt")):
             rank_zero_warn(f"Checkpoint directory {dirpath} already holds checkpoints: new ones may overwrite them.")
 
     def on_train_start(self, trainer, pl_module):

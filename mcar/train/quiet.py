@@ -9,6 +9,8 @@ place (tests/test_quiet.py holds a short run's output to it):
 - The model summary table with "FLOPs 0" (Lightning counts FLOPs only with an example input): off in
   conf/trainer/default.yaml; the run's first log line gives the parameter count.
 - "`isinstance(treespec, LeafSpec)` is deprecated": torch >= 2.10 on Lightning's own _pytree (not our code).
+- "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable":
+  ours is (ClipDataModule.train_dataloader starts at the resumed global step: exact resume, the soak test).
 - W&B's "The anonymous setting has no effect": Lightning's WandbLogger passes anonymous=None, which wandb warns
   about (`wandb_logger` drops the key).
 """
@@ -33,6 +35,7 @@ def quiet_lightning() -> None:
     if not any(isinstance(f, _DropAdverts) for f in log.filters):
         log.addFilter(_DropAdverts())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def wandb_logger(**kwargs) -> WandbLogger:

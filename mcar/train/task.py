@@ -17,7 +17,7 @@ from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
-from mcar.train.callbacks import build_callbacks
+from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.checkpoint_io import AtomicCheckpointIO, check_state_shapes, is_sharded_checkpoint, load_checkpoint
 from mcar.train.jobs import (
     check_run_name,
@@ -126,6 +126,9 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
 
 def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str | None, callbacks) -> dict:
     trainer = build_trainer(cfg, output_dir, callbacks)
+    for callback in trainer.callbacks:  # a resumed run finds its own checkpoints there: nothing to warn about
+        if isinstance(callback, Checkpoints):
+            callback.resuming = ckpt_path is not None
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if trainer.logger:
         trainer.logger.log_hyperparams({"config": resolved})
