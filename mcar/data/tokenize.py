@@ -8,10 +8,12 @@ For each episode <name>, in `out`:
 
 Each shard is written to a temp name and renamed, frames last: a present frames file means a finished episode,
 which later runs skip (resumable), and a failing episode never touches shards already written. Ranks split the
-episodes by index (`rank`, `world`); each rank rebuilds index.json from the shards on disk when it finishes.
+episodes by size (`balanced_share`: largest first, each to the least-loaded rank); each rank rebuilds index.json
+from the shards on disk when it finishes. `mcar tokenize` runs one rank per device over an allocation (Lightning
+Fabric: devices=, num_nodes=; torchrun and SLURM tasks are found by Fabric), each printing its frames/s.
 
     mcar tokenize episodes=data/crafter/episodes out=data/crafter/tokens source=crafter size=[224,384]
-    mcar tokenize episodes=/vpt out=data/vpt/tokens source=vpt vq=/path/vq size=[224,384] [rank=r world=w]
+    mcar tokenize episodes=/vpt out=/data/vpt_tokens source=vpt vq=/path/vq size=[224,384] devices=8 num_nodes=4
 
 (conf/tokenize.yaml; the old `--episodes ... --size 224 384` spelling works too.)
 
@@ -19,7 +21,9 @@ Frames are resized to `size` = (H, W) (the data modules pass their token grid ti
 """
 from __future__ import annotations
 
+import heapq
 import io
+import time
 import warnings
 from pathlib import Path
 
@@ -55,9 +59,12 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
         raise EpisodeError("jsonl has no records")
     stream, buf, tokens, kept = FrameStream(mp4, size), [], [], []
 
+    device = next(vq.parameters()).device
+
     def flush():
         if buf:
-            tokens.append(encode_tokens(vq, torch.from_numpy(np.stack(buf))).numpy().astype(np.uint16))
+            ids = encode_tokens(vq, torch.from_numpy(np.stack(buf)).to(device))
+            tokens.append(ids.cpu().numpy().astype(np.uint16))
             buf.clear()
 
     for i, frame in enumerate(stream):
@@ -139,20 +146,35 @@ def check_meta(out: Path, meta: dict) -> None:
         write_json(f, meta)
 
 
+def balanced_share(found: list[tuple], rank: int, world: int) -> list[tuple]:
+    """Rank `rank`'s episodes (name, mp4, jsonl) of `world`: largest mp4 first, each to the least-loaded rank (ties
+    to the lower rank), so ranks end together when episode lengths vary 100x; every rank computes the same split
+    from the same listing. Returned in name order."""
+    loads = [(0, r) for r in range(world)]  # (bytes assigned, rank): a heap
+    mine = []
+    for size, i in sorted((-mp4.stat().st_size, i) for i, (_, mp4, _) in enumerate(found)):
+        load, r = heapq.heappop(loads)
+        heapq.heappush(loads, (load - size, r))
+        if r == rank:
+            mine.append(found[i])
+    return sorted(mine, key=lambda episode: episode[0])
+
+
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
-                 world: int = 1, size: tuple[int, int] | None = None, space: str | None = None) -> dict:
+                 world: int = 1, size: tuple[int, int] | None = None, space: str | None = None,
+                 stats: dict | None = None) -> dict:
     """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
-    stored). -> the index. One process per rank writes into a folder at a time (a second waits, then skips what
-    the first finished)."""
+    stored), on the VQ's device. -> the index; `stats` (if given) gets this rank's frames, seconds and frames/s.
+    One process per rank writes into a folder at a time (a second waits, then skips what the first finished)."""
     out = Path(out)
     with writing_into(out, f"token shards (rank {rank} of {world})", f".mcar-writer.rank{rank}.lock"):
         return _tokenize_dir(episodes, out, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
-                             size, space)
+                             size, space, {} if stats is None else stats)
 
 
 def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
-                  size, space) -> dict:
+                  size, space, stats: dict) -> dict:
     encoder = action_space(space or source)
     meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
             "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
@@ -164,17 +186,21 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
     if orphans and rank == 0:
         warnings.warn(f"{episodes}: {len(orphans)} jsonl files without an mp4 ignored: {orphans[:5]}"
                       f"{' ...' if len(orphans) > 5 else ''}")
-    todo = found[rank::world]
-    if not todo and rank == 0:
+    if not found:
         raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
-    skipped, done = {}, 0
-    for name, mp4, jsonl in tqdm(todo, desc=f"tokenising {Path(episodes).name} (rank {rank})", unit="ep"):
+    todo = balanced_share(found, rank, world)
+    skipped, done, encoded, t0 = {}, 0, 0, time.perf_counter()
+    progress = tqdm(todo, desc=f"tokenising {Path(episodes).name} (rank {rank} of {world})", unit="ep",
+                    position=rank if world <= 8 else None)
+    for name, mp4, jsonl in progress:
         if (out / f"{name}.frames.npy").exists():
             done += 1
             continue
         try:
             frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui, size=size,
                                                       space=space)
+            encoded += len(frames)
+            progress.set_postfix(frames_per_s=f"{encoded / (time.perf_counter() - t0):.1f}")
             if len(frames) < min_frames:
                 raise EpisodeError(f"only {len(frames)} usable frames, a clip needs {min_frames}")
         except EpisodeError as e:
@@ -190,6 +216,11 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
         _save_npy(out / f"{name}.actions.npy", actions)
         _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
         done += 1
+    seconds = time.perf_counter() - t0
+    stats.update(frames=encoded, seconds=seconds, frames_per_s=encoded / seconds if seconds > 0 else 0.0)
+    device = next(vq.parameters()).device
+    print(f"rank {rank} of {world} on {device}: {encoded} frames encoded in {seconds:.1f} s: "
+          f"{stats['frames_per_s']:.1f} frames/s")
     write_json(out / ("skipped.json" if world == 1 else f"skipped.rank{rank}.json"), skipped)
     index = build_index(out, meta)
     print(f"tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in index['episodes'])} frames in "

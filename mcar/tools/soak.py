@@ -81,9 +81,11 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
     ckpt_dir = out / "ckpt" / "soak"
     killed, starts, t1, kill_steps = 0, 0, time.time(), []
     while True:
-        proc = subprocess.Popen([*train, f"paths.checkpoint_root={out}/ckpt", "run_name=soak",
-                                 f"hydra.run.dir={out}/killed/{starts:03d}", *resume_from(ckpt_dir)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        (out / "killed").mkdir(exist_ok=True)
+        with open(out / "killed" / f"{starts:03d}.stderr", "wb") as stderr:  # why a start failed, when one does
+            proc = subprocess.Popen([*train, f"paths.checkpoint_root={out}/ckpt", "run_name=soak",
+                                     f"hydra.run.dir={out}/killed/{starts:03d}", *resume_from(ckpt_dir)],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         starts += 1
         if killed < len(targets):
             seen, t_seen, interval = newest_step(ckpt_dir), time.time(), 1.0
@@ -101,7 +103,8 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                       f"({time.time() - t1:.0f} s)", flush=True)
                 continue
         if proc.wait() != 0:
-            raise RuntimeError(f"the resumed run failed (start {starts}); see {out}/killed/{starts - 1:03d}")
+            raise RuntimeError(f"the resumed run failed (start {starts}); see {out}/killed/{starts - 1:03d} and "
+                               f"{out}/killed/{starts - 1:03d}.stderr")
         break
     soak_s = time.time() - t1
     if reference.wait() != 0:

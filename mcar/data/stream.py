@@ -1,0 +1,193 @@
+"""Token shards as a LitData stream: clips read from a local folder or an object-store URL, split across ranks,
+nodes and loader workers by LitData, resumed mid-epoch exactly from the loader state Lightning checkpoints.
+
+    mcar tokenize ... stream=/data/vpt_stream          # or, for shards already made: mcar.data.stream.pack_stream
+    python train.py data=stream data.stream_dir=s3://bucket/vpt_stream vq=amused vq.path=/weights/vq
+
+A stream folder holds two LitData datasets, `train/` and `val/` (the last `val_episodes` episodes by name, as the
+local path splits them), and `pack.json` (what was packed, from which tokens). One item is one clip: `frames`
+(clip_frames, h, w) and `actions` (clip_frames, n_a) uint16 ids, `episode`, `start`. Training clips start every
+`stride` frames of an episode (stride < clip_frames stores overlapping windows: more distinct clips, more
+bytes); validation clips do not overlap. Items are packed from an indexed tokens folder, so every shard was
+checked against its geometry and vocabularies once (mcar.data.shards) before it was written.
+
+LitData (not webdataset or mosaicml-streaming): measured in BENCHMARKS.md "Data at VPT scale".
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mcar.data.common import ClipDataModule, check_vocab
+from mcar.data.files import write_json
+from mcar.data.shards import ShardError, check_entry
+from mcar.tokenizer.clips import join_clip
+
+FORMAT = "mcar-stream-1"
+
+
+def _litdata():
+    try:
+        import litdata
+
+        import mcar.data.stream_dataset  # noqa: F401  (LitData without its PyPI version query)
+    except ImportError:
+        raise ImportError("the streaming data path needs LitData: pip install 'mcar[stream]'") from None
+    return litdata
+
+
+def clip_starts(frames: int, clip_frames: int, stride: int) -> range:
+    return range(0, frames - clip_frames + 1, stride)
+
+
+def episode_clips(name: str, tokens_dir: str, clip_frames: int, stride: int):
+    """LitData's optimize step for one episode: yields its clips as stream items."""
+    from mcar.data.shards import shard_paths
+
+    frames_path, actions_path = shard_paths(tokens_dir, name)
+    toks, acts = np.load(frames_path, mmap_mode="r"), np.load(actions_path, mmap_mode="r")
+    for t in clip_starts(len(toks), clip_frames, stride):
+        yield {"frames": np.ascontiguousarray(toks[t:t + clip_frames], dtype=np.uint16),
+               "actions": np.ascontiguousarray(acts[t:t + clip_frames], dtype=np.uint16),
+               "episode": name, "start": int(t)}
+
+
+def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int | None = None,
+                val_episodes: int = 2, chunk_bytes: str = "64MB", workers: int | None = None,
+                h: int | None = None, w: int | None = None, n_a: int | None = None) -> dict:
+    """An indexed tokens folder (mcar tokenize) -> the stream at `out` (a folder or an object-store URL that
+    LitData writes to). Episodes shorter than a clip are left out. -> what pack.json records."""
+    from mcar.data.token_clips import read_index, split_by_episode
+
+    litdata = _litdata()
+    tokens_dir, stride = Path(tokens_dir), stride or clip_frames
+    if stride < 1 or clip_frames < 2:
+        raise ValueError(f"stream clip_frames={clip_frames} (>= 2) and stride={stride} (>= 1)")
+    index = read_index(tokens_dir)
+    meta = index.get("meta", {})
+    entries = [e for e in index["episodes"] if e["frames"] >= clip_frames]
+    for e in entries:  # the index's record, held against the data's geometry where it is given
+        check_entry(tokens_dir, e, (h or e["grid"][0], w or e["grid"][1]), n_a or e["n_a"],
+                    meta.get("codebook_size", 2**16), meta.get("action_vocab_size"))
+    grids = {(tuple(e["grid"]), e["n_a"]) for e in entries}
+    if len(grids) > 1:
+        raise ShardError(f"{tokens_dir}: episodes of several geometries {sorted(grids)}: one stream holds one")
+    train, val = split_by_episode([e["name"] for e in entries], val_episodes)
+    frames = {e["name"]: e["frames"] for e in entries}
+    workers = workers or max(1, min(len(train), os.cpu_count() or 1))
+    for split, names, split_stride in (("train", train, stride), ("val", val, clip_frames)):
+        # inputs largest first: the optimize workers' shares end together
+        names = sorted(names, key=lambda n: -frames[n])
+        litdata.optimize(fn=partial(episode_clips, tokens_dir=str(tokens_dir), clip_frames=clip_frames,
+                                    stride=split_stride),
+                         inputs=names, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                         num_workers=min(workers, len(names)), mode="overwrite", reorder_files=False,
+                         start_method="fork")  # fork: callers need no __main__ guard
+    (grid, n_a_), = grids
+    record = {"format": FORMAT, "tokens_dir": str(tokens_dir.resolve()), "tokens_meta": meta,
+              "h": grid[0], "w": grid[1], "n_a": n_a_, "clip_frames": clip_frames, "stride": stride,
+              "train_episodes": len(train), "val_episode_names": val,
+              "train_clips": sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train),
+              "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
+    if "://" not in out:
+        write_json(Path(out) / "pack.json", record)
+    return record
+
+
+class StreamClips:
+    """Items of a LitData dataset as clips in the docs/diagd.md layout (checked against the data config)."""
+
+    def __init__(self, h: int, w: int, n_a: int, clip_frames: int, codebook_size: int, source: str):
+        self.h, self.w, self.n_a, self.clip_frames = h, w, n_a, clip_frames
+        self.codebook_size, self.source = codebook_size, source
+
+    def __call__(self, item: dict) -> torch.Tensor:
+        toks, acts = item["frames"], item["actions"]
+        if toks.shape != (self.clip_frames, self.h, self.w) or acts.shape != (self.clip_frames, self.n_a):
+            raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds frames {toks.shape} and "
+                             f"actions {acts.shape}, but data.clip_frames, data.h, data.w, data.n_a = "
+                             f"{self.clip_frames}, {self.h}, {self.w}, {self.n_a}: pack the stream again for them")
+        return join_clip(toks, acts, self.codebook_size)
+
+
+def _clip_dataset(url: str, to_clip: StreamClips, **kw):
+    _litdata()
+    from mcar.data.stream_dataset import ClipStream
+
+    try:
+        return ClipStream(url, to_clip, **kw)
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"{url}: not a LitData stream ({e}); make one with `mcar tokenize ... stream=` "
+                                f"(mcar.data.stream)") from None
+
+
+def collate_clips(clips: list[torch.Tensor]) -> dict:
+    return {"tokens": torch.stack(clips)}
+
+
+class ValClips:
+    """ClipSource over the validation stream: its items in stored order (random access)."""
+
+    def __init__(self, dataset, layout, frames: int):
+        self.dataset, self.layout, self.frames = dataset, layout, frames
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def clip(self, i: int) -> torch.Tensor:
+        return self.dataset[i]
+
+
+class StreamDataModule(ClipDataModule):
+    """Clips from a stream (pack_stream): LitData's StreamingDataLoader shuffles (seeded), splits the clips across
+    ranks, nodes and workers, and is resumed mid-epoch from the state Lightning keeps in the checkpoint."""
+
+    def __init__(self, stream_dir: str, h: int, w: int, n_a: int, codebook_size: int, action_vocab_size: int,
+                 clip_frames: int, batch_size: int, seed: int = 0, num_workers: int | None = None,
+                 val_clips: int = 8, cache_dir: str | None = None, max_cache_size: str = "100GB",
+                 name: str | None = None, vocab_size: int | None = None, actions: str | None = None):
+        from mcar.core.layout import Layout
+
+        super().__init__(Layout(h, w, n_a), clip_frames, batch_size, seed, num_workers, val_clips)
+        check_vocab(codebook_size, action_vocab_size, vocab_size)
+        self.stream_dir, self.cache_dir, self.max_cache_size = str(stream_dir).rstrip("/"), cache_dir, max_cache_size
+        self.codebook_size, self.action_vocab_size, self.name, self.actions = (codebook_size, action_vocab_size,
+                                                                              name, actions)
+
+    def check_pack(self) -> None:
+        """A local stream's pack.json against the data config (a URL's is not read: its items are, as they come)."""
+        record = Path(self.stream_dir) / "pack.json"
+        if "://" in self.stream_dir or not record.exists():
+            return
+        from mcar.data.files import read_json
+
+        pack = read_json(record)
+        meta = pack.get("tokens_meta", {})
+        for key, want in [("h", self.layout.h), ("w", self.layout.w), ("n_a", self.layout.n_a),
+                          ("clip_frames", self.clip_frames), ("codebook_size", self.codebook_size),
+                          ("action_vocab_size", self.action_vocab_size)]:
+            have = pack.get(key, meta.get(key))
+            if have is not None and have != want:
+                raise ValueError(f"{record}: the stream was packed with {key}={have} but data.{key}={want}")
+
+    def make_sources(self):
+        self.check_pack()
+        kw = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size)
+        clips = lambda split: StreamClips(self.layout.h, self.layout.w, self.layout.n_a, self.clip_frames,
+                                          self.codebook_size, f"{self.stream_dir}/{split}")
+        train = _clip_dataset(f"{self.stream_dir}/train", clips("train"), shuffle=True, seed=self.seed,
+                              drop_last=True, **kw)
+        val = _clip_dataset(f"{self.stream_dir}/val", clips("val"), shuffle=False, **kw)
+        return train, ValClips(val, self.layout, self.clip_frames)
+
+    def train_dataloader(self):
+        from mcar.data.stream_dataset import ClipLoader
+
+        workers = self.loader_workers()
+        return ClipLoader(self.train_source, batch_size=self.batch_size, num_workers=workers,
+                          collate_fn=collate_clips, drop_last=True, persistent_workers=workers > 0,
+                          pin_memory=self._on_gpu())
