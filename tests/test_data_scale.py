@@ -67,21 +67,44 @@ def test_memory_is_per_episode_and_a_clip_reads_only_its_frames(tmp_path, monkey
         [clips.clip(i) for i in range(len(clips))]
 
 
-def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_path):
-    """mcar bench data: synthetic VPT shards written once (then reused), one JSON row with the issue's fields."""
+@pytest.mark.parametrize("path", ["local", "stream"])
+def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_path, path):
+    """mcar bench data: synthetic VPT shards written once (then reused; for the stream path packed once), one JSON
+    row with the issue's fields."""
     from mcar.eval.data_speed import run_data
 
     from .conftest import compose
 
     cfg = compose("bench", ["bench.mode=data", "bench.data.frames=3000", "bench.data.episode_frames=500",
                             f"bench.data.dir={tmp_path}", "bench.data.workers=1", "bench.batch_size=2",
-                            "bench.data.steps=5", "bench.data.warmup_steps=1"])
+                            "bench.data.steps=5", "bench.data.warmup_steps=1", f"bench.data.path={path}"])
     row = run_data(cfg)
     assert {"frames", "startup_s", "rss_mb_per_worker", "data_ms_per_step"} <= set(row)
-    assert row["frames"] == 3000 and row["episodes"] == 6 and row["batch_shape"] == [2, 16 * (14 * 24 + 11)]
-    assert row["clips"] == 5 * (500 - 16 + 1)  # the last episode is validation
+    assert row["frames"] == 3000 and row["path"] == path and row["batch_shape"] == [2, 16 * (14 * 24 + 11)]
+    # the last episode is validation; the stream stores clips every clip_frames frames (pack_stream's stride)
+    assert row["clips"] == 5 * (500 - 16 + 1) if path == "local" else 5 * (500 // 16)
+    assert (row["stream_packed_s"] is None) == (path == "local")
     assert row["startup_s"] > 0 and row["data_ms_per_step"] > 0 and 0 < row["uss_mb_per_worker"] <= \
         row["rss_mb_per_worker"]
     index = tmp_path / "synthetic_vpt_3000f_500" / "index.json"
     made = index.stat().st_mtime_ns
     assert run_data(cfg)["frames"] == 3000 and index.stat().st_mtime_ns == made  # the shards are reused
+
+
+def test_bench_tokenizer_measures_cpu_and_predicts_a_gpu():
+    """mcar bench tokenizer: encoder FLOPs per frame (4x the pixels, 4x the FLOPs: convolutions), CPU encode and
+    decode frames/s measured, one GPU's frames/s = utilisation x TF32 peak / FLOPs."""
+    from mcar.eval.tokenize_speed import encoder_flops_per_frame, run_tokenizer
+    from mcar.tokenizer.vq_model import build_vq
+
+    from .conftest import compose
+
+    cfg = compose("bench", ["bench.mode=tokenizer", "vq@bench.tokenizer.vq=small", "bench.tokenizer.size=[64,64]",
+                            "bench.tokenizer.batch=2", "bench.tokenizer.steps=1"])
+    row = run_tokenizer(cfg)
+    assert row["vq"] == "small" and row["cpu_frames_per_s"] > 0 and row["decode_frames_per_s_per_core"] > 0
+    vq = build_vq(cfg.bench.tokenizer.vq.arch, l2_codes=False)
+    assert row["gpu_frames_per_s_predicted"] == pytest.approx(0.4 * 989e12 / 2 / encoder_flops_per_frame(vq, (64, 64)),
+                                                              rel=0.01)
+    small, large = encoder_flops_per_frame(vq, (32, 32)), encoder_flops_per_frame(vq, (64, 64))
+    assert 3.5 < large / small < 4.5  # the mid-block's attention adds a little more than 4x

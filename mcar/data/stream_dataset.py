@@ -21,11 +21,11 @@ class ClipStream(StreamingDataset):
 
 
 class ClipLoader(StreamingDataLoader):
-    """LitData's loader, resumable at an epoch's end too. LitData 0.2.44 keeps replaying the restored state until
+    """LitData's loader, resumable across an epoch's end. LitData 0.2.44 replays the restored mid-epoch state until
     its dataset raises StopIteration, but Lightning ends an epoch after len(loader) batches without asking for one
-    more, and with drop_last an epoch also ends short of the dataset's length: either way the next epoch tried
-    to resume past the end of the last one (IndexError in StreamingDataset._resume). An epoch whose batches were
-    all yielded is over: the next iteration starts a fresh one, as in a run never stopped."""
+    more: the next epoch of a resumed run replayed the old state past its end (IndexError in
+    StreamingDataset._resume). An epoch whose batches were all yielded is over: the next iteration starts a fresh
+    one, as in a run never stopped."""
 
     def __iter__(self):
         if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:

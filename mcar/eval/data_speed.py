@@ -1,12 +1,14 @@
 """`mcar bench data`: the input pipeline at VPT scale on synthetic token shards of VPT geometry (14 x 24 image
 tokens + 11 action ids a frame, 2,000-frame episodes), written once by the bench itself and cached:
 
-    mcar bench data bench.data.frames=1000000 [bench.data.workers=4]
+    mcar bench data bench.data.frames=1000000 [bench.data.workers=4] [bench.data.path=stream]
 
-Measured: startup_s (a rank's data module from nothing to its first batch: index, shard checks, loader and
-workers up), rss_mb_main (that rank's process), rss_mb_per_worker / uss_mb_per_worker (each loader worker's
-resident and private memory, the largest), data_ms_per_step (the main process's median wait for the next batch
-of bench.batch_size clips of bench.data.clip_frames frames over bench.data.steps steps, after warm-up steps).
+bench.data.path: local (the .npy shards, data=tokens) or stream (the same frames packed once as a LitData stream,
+data=stream; packing is timed as stream_packed_s). Measured: startup_s (a rank's data module from nothing to its
+first batch: index or stream metadata, shard checks, loader and workers up), rss_mb_main (that rank's process),
+rss_mb_per_worker / uss_mb_per_worker (each loader worker's resident and private memory, the largest),
+data_ms_per_step (the main process's median wait for the next batch of bench.batch_size clips of
+bench.data.clip_frames frames over bench.data.steps steps, after warm-up steps).
 Targets (issue 5/5): start-up <= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at
 8 x 16 frames."""
 from __future__ import annotations
@@ -68,12 +70,42 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return fields["Rss"] / 1024, (fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)) / 1024
 
 
-def worker_pids(loader_iter) -> list[int]:
-    return [w.pid for w in getattr(loader_iter, "_workers", [])]
+def worker_pids() -> list[int]:
+    """This process's children (its loader workers; LitData's iterator does not expose them)."""
+    me = os.getpid()
+    return [int(p) for p in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+
+
+def stream_of(folder: Path, clip_frames: int) -> tuple[Path, float]:
+    """The shards of `folder` as a LitData stream beside them (packed once, cached) -> (its folder, seconds spent
+    packing now)."""
+    from mcar.data.files import read_json
+    from mcar.data.stream import pack_stream
+
+    out = folder.with_name(folder.name + f"_stream{clip_frames}")
+    if (out / "pack.json").exists() and read_json(out / "pack.json").get("clip_frames") == clip_frames:
+        return out, 0.0
+    t0 = time.perf_counter()
+    pack_stream(folder, str(out), clip_frames, val_episodes=1)
+    return out, time.perf_counter() - t0
+
+
+def data_module(path: str, folder: Path, clip_frames: int, batch_size: int, workers: int):
+    geometry = dict(h=VPT["h"], w=VPT["w"], n_a=VPT["n_a"], codebook_size=VPT["codebook_size"],
+                    action_vocab_size=VPT["action_vocab_size"], clip_frames=clip_frames, batch_size=batch_size,
+                    num_workers=workers)
+    if path == "stream":
+        from mcar.data.stream import StreamDataModule
+
+        return StreamDataModule(str(folder), **geometry)
+    if path != "local":
+        raise ValueError(f"bench.data.path={path!r}: local or stream")
+    from mcar.data.token_clips import TokenFolderDataModule
+
+    return TokenFolderDataModule(folder, val_episodes=1, **geometry)
 
 
 def run_data(cfg: DictConfig) -> dict:
-    from mcar.data.token_clips import TokenFolderDataModule
     from mcar.eval.speed import timed
 
     b, d = cfg.bench, cfg.bench.data
@@ -81,12 +113,12 @@ def run_data(cfg: DictConfig) -> dict:
     folder = Path(d.dir) / f"synthetic_vpt_{frames}f_{int(d.episode_frames)}"
     t0 = time.perf_counter()
     synthetic_shards(folder, frames, int(d.episode_frames))
-    write_s = time.perf_counter() - t0
+    write_s, pack_s = time.perf_counter() - t0, None
+    if d.path == "stream":
+        folder, pack_s = stream_of(folder, clip_frames)
 
     t0 = time.perf_counter()
-    dm = TokenFolderDataModule(folder, h=VPT["h"], w=VPT["w"], n_a=VPT["n_a"], codebook_size=VPT["codebook_size"],
-                               action_vocab_size=VPT["action_vocab_size"], clip_frames=clip_frames,
-                               batch_size=int(b.batch_size), num_workers=int(d.workers), val_episodes=1)
+    dm = data_module(str(d.path), folder, clip_frames, int(b.batch_size), int(d.workers))
     dm.setup("fit")
     loader = dm.train_dataloader()
     batches = iter(loader)
@@ -94,13 +126,14 @@ def run_data(cfg: DictConfig) -> dict:
     startup_s = time.perf_counter() - t0
     prefetched = loader.num_workers * (loader.prefetch_factor or 0)
     seconds, _ = timed(lambda: next(batches), torch.device("cpu"), int(d.warmup_steps) + prefetched, int(d.steps))
-    workers = [memory_mb(pid) for pid in worker_pids(batches)]
+    workers = [memory_mb(pid) for pid in worker_pids()]
     main_rss, _ = memory_mb(os.getpid())
     batches = loader = None  # ends the workers
-    return dict(mode="data", frames=frames, episodes=len(dm.train_source.lengths) + len(dm.val_source.lengths),
-                clips=len(dm.train_source), clip_frames=clip_frames, batch_size=int(b.batch_size),
+    return dict(mode="data", path=str(d.path), frames=frames, clips=len(dm.train_source), clip_frames=clip_frames,
+                batch_size=int(b.batch_size),
                 batch_shape=list(first["tokens"].shape), workers=int(d.workers), startup_s=round(startup_s, 3),
                 rss_mb_main=round(main_rss, 1),
                 rss_mb_per_worker=round(max((r for r, _ in workers), default=0.0), 1),
                 uss_mb_per_worker=round(max((u for _, u in workers), default=0.0), 1),
-                data_ms_per_step=round(1000 * seconds, 3), shards_written_s=round(write_s, 1), dir=str(folder))
+                data_ms_per_step=round(1000 * seconds, 3), shards_written_s=round(write_s, 1),
+                stream_packed_s=None if pack_s is None else round(pack_s, 1), dir=str(folder))

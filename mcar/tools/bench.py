@@ -1,7 +1,9 @@
-"""`mcar bench sampler|train|memory|gpu|data [hydra overrides]`: speed and memory on random weights (conf/bench.yaml).
+"""`mcar bench sampler|train|memory|gpu|data|tokenizer [hydra overrides]`: speed and memory on random weights
+(conf/bench.yaml).
 
 sampler, train: mcar/eval/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/eval/gpu_check.py;
-data (the input pipeline at VPT scale): mcar/eval/data_speed.py.
+data (the input pipeline at VPT scale): mcar/eval/data_speed.py; tokenizer (VQ-encoding cost):
+mcar/eval/tokenize_speed.py.
 The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
 """
 from __future__ import annotations
@@ -14,13 +16,15 @@ from omegaconf import DictConfig
 from mcar.eval.data_speed import run_data
 from mcar.eval.gpu_check import run_gpu, run_memory
 from mcar.eval.speed import run_sampler, run_train
+from mcar.eval.tokenize_speed import run_tokenizer
 from mcar.hydra_app import hydra_tool
 
-MODES = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu, "data": run_data}
+MODES = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu, "data": run_data,
+         "tokenizer": run_tokenizer}
 
 
 def mode_words(argv: list[str]) -> list[str]:
-    """`sampler|train|memory|gpu|data` as the first word -> the bench.mode override Hydra understands."""
+    """`sampler|train|memory|gpu|data|tokenizer` as the first word -> the bench.mode override Hydra understands."""
     return [f"bench.mode={argv[0]}", *argv[1:]] if argv and argv[0] in MODES else argv
 
 

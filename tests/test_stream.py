@@ -1,0 +1,191 @@
+"""Issue 5/5 items 2-3: the LitData stream (packed from token shards, split across ranks, resumed mid-epoch and at an
+epoch's end exactly, soaked) and the tokeniser over several devices (Lightning Fabric) with its throughput."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mcar.data.tokenize import balanced_share, build_index
+from tests.conftest import REPO, run_script
+
+GEOMETRY = dict(h=3, w=4, n_a=2, codebook_size=32, action_vocab_size=8)
+LENGTHS = [40, 45, 50, 55, 60, 65]  # frames per episode; the last episode by name is validation
+
+
+def token_folder(folder: Path, lengths=LENGTHS) -> Path:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for e, T in enumerate(lengths):
+        np.save(folder / f"ep{e:02d}.actions.npy", rng.integers(0, 8, (T, 2), dtype=np.uint16))
+        np.save(folder / f"ep{e:02d}.frames.npy", rng.integers(0, 32, (T, 3, 4), dtype=np.uint16))
+    meta = {"source": "test", "vq": "none", "codebook_size": 32, "n_a": 2, "action_vocab_size": 8}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    build_index(folder, meta)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    from mcar.data.stream import pack_stream
+
+    root = tmp_path_factory.mktemp("stream")
+    tokens = token_folder(root / "tokens")
+    record = pack_stream(tokens, str(root / "stream"), clip_frames=3, stride=2, val_episodes=1, chunk_bytes="8kB",
+                         workers=2)
+    return tokens, root / "stream", record
+
+
+def expected_clip(tokens: Path, episode: str, start: int, frames: int = 3) -> torch.Tensor:
+    """The docs/diagd.md layout written out by hand: per frame its image ids, then its action ids + codebook."""
+    toks = np.load(tokens / f"{episode}.frames.npy")[start:start + frames].reshape(frames, -1).astype(np.int64)
+    acts = np.load(tokens / f"{episode}.actions.npy")[start:start + frames].astype(np.int64) + 32
+    return torch.from_numpy(np.concatenate([toks, acts], axis=1).reshape(-1))
+
+
+def datamodule(stream_dir, **kw):
+    from mcar.data.stream import StreamDataModule
+
+    dm = StreamDataModule(str(stream_dir), **{"clip_frames": 3, "batch_size": 4, "num_workers": 0, "val_clips": 4,
+                                              **GEOMETRY, **kw})
+    dm.setup("fit")
+    return dm
+
+
+def test_stream_items_are_the_clips_of_the_token_shards(stream):
+    """Every training item is the clip at its (episode, start), starts every `stride` frames of each training
+    episode and nothing else; validation clips are the last episode's, not overlapping."""
+    from litdata import StreamingDataset
+
+    tokens, stream_dir, record = stream
+    items, clips = StreamingDataset(str(stream_dir / "train")), datamodule(stream_dir).train_source
+    seen = set()
+    for i in range(len(items)):
+        episode, start = items[i]["episode"], items[i]["start"]
+        seen.add((episode, start))
+        assert torch.equal(clips[i], expected_clip(tokens, episode, start))
+    want = {(f"ep{e:02d}", t) for e, T in enumerate(LENGTHS[:-1]) for t in range(0, T - 3 + 1, 2)}
+    assert seen == want and record["train_clips"] == len(want) and record["train_episodes"] == 5
+    val = datamodule(stream_dir).val_source
+    assert len(val) == record["val_clips"] == LENGTHS[-1] // 3
+    assert torch.equal(val.clip(1), expected_clip(tokens, "ep05", 3))
+
+
+def lightning_like(loader, steps: int, per_epoch: int, drawn: int = 0) -> list[torch.Tensor]:
+    """Batches as Lightning draws them: one iter() per epoch, len(loader) batches each, no extra next(); `drawn`
+    batches of the first epoch were drawn before a resume."""
+    out = []
+    while len(out) < steps:
+        it = iter(loader)
+        for _ in range(min(per_epoch - drawn, steps - len(out))):
+            out.append(next(it)["tokens"])
+        drawn = 0
+    return out
+
+
+@pytest.mark.parametrize("stop", [7, 30], ids=["mid_epoch", "epoch_end"])
+def test_stream_resumes_exactly(stream, stop):
+    """A loader restored from the state after `stop` batches (mid-epoch, or on an epoch's last batch) continues as
+    the uninterrupted one does, into the next epoch (LitData 0.2.44 alone fails the mid-epoch case there with an
+    IndexError in StreamingDataset._resume: mcar.data.stream_dataset.ClipLoader)."""
+    _, stream_dir, _ = stream
+    per_epoch = len(datamodule(stream_dir).train_dataloader())
+    assert per_epoch == 30  # 121 clips // 4: the epoch_end case stops on its last batch
+    reference = lightning_like(datamodule(stream_dir).train_dataloader(), stop + 30, per_epoch)
+    killed = datamodule(stream_dir).train_dataloader()
+    first = lightning_like(killed, stop, per_epoch)
+    resumed_loader = datamodule(stream_dir).train_dataloader()
+    resumed_loader.load_state_dict(killed.state_dict())
+    resumed = lightning_like(resumed_loader, 30, per_epoch, drawn=stop % per_epoch)
+    assert all(torch.equal(a, b) for a, b in zip(first + resumed, reference, strict=True))
+    assert not torch.equal(reference[0], reference[per_epoch])  # the next epoch is shuffled anew
+
+
+def test_stream_ranks_take_disjoint_equal_shares(stream, monkeypatch):
+    """LitData splits the clips across ranks (WORLD_SIZE / GLOBAL_RANK, as torch.distributed sets them)."""
+    _, stream_dir, record = stream
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("GLOBAL_RANK", str(rank))
+        dl = datamodule(stream_dir).train_dataloader()
+        shares.append({tuple(c.tolist()) for b in dl for c in b["tokens"]})
+    assert len(shares[0]) == len(shares[1]) > 0 and not shares[0] & shares[1]
+    assert len(shares[0]) + len(shares[1]) >= record["train_clips"] - 2 * 4  # at most a batch dropped per rank
+
+
+def test_stream_packed_for_other_clips_is_refused(stream):
+    _, stream_dir, _ = stream
+    with pytest.raises(ValueError, match="clip_frames=3 but data.clip_frames=4"):
+        datamodule(stream_dir, clip_frames=4)
+
+
+def test_data_stream_composes_with_the_training_config():
+    from tests.conftest import compose
+
+    cfg = compose("train", ["data=stream", "data.stream_dir=s3://bucket/vpt_stream"])
+    assert cfg.data._target_ == "mcar.data.stream.StreamDataModule" and cfg.data.clip_frames == 16
+    assert cfg.data.vocab_size == cfg.data.codebook_size + 71
+
+
+@pytest.mark.slow
+def test_soak_kills_and_resumes_a_stream_bit_identically(stream, tmp_path):
+    """Issue 5/5: the soak test passes on the stream too (two loader workers; 121 clips of batch 2: the 130 steps
+    cross two epoch ends)."""
+    _, stream_dir, _ = stream
+    geometry = [f"data.{k}={v}" for k, v in GEOMETRY.items()]
+    p = run_script("-m mcar.soak", f"out={tmp_path}", "kills=3", "every=10", "data=stream",
+                   f"data.stream_dir={stream_dir}", *geometry, "data.clip_frames=3", "data.batch_size=2",
+                   "data.val_clips=2", "data.num_workers=2", "trainer.max_steps=130", timeout=900)
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["kills"] == 3 and result["steps"] == result["steps_compared"] == 130
+    assert result["mismatches"] == 0 and result["final_weights_equal"]
+
+
+# ------------------------------------------------------------------------------------------- distributed tokenising
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), world=st.integers(1, 6))
+def test_balanced_share_partitions_and_balances(tmp_path_factory, sizes, world):
+    """Every episode goes to exactly one rank, in name order there; no rank carries more than the least-loaded
+    one plus the largest episode (the greedy largest-first bound)."""
+    folder = tmp_path_factory.mktemp("sizes")
+    found = []
+    for i, size in enumerate(sizes):
+        (folder / f"e{i:03d}.mp4").write_bytes(b"x" * size)
+        found.append((f"e{i:03d}", folder / f"e{i:03d}.mp4", folder / f"e{i:03d}.jsonl"))
+    shares = [balanced_share(found, r, world) for r in range(world)]
+    names = [e[0] for share in shares for e in share]
+    assert sorted(names) == [e[0] for e in found] and len(set(names)) == len(found)
+    assert all([e[0] for e in share] == sorted(e[0] for e in share) for share in shares)
+    loads = [sum(sizes[int(e[0][1:])] for e in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+@pytest.mark.slow
+def test_tokenize_over_two_devices_writes_what_one_does_and_a_stream(tmp_path):
+    """`mcar tokenize devices=2` (two CPU ranks through Lightning Fabric) writes the shards one rank writes, reports
+    frames/s per rank and in all, and packs the stream."""
+    from mcar.tokenizer.vq_model import save_vq
+    from tests.test_data_vpt import good_records, tiny_vq, write_vpt
+
+    for i, n in enumerate([6, 12, 4, 9, 7]):
+        write_vpt(tmp_path / "eps", f"e{i}", good_records(n))
+    save_vq(tiny_vq(), tmp_path / "vq")
+    common = ["tokenize", f"episodes={tmp_path / 'eps'}", "source=vpt", "size=[224,384]", f"vq.path={tmp_path / 'vq'}",
+              "min_frames=2", "accelerator=cpu"]
+    one = run_script("-m mcar.cli", *common, f"out={tmp_path / 'one'}")
+    two = run_script("-m mcar.cli", *common, f"out={tmp_path / 'two'}", "devices=2", f"stream={tmp_path / 'stream'}",
+                     "stream_clip_frames=3", "val_episodes=1")
+    assert "tokenised 38 frames on 1 cpu devices" in one.stdout
+    assert "rank 0 of 2 on cpu" in two.stdout and "rank 1 of 2 on cpu" in two.stdout
+    assert "tokenised 38 frames on 2 cpu devices" in two.stdout and "per device" in two.stdout
+    for f in sorted((tmp_path / "one").glob("*.npy")):
+        assert np.array_equal(np.load(f), np.load(tmp_path / "two" / f.name)), f.name
+    index = json.loads((tmp_path / "two" / "index.json").read_text())
+    assert [e["name"] for e in index["episodes"]] == ["e0", "e1", "e2", "e3", "e4"]
+    pack = json.loads((tmp_path / "stream" / "pack.json").read_text())
+    assert pack["train_episodes"] == 4 and pack["val_episode_names"] == ["e4"] and pack["h"] == 14
+    assert (REPO / "conf" / "data" / "stream.yaml").exists()
