@@ -24,7 +24,7 @@ import torch
 
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.data.files import write_json
-from mcar.data.shards import ShardError, check_entry
+from mcar.data.shards import ShardError, check_entry, shard_paths
 from mcar.tokenizer.clips import join_clip
 
 FORMAT = "mcar-stream-1"
@@ -35,7 +35,9 @@ def _litdata():
         import litdata
 
         import mcar.data.stream_dataset  # noqa: F401  (LitData without its PyPI version query)
-    except ImportError:
+    except ImportError as e:
+        if not (e.name or "").startswith("litdata"):
+            raise
         raise ImportError("the streaming data path needs LitData: pip install 'mcar[stream]'") from None
     return litdata
 
@@ -46,8 +48,6 @@ def clip_starts(frames: int, clip_frames: int, stride: int) -> range:
 
 def episode_clips(name: str, tokens_dir: str, clip_frames: int, stride: int):
     """LitData's optimize step for one episode: yields its clips as stream items."""
-    from mcar.data.shards import shard_paths
-
     frames_path, actions_path = shard_paths(tokens_dir, name)
     toks, acts = np.load(frames_path, mmap_mode="r"), np.load(actions_path, mmap_mode="r")
     for t in clip_starts(len(toks), clip_frames, stride):
@@ -57,8 +57,7 @@ def episode_clips(name: str, tokens_dir: str, clip_frames: int, stride: int):
 
 
 def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int | None = None,
-                val_episodes: int = 2, chunk_bytes: str = "64MB", workers: int | None = None,
-                h: int | None = None, w: int | None = None, n_a: int | None = None) -> dict:
+                val_episodes: int = 2, chunk_bytes: str = "64MB", workers: int | None = None) -> dict:
     """An indexed tokens folder (mcar tokenize) -> the stream at `out` (a folder or an object-store URL that
     LitData writes to). Episodes shorter than a clip are left out. -> what pack.json records."""
     from mcar.data.token_clips import read_index, split_by_episode
@@ -70,9 +69,9 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
     index = read_index(tokens_dir)
     meta = index.get("meta", {})
     entries = [e for e in index["episodes"] if e["frames"] >= clip_frames]
-    for e in entries:  # the index's record, held against the data's geometry where it is given
-        check_entry(tokens_dir, e, (h or e["grid"][0], w or e["grid"][1]), n_a or e["n_a"],
-                    meta.get("codebook_size", 2**16), meta.get("action_vocab_size"))
+    for e in entries:  # each shard's recorded id ranges against the folder's vocabularies
+        check_entry(tokens_dir, e, tuple(e["grid"]), e["n_a"], meta.get("codebook_size", 2**16),
+                    meta.get("action_vocab_size"))
     grids = {(tuple(e["grid"]), e["n_a"]) for e in entries}
     if len(grids) > 1:
         raise ShardError(f"{tokens_dir}: episodes of several geometries {sorted(grids)}: one stream holds one")
