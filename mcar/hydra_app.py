@@ -15,15 +15,11 @@ import re
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mcar.core.precision import trainer_precision
+
 CONFIG_PATH = "pkg://mcar.conf"
-
-
-def _precision() -> str:
-    """bf16 mixed precision where a GPU is present, full fp32 on CPU."""
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
 def asset_path(name: str) -> str:
@@ -52,7 +48,7 @@ def relocated_asset(value):
 def register_resolvers() -> None:
     """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
     for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
-                     "mcar_prod": lambda *xs: math.prod(int(x) for x in xs), "mcar_precision": _precision,
+                     "mcar_prod": lambda *xs: math.prod(int(x) for x in xs), "mcar_precision": trainer_precision,
                      "mcar_min_positive": lambda *xs: min(int(x) for x in xs if int(x) > 0),
                      "mcar_asset": asset_path}.items():
         if not OmegaConf.has_resolver(name):

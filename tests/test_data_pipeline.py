@@ -12,7 +12,7 @@ from mcar.core.layout import Layout
 from mcar.data.common import EpochPermutation, StepBatches, clip_indices
 from mcar.data.synthetic import SHIFTS, SyntheticClips, SyntheticDataModule
 
-from .conftest import compose
+from .conftest import REPO, compose
 
 SIZES = [1, 2, 3, 4, 5, 7, 15, 16, 17, 63, 64, 65, 97, 256, 1000, 1021, 1024, 4096, 4099]
 
@@ -168,11 +168,16 @@ def test_synthetic_clips_match_the_per_frame_reference(h, w, n_a, frames, i, see
     assert torch.equal(src.clip(i), reference_clip(src, i))
 
 
-@pytest.mark.parametrize("data", ["synthetic", "crafter", "crafter_tiles", "crafter_table3", "vpt", "mineworld"])
+FOLDER_KEYS = {"vpt": "data.root", "mineworld": "data.root", "tokens": "data.tokens_dir", "stream": "data.stream_dir"}
+
+
+@pytest.mark.parametrize("data", sorted(p.stem for p in (REPO / "mcar" / "conf" / "data").glob("*.yaml")))
 def test_data_configs_are_strict_an_unknown_key_is_an_error_naming_it(data, tmp_path):
     from mcar.data.common import build_datamodule
 
-    base = [f"data={data}", f"paths.data_dir={tmp_path}"] + (["data.root=/nowhere"] if data in ("vpt", "mineworld")
+    if data == "stream":
+        pytest.importorskip("litdata")
+    base = [f"data={data}", f"paths.data_dir={tmp_path}"] + ([f"{FOLDER_KEYS[data]}=/nowhere"] if data in FOLDER_KEYS
                                                                else [])
     build_datamodule(compose("train", base).data)  # every shipped data config is accepted as it is
     with pytest.raises(ValueError, match=r"data.batchsize is not a setting of mcar.data.*conf/data/"):

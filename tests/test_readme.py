@@ -30,8 +30,17 @@ def test_file_references_in_code_and_docs_point_inside_the_repository():
         if path.name != "BENCHMARKS.md":  # BENCHMARKS.md keeps the file names its dated entries ran with
             for ref in re.findall(r"(?<![\w/.])(mcar/[\w/]+\.(?:py|yaml))\b", text):
                 cited.setdefault(ref, path.relative_to(REPO))
-        if path.parts[len(REPO.parts)] in ("mcar", "conf", "tests") and path.name != pathlib.Path(__file__).name:
+        if path.name != pathlib.Path(__file__).name:  # README, docs, scripts too: a user has no ../shared
             assert "../shared" not in text, f"{path.relative_to(REPO)} points at ../shared"
     assert "docs/diagd.md" in cited
     missing = {ref: str(where) for ref, where in cited.items() if not (REPO / ref).exists()}
     assert not missing, f"cited but missing (file: where cited): {missing}"
+
+
+def test_what_is_inside_names_every_module():
+    """README's "What is inside" tree names every module of the package (a new module is added to the map)."""
+    readme = (REPO / "README.md").read_text()
+    inside = readme[readme.index("## What is inside"):readme.index("What moved in the second redesign step")]
+    modules = sorted({p.stem for p in (REPO / "mcar").rglob("*.py") if p.stem != "__init__"})
+    unnamed = [m for m in modules if not re.search(rf"\b{re.escape(m)}\b", inside)]
+    assert not unnamed, f"README's 'What is inside' does not name: {unnamed}"

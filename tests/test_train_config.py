@@ -232,3 +232,10 @@ def test_renamed_overrides_name_their_new_key(script, old, new):
     p = run_script(script, old, check=False)
     assert p.returncode == 1
     assert p.stderr == f"{old.split('=')[0]} is now {new.split('=')[0]} (conf/lr_schedule/): pass {new}\n"
+
+
+def test_trainer_precision_follows_the_precision_policy(monkeypatch):
+    """conf's `${mcar_precision:}` asks mcar.core.precision: bf16-mixed where CUDA is, 32-true elsewhere."""
+    assert compose("train", SMALL_DATA).trainer.precision == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compose("train", SMALL_DATA).trainer.precision == "bf16-mixed"

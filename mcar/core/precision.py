@@ -18,3 +18,9 @@ def active_dtype(module_dtype: torch.dtype, device: str | torch.device) -> torch
     """The dtype a module's keys and values come out in on `device`: autocast's where it is on, else its weights'."""
     device_type = torch.device(device).type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else module_dtype
+
+
+def trainer_precision() -> str:
+    """Lightning's precision for a trainer on this machine (conf: `${mcar_precision:}`): the policy above."""
+    return "bf16-mixed" if compute_dtype("cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16 \
+        else "32-true"
