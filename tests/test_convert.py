@@ -179,3 +179,30 @@ def test_a_ckpt_that_records_its_length_converts_at_that_length(tmp_path):
                tmp_path / "long.ckpt")
     path = convert_mineworld(tmp_path / "long.ckpt", tmp_path / "out", heads=8, h=3, w=4, n_a=2)
     assert torch.load(path, weights_only=True)["hyper_parameters"]["clip_frames"] == 4
+
+
+def test_converted_logits_equal_transformers_bit_for_bit_at_mineworld_geometry(tmp_path):
+    """A one-layer LLaMA with MineWorld's head_dim (64) and geometry (16 frames of 14 x 24 + 11 = 5,552 slots):
+    every logit of the converted model equals transformers' exactly (float64 RoPE frequencies drifted them)."""
+    layout, frames = Layout(14, 24, 11), 16
+    slots = layout.n_slots(frames)
+    cfg = transformers.LlamaConfig(
+        vocab_size=CODES + 8, hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=1, max_position_embeddings=slots, rope_theta=10000.0, rms_norm_eps=1e-5,
+        initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=14, w=24, n_a=11, frames=frames)
+    from mcar.eval.checkpoint import load_model
+
+    model = load_model(path, "cpu")[0].model.eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CODES, (1, slots), generator=g)
+    act = ~layout.is_image(frames)
+    x[:, act] = CODES + torch.randint(0, 6, (1, int(act.sum())), generator=g)
+    with torch.no_grad():
+        want = hf(input_ids=x, position_ids=torch.arange(slots)[None]).logits
+        batch = CausalMask(layout, frames)(x)
+        got = model(batch.tokens, batch.coords, batch.mask)
+    assert torch.equal(got, want), (got - want).abs().amax(-1)[0].nonzero()[:5].flatten().tolist()
