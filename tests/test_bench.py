@@ -10,8 +10,11 @@ from hypothesis import strategies as st
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler
+from mcar.eval import speed
 from mcar.eval.speed import fit_pass_costs
-from tests.conftest import run_script
+from mcar.train.module import ADAMW, build_optimizer
+from mcar.train.task import build_module
+from tests.conftest import compose, run_script
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
         "data.action_vocab_size=8", "bench.repeats=1", "bench.warmup=0"]
@@ -84,6 +87,41 @@ def test_bench_train(tmp_path):
     assert out["ms_per_step"] > 0 and out["tokens_per_s"] > 0 and out["peak_memory_mb"] > 0
     assert out["mfu"] is None  # no peak FLOP/s known for a CPU
     assert out["data_ms_per_step"] > 0 and out["data_workers"] >= 0 and out["data_clips"] == 256  # synthetic.yaml
+
+
+def test_bench_train_steps_the_training_optimizer(monkeypatch):
+    """Issue 2/5: `mcar bench train` steps the optimiser training builds (conf/optim's values, weight decay on 2-D
+    weights only, the same fused rule), not one of its own."""
+    made = []
+    init = torch.optim.AdamW.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", record)
+    monkeypatch.setattr(speed, "bench_data", lambda cfg: {})  # the data loader is not under test
+    speed.run_train(compose("bench", [*TINY, "bench.mode=train"]))
+    module = build_module(compose("train", [o for o in TINY if not o.startswith("bench.")]))
+    bench, train = made[0], module.build_optimizer()
+
+    def groups(opt):
+        return [({k: v for k, v in g.items() if k != "params"}, [p.shape for p in g["params"]])
+                for g in opt.param_groups]
+
+    assert groups(bench) == groups(train)
+    assert [g["weight_decay"] for g in bench.param_groups] == [ADAMW["weight_decay"], 0.0]
+    assert [g["betas"] for g in bench.param_groups] == [tuple(ADAMW["betas"])] * 2
+
+
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
+def test_an_optimizer_setting_missing_from_the_config_is_an_error_naming_it(key):
+    """No optimiser hyperparameter falls back to a default in code (torch's AdamW betas are (0.9, 0.999), not
+    conf/optim/adamw.yaml's): a key the optimiser takes but the config leaves out names itself."""
+    model = Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64))
+    optim = {k: v for k, v in ADAMW.items() if k != key}
+    with pytest.raises(ValueError, match=rf"optim\.{key} is missing \(conf/optim/\): AdamW takes it"):
+        build_optimizer(model, optim)
 
 
 def test_static_padded_sampler_generates_the_same_tokens():

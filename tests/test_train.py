@@ -57,6 +57,39 @@ def test_warmup_cosine_is_linear_then_cosine(step, warmup, total, min_ratio):
         assert f == pytest.approx(min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * progress)) / 2, abs=1e-12)
 
 
+PER_STEP_FLOATS = {"train/lr", "perf/tokens_per_s", "perf/step_ms", "perf/mfu"}
+
+
+def test_python_floats_are_logged_only_on_the_steps_lightning_writes(tmp_path, monkeypatch):
+    """Issue 1/5 item 4: Lightning makes each logged Python float a device tensor, a host-to-device copy that
+    waits for the GPU. lr, throughput and MFU are logged on the steps whose log line is written (every
+    log_every_n_steps), and the log lines still hold them."""
+    module = build_module(compose("train", [*SMALL_DATA, "peak_flops=1e12"]))
+    floats, step = [], [None]
+    log = module.log
+
+    def spy(name, value, *args, **kwargs):
+        if isinstance(value, float):
+            floats.append((step[0], name))
+        return log(name, value, *args, **kwargs)
+
+    class StepOfTheLine(L.Callback):  # the step a log line is written with: the steps done before this one
+        def on_train_batch_start(self, trainer, *_):
+            step[0] = trainer.global_step
+
+    monkeypatch.setattr(module, "log", spy)
+    batches = [{"tokens": torch.randint(0, 32, (2, Layout(3, 4, 2).n_slots(3)))} for _ in range(7)]
+    trainer = L.Trainer(max_steps=7, log_every_n_steps=3, logger=L.pytorch.loggers.CSVLogger(tmp_path, name="csv"),
+                        callbacks=[StepOfTheLine()], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", limit_val_batches=0)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    written = {2, 5}  # (step + 1) % 3 == 0
+    assert sorted(floats) == sorted((s, name) for s in written for name in PER_STEP_FLOATS)
+    rows = metrics_rows(tmp_path)
+    for name in PER_STEP_FLOATS:
+        assert {int(r["step"]) for r in rows if r.get(name)} == written, name
+
+
 def test_unknown_group_choice_lists_the_options():
     with pytest.raises(HydraException, match="(?s)tiny.*small|small.*tiny"):
         compose("train", ["model=huge"])

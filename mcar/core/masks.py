@@ -63,15 +63,39 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def next_token_targets(clip: torch.Tensor, layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:
-    """(B, N) clip -> (B, N) targets: slot p predicts clip[p+1]; only image tokens (and actions if asked)."""
-    targets = torch.full_like(clip, IGNORE)
-    targets[:, :-1] = clip[:, 1:]
-    keep = layout.is_image(frames).to(clip.device)
+def next_token_keep(layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:
+    """(N,) bool: slot p carries a loss (its target, slot p+1, is an image token, or any token if action_loss)."""
+    keep = layout.is_image(frames)
     if action_loss:
         keep = torch.ones_like(keep)
-    keep = torch.cat([keep[1:], keep.new_zeros(1)])  # the target slot is p+1
-    return torch.where(keep, targets, torch.full_like(targets, IGNORE))
+    return torch.cat([keep[1:], keep.new_zeros(1)])  # the target slot is p+1
+
+
+def next_token_targets(clip: torch.Tensor, layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:
+    """(B, N) clip -> (B, N) targets: slot p predicts clip[p+1]; only image tokens (and actions if asked)."""
+    return shifted_targets(clip, next_token_keep(layout, frames, action_loss).to(clip.device))
+
+
+def shifted_targets(clip: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(B, N) clip -> (B, N) targets: slot p predicts clip[p+1] where keep[p] (next_token_keep on clip's device)."""
+    targets = torch.full_like(clip, IGNORE)
+    targets[:, :-1] = clip[:, 1:]
+    return torch.where(keep, targets, IGNORE)
+
+
+class _DeviceCopies:
+    """A factory's constant CPU tensors, copied to each device once: a step then makes no host-to-device copy (a
+    copy from pageable memory waits for the GPU, a host sync per step)."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        self.cpu = tensors
+        self._copies: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, device: torch.device) -> dict[str, torch.Tensor]:
+        key = str(device)
+        if key not in self._copies:
+            self._copies[key] = {name: t.to(device) for name, t in self.cpu.items()}
+        return self._copies[key]
 
 
 class _DeviceMasks:
@@ -101,14 +125,15 @@ class CausalMask:
         self.layout, self.frames, self.action_loss = layout, frames, action_loss
         self.coords = layout.coords(frames)
         self._mask = _DeviceMasks(self.table, backend, plain_causal=True)
+        self._on = _DeviceCopies(coords=self.coords, keep=next_token_keep(layout, frames, action_loss))
 
     def table(self, device=None) -> SlotTable:
         return causal_table(self.layout.n_slots(self.frames), device)
 
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         check_clip(clip, self.layout, self.frames)
-        return MaskedBatch(tokens=clip, coords=self.coords.to(clip.device),
-                           targets=next_token_targets(clip, self.layout, self.frames, self.action_loss),
+        on = self._on(clip.device)
+        return MaskedBatch(tokens=clip, coords=on["coords"], targets=shifted_targets(clip, on["keep"]),
                            mask=self._mask(clip.device))
 
 
@@ -144,6 +169,13 @@ class DiagDMask:
         # (N,) which input row predicts each layout slot; -1 where none does
         self.predictor_row = s.predictor_row if proxy_slots else torch.arange(s.n_slots) - 1
         self._mask = _DeviceMasks(self.table, backend, plain_causal=False)
+        gather = self.target_slot.clamp(min=0)  # (S,) the slot each row's target is read from
+        keep = self.target_slot >= 0  # (S,) rows that carry a loss
+        if generated_only:
+            keep &= s.generated[gather]
+        elif not action_loss:
+            keep &= layout.is_image(frames)[gather]
+        self._on = _DeviceCopies(src=self.src, coords=self.coords, gather=gather, keep=keep)
 
     def table(self, device=None) -> SlotTable:
         s = self.schedule
@@ -155,16 +187,10 @@ class DiagDMask:
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         """clip (B, N) long -> inputs (B, S), coords (S, 4), targets (B, S), mask over the S input rows."""
         check_clip(clip, self.layout, self.frames)
-        dev = clip.device
-        target = self.target_slot.to(dev)  # (S,)
-        keep = target >= 0
-        if self.generated_only:
-            keep &= self.schedule.generated.to(dev)[target.clamp(min=0)]
-        elif not self.action_loss:
-            keep &= self.layout.is_image(self.frames).to(dev)[target.clamp(min=0)]
-        targets = torch.where(keep, clip[:, target.clamp(min=0)], IGNORE)  # (B, S)
-        return MaskedBatch(tokens=clip[:, self.src.to(dev)], coords=self.coords.to(dev), targets=targets,
-                           mask=self._mask(dev))
+        on = self._on(clip.device)
+        targets = torch.where(on["keep"], clip[:, on["gather"]], IGNORE)  # (B, S)
+        return MaskedBatch(tokens=clip[:, on["src"]], coords=on["coords"], targets=targets,
+                           mask=self._mask(clip.device))
 
 
 def build_mask_factory(name: str, layout: Layout, frames: int, schedule: ScheduleConfig | dict | None = None,

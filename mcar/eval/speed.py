@@ -16,7 +16,6 @@ import resource
 import statistics
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,6 +28,7 @@ from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler, forward_rows
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
+from mcar.train.module import build_optimizer
 
 
 def timed(fn, device: torch.device, warmup: int, repeats: int):
@@ -234,9 +234,8 @@ def run_train(cfg: DictConfig) -> dict:
     factory = build_mask_factory(mcfg.pop("name"), layout, frames, schedule=to_dict(cfg.schedule), **mcfg)
     clip = torch.randint(0, int(cfg.data.vocab_size), (int(b.batch_size), layout.n_slots(frames)), device=device)
     batch = factory(clip)
-    optim = {"fused": True} | to_dict(cfg.optim)  # conf/optim (the training's optimiser), fused unless set
-    optim["betas"] = tuple(optim.get("betas", (0.9, 0.999)))
-    opt = hydra.utils.instantiate(optim, _convert_="all")(model.parameters())
+    # the training's optimiser (conf/optim), built as training builds it: its parameter groups, its fused rule
+    opt = build_optimizer(model, to_dict(cfg.optim), fp16=dtype == torch.float16)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step():

@@ -114,6 +114,41 @@ class LossWatch:
 # words of torch's optimiser errors -> the config field they are about
 OPTIM_FIELDS = [("learning rate", "optim.lr"), ("beta", "optim.betas"), ("weight_decay", "optim.weight_decay"),
                 ("epsilon", "optim.eps")]
+# the hyperparameters an optimiser must get from conf/optim/ when it takes them (never torch's defaults)
+OPTIM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def build_optimizer(model: torch.nn.Module, optim: dict, fp16: bool = False) -> torch.optim.Optimizer:
+    """The configured optimiser (`optim`: the conf/optim group, a `_partial_` node) on two parameter groups: 2-D
+    weights (matmuls, embeddings) get the configured weight decay, the rest (norm gains) none. Training and
+    `mcar bench train` both call it. Every hyperparameter comes from the config: one the optimiser takes (lr,
+    betas, eps, weight_decay) but the config leaves out is an error, not torch's default. `fused` is decided here
+    unless the config sets it: one kernel, no foreach temporaries (a 700M model fits in 20 GiB on CPU), but not
+    under fp16's loss scaler (fp16: trainer.precision=16-mixed), where a fused step unscales inside, after
+    clipping would have seen scaled gradients."""
+    cfg = dict(optim)
+    if isinstance(cfg.get("betas"), (list, tuple)):
+        cfg["betas"] = tuple(cfg["betas"])
+    factory = hydra.utils.instantiate(cfg, _convert_="all")
+    takes = inspect.signature(factory.func).parameters
+    missing = [k for k in OPTIM_KEYS if k in takes and k not in cfg]
+    if missing:
+        raise ValueError(f"optim.{missing[0]} is missing (conf/optim/): {factory.func.__name__} takes it, and "
+                         f"every one of {', '.join(OPTIM_KEYS)} it takes comes from the config, not a default")
+    extra = {}
+    if "fused" in takes:
+        if "fused" not in cfg:
+            extra["fused"] = not fp16
+        elif cfg["fused"] and fp16:
+            raise ValueError("optim.fused=true under trainer.precision=16-mixed: a fused step unscales the "
+                             "gradients after clipping saw them scaled; leave optim.fused unset")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms
+    try:
+        return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **extra)
+    except ValueError as e:  # torch's "Invalid learning rate: -1" names no config field
+        field = next((f for key, f in OPTIM_FIELDS if key in str(e).lower()), "optim")
+        raise ValueError(f"{field} is invalid: {e} (conf/optim/)") from e
 
 
 class MCARModule(L.LightningModule):
@@ -156,6 +191,7 @@ class MCARModule(L.LightningModule):
         self.val_diagd_factory = build_mask_factory("diagd", self.layout, clip_frames, schedule=self.schedule,
                                                     backend=backend, generated_only=True)
         self._t_last: float | None = None
+        self._logs_this_step = True  # set per step in on_train_batch_start
         self._loss_watch: LossWatch | None = None
 
     def configure_model(self) -> None:
@@ -193,7 +229,8 @@ class MCARModule(L.LightningModule):
         self._loss_watch.push(loss, self.global_step)
         self._stop_on_non_finite_loss()
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        if self._logs_this_step:  # a Python float becomes a device tensor: a host-to-device copy
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
     def _stop_on_non_finite_loss(self, wait: bool = False) -> None:
@@ -240,10 +277,22 @@ class MCARModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t_last is None:
             self._t_last = time.perf_counter()
+        self._logs_this_step = self.writes_logs_after(self.trainer.global_step + 1)
+
+    def writes_logs_after(self, steps_done: int) -> bool:
+        """Whether Lightning writes the log line of the step that brings the run to `steps_done` optimiser steps:
+        every trainer.log_every_n_steps, and when training is told to stop (its logger connector's rule, from the
+        trainer's public fields). Values logged on other steps are dropped; logged Python floats (lr, throughput,
+        MFU) become device tensors, a host-to-device copy that waits for the GPU, so they are logged on these
+        steps only."""
+        every = self.trainer.log_every_n_steps
+        return bool(every) and (steps_done % every == 0 or self.trainer.should_stop)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
+        if not (self._logs_this_step or self.trainer.should_stop):
+            return
         tokens = batch["tokens"].numel() * self.trainer.world_size
         self.log("perf/tokens_per_s", tokens / dt)
         self.log("perf/step_ms", 1000 * dt)
@@ -284,29 +333,8 @@ class MCARModule(L.LightningModule):
     # --- optimiser ---------------------------------------------------------------------------------------
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """The configured optimiser on two parameter groups: 2-D weights (matmuls, embeddings) get the configured
-        weight decay, the rest (norm gains) none. `fused` is decided here unless the config sets it: one kernel,
-        no foreach temporaries (a 700M model fits in 20 GiB on CPU), but not under fp16's loss scaler, where a fused
-        step unscales inside, after clipping would have seen scaled gradients."""
-        cfg = dict(self.optim_config)
-        if isinstance(cfg.get("betas"), (list, tuple)):
-            cfg["betas"] = tuple(cfg["betas"])
-        factory = hydra.utils.instantiate(cfg, _convert_="all")
         fp16 = self._trainer is not None and str(self.trainer.precision) == "16-mixed"
-        extra = {}
-        if "fused" in inspect.signature(factory.func).parameters:
-            if "fused" not in cfg:
-                extra["fused"] = not fp16
-            elif cfg["fused"] and fp16:
-                raise ValueError("optim.fused=true under trainer.precision=16-mixed: a fused step unscales the "
-                                 "gradients after clipping saw them scaled; leave optim.fused unset")
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]  # norms
-        try:
-            return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **extra)
-        except ValueError as e:  # torch's "Invalid learning rate: -1" names no config field
-            field = next((f for key, f in OPTIM_FIELDS if key in str(e).lower()), "optim")
-            raise ValueError(f"{field} is invalid: {e} (conf/optim/)") from e
+        return build_optimizer(self.model, self.optim_config, fp16)
 
     def lr_multiplier(self):
         """step -> lr multiplier: the configured schedule over `max_steps` (trainer.max_steps)."""
