@@ -3,13 +3,14 @@ unpickling would create a marker file (as `os.system` would run anything): every
 and no marker appears. Genuine files (the shipped model and IDM) still load. `run_name` cannot leave the checkpoint
 root."""
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SMALL_DATA, compose
+from tests.conftest import REPO, SMALL_DATA, compose, job_overrides, run_script
 
 
 class Payload:
@@ -132,3 +133,163 @@ def test_plain_run_names_pass(name):
     from mcar.train.jobs import check_run_name
 
     assert check_run_name(name) == name
+
+
+
+# ------------------------------------------------------------------------ a checkpoint's config is data, never code
+def tiny_checkpoint(path: Path, edit=lambda hp: None) -> Path:
+    """A genuine tiny checkpoint of `train data=synthetic` (its hyper-parameters as train.py saves them), `edit`ed
+    in place (a hostile sender's changes), saved as plain dicts: the weights-only load accepts it."""
+    from mcar.hydra_app import to_dict
+    from mcar.train.module import MCARModule
+
+    hp = {k: v for k, v in to_dict(compose("train", [*SMALL_DATA, "model=tiny"]).module).items() if k != "_target_"}
+    state = MCARModule(**hp).state_dict()
+    edit(hp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"hyper_parameters": hp, "state_dict": state, "global_step": 0}, path)
+    return path
+
+
+def writes_file(marker: Path) -> dict:
+    """The auditor's data config: Hydra's instantiate, asked to build a node whose _target_ writes `marker`."""
+    return {"_target_": "hydra.utils.instantiate",
+            "config": {"_target_": "builtins.dict",
+                       "x": {"_target_": "pathlib.Path.write_text",
+                             "_args_": [{"_target_": "pathlib.Path", "_args_": [str(marker)]}, "echo pwned\n"]}}}
+
+
+# the tools that adopt a checkpoint's config, as the CLI runs them: in a Hydra app (only there is it adopted)
+TOOLS = {"evaluate": ("-m mcar.evaluate", "ckpt=", ["logger=none"]),
+         "generate": ("-m mcar.generate", "ckpt=", ["prompt=0"]),
+         "finetune": ("finetune.py", "init_from=", ["logger=none", "steps=1"])}
+
+
+def run_tool(tool: str, ckpt: Path, tmp_path: Path):
+    script, key, extra = TOOLS[tool]
+    return run_script(script, f"{key}{ckpt}", *job_overrides(tmp_path, tool), *extra, check=False)
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_checkpoints_data_config_naming_code_is_refused(tool, tmp_path):
+    """Issue 3/5: a checkpoint that passes the weights-only load made mcar call what its stored data config named
+    (build_datamodule instantiates it). Its `_target_` keys must be those of mcar/conf/data/<its name>.yaml: the
+    refusal names the checkpoint and the field, and nothing runs."""
+    marker = tmp_path / "PWNED"
+    ckpt = tiny_checkpoint(tmp_path / "run" / "last.ckpt", lambda hp: hp["data"].update(writes_file(marker)))
+    p = run_tool(tool, ckpt, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "refused the checkpoint's data._target_='hydra.utils.instantiate'" in out, out[-3000:]
+    assert str(ckpt) in out and "mcar/conf/data/synthetic.yaml" in out
+    assert not marker.exists(), "the checkpoint's data config ran code"
+
+
+def test_an_interpolation_in_a_checkpoints_config_is_refused_unresolved(tmp_path, monkeypatch):
+    """`${oc.env:...}` stored in a checkpoint would read this machine's environment (a secret, then shown in an
+    error message or logged): refused, and the value never read."""
+    monkeypatch.setenv("MCAR_TEST_SECRET", "s3cr3t-token")
+    ckpt = tiny_checkpoint(tmp_path / "run" / "last.ckpt",
+                           lambda hp: hp["data"].update(seed="${oc.env:MCAR_TEST_SECRET}"))
+    p = run_tool("generate", ckpt, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "refused the checkpoint's data.seed='${oc.env:MCAR_TEST_SECRET}'" in out, \
+        out[-3000:]
+    assert "s3cr3t-token" not in out
+
+
+def test_a_genuine_checkpoint_still_brings_its_config(tmp_path):
+    """The other side: a genuine checkpoint's data, VQ and schedule are adopted as before (no data= repeated)."""
+    ckpt = tiny_checkpoint(tmp_path / "run" / "last.ckpt")
+    p = run_tool("generate", ckpt, tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "data and schedule as the checkpoint was trained" in p.stdout + p.stderr
+
+
+def test_the_shipped_checkpoints_config_passes_unchanged():
+    from mcar.train.checkpoint_io import load_checkpoint
+    from mcar.train.jobs import checkpoint_group_config
+
+    hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
+    for group in ("data", "vq", "schedule"):
+        assert checkpoint_group_config(group, hp[group], "ckpt=shipped") == hp[group]
+
+
+@pytest.mark.parametrize("where", ["vq_trainer", "nested", "unknown_group", "args", "schedule"])
+def test_code_keys_a_checkpoint_adds_anywhere_are_refused(where):
+    """Nested `_target_` / `_args_` nodes (the crafter data's vq_trainer is instantiated recursively), a data
+    config whose name no packaged group has, and groups without code (schedule): each refused by field."""
+    from mcar.train.checkpoint_io import load_checkpoint
+    from mcar.train.jobs import checkpoint_group_config
+
+    hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
+    group, node, field = {
+        "vq_trainer": ("data", hp["data"] | {"vq_trainer": {"_target_": "os.system", "_partial_": True}},
+                       "data.vq_trainer._target_"),
+        "nested": ("data", hp["data"] | {"policy_mix": {"explorer": {"_target_": "os.getcwd"}}},
+                   "data.policy_mix.explorer._target_"),
+        "unknown_group": ("data", hp["data"] | {"name": "mine"}, "data._target_"),
+        "args": ("data", hp["data"] | {"_args_": ["x"]}, "data._args_"),
+        "schedule": ("schedule", hp["schedule"] | {"_target_": "os.getcwd"}, "schedule._target_")}[where]
+    with pytest.raises(ValueError, match=rf"ckpt=/x/last.ckpt: refused the checkpoint's {re.escape(field)}"):
+        checkpoint_group_config(group, node, "ckpt=/x/last.ckpt")
+
+
+def test_crafter_builds_only_a_plain_vq_trainer(tmp_path):
+    """The data module's own guard: vq_trainer is one function taken partially, nothing nested is built."""
+    from mcar.data.crafter import CrafterDataModule
+
+    marker = tmp_path / "PWNED"
+    trainer = {"_target_": "builtins.print", "_partial_": True} | {"x": writes_file(marker)["config"]["x"]}
+    dm = CrafterDataModule(root=str(tmp_path / "crafter"), vq_train=True, vq_trainer=trainer, h=14, w=24, n_a=1,
+                           codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2)
+    with pytest.raises(ValueError, match="data.vq_trainer must be"):
+        dm.train_vq()
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------------- vq_train ckpt_path=<file>
+TINY_VQ_TRAIN = ["crop=[64,64]", "batch_size=2", "steps=1", "kmeans_init=false", "vq.arch.norm_num_groups=4",
+                 "vq.arch.block_out_channels=[8,8,8,8,8]", "vq.arch.latent_channels=4", "vq.arch.num_vq_embeddings=16",
+                 "vq.arch.vq_embed_dim=4"]
+
+
+def test_ckpt_path_of_vq_train_is_read_as_weights_only(hostile, tmp_path, monkeypatch):
+    """`vq_train ckpt_path=<file>` goes to Lightning's resume: read by our weights-only loader, whatever torch's
+    default (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 makes Lightning's own loader unpickle anything)."""
+    from mcar.train import vq_training
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    frames = torch.randint(0, 255, (4, 64, 64, 3), dtype=torch.uint8)
+    monkeypatch.setattr(vq_training, "make_data", lambda cfg: (frames, frames[:2]))
+    path = hostile("vq/last.ckpt")
+    cfg = compose("vq_train", [*TINY_VQ_TRAIN, f"out={tmp_path}/out", f"ckpt_path={path}"])
+    assert str(path) in refused(lambda: vq_training.train(cfg), hostile)
+
+
+def test_vq_train_betas_come_from_its_config():
+    from mcar.train.vq_training import VQLit
+
+    for overrides, betas in (([], (0.9, 0.99)), (["betas=[0.5,0.9]"], (0.5, 0.9))):
+        lit = VQLit(compose("vq_train", [*TINY_VQ_TRAIN, *overrides]))
+        assert lit.configure_optimizers()["optimizer"].param_groups[0]["betas"] == betas
+
+
+# ------------------------------------------------------------------------------------------ the sweep's table
+def test_the_sweeps_table_is_never_left_half_written(tmp_path, monkeypatch):
+    """A job killed (or a disk filling) while it rewrites <sweep>/results.csv must not lose the other jobs' rows."""
+    from mcar.eval import reporting
+
+    sweep = tmp_path / "sweep"
+    reporting.merge_rows(sweep, [{"model": "a", "sampler": "ntp", "psnr": 20.0}])
+    before = {f: (sweep / f).read_text() for f in ("results.csv", "results.md")}
+
+    def dies_midway(v):
+        if v == 21.0:
+            raise KeyboardInterrupt("killed")
+        return v
+
+    monkeypatch.setattr(reporting, "_csv_cell", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        reporting.merge_rows(sweep, [{"model": "b", "sampler": "ntp", "psnr": 21.0}])
+    assert {f: (sweep / f).read_text() for f in before} == before
+    assert sorted(p.name for p in sweep.iterdir()) == ["results.csv", "results.md"]  # no temp file left

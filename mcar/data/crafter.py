@@ -13,6 +13,7 @@ changing them never mixes episodes; more episodes extend the same folder.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -113,6 +114,11 @@ class CrafterDataModule(TokenDataModule):
         if not callable(trainer):  # its config: this module is instantiated with _recursive_=False
             import hydra
 
-            trainer = hydra.utils.instantiate(trainer)
+            # one function taken partially (conf/data/crafter.yaml), nothing nested built or called with its own args
+            if (not isinstance(trainer, Mapping) or set(trainer) - {"_target_", "_partial_"}
+                    or trainer.get("_partial_") is not True):
+                raise ValueError(f"data.vq_trainer must be {{_target_: <function>, _partial_: true}} (conf/data/"
+                                 f"crafter.yaml: mcar.train.vq_training.train_for_data), not {trainer!r}")
+            trainer = hydra.utils.instantiate(trainer, _recursive_=False)
         view = [] if self.view is None else [f"generate.view=[{self.view[0]},{self.view[1]}]"]
         trainer(root=self.vq_root, overrides=[*view, *self.vq_train_overrides], grid=(self.layout.h, self.layout.w))

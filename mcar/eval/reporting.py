@@ -3,6 +3,7 @@ one table for a whole sweep."""
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.data.files import writing_into
+from mcar.data.files import write_atomic, writing_into
 from mcar.eval import metrics as M
 from mcar.eval.idm import PR_COLUMNS
 from mcar.tokenizer.clips import split_clip
@@ -28,10 +29,11 @@ INT_COLUMNS = ("step", "clips", "frames", "prompt_frames")
 def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     """rows -> <stem>.csv and <stem>.md (the paper-style table; 'n/a' for unavailable metrics)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows([{k: _csv_cell(r.get(k)) for k in COLUMNS} for r in rows])
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows([{k: _csv_cell(r.get(k)) for k in COLUMNS} for r in rows])
+    write_atomic(out / f"{stem}.csv", table.getvalue())  # a kill or a full disk leaves the last whole table
     head = md_columns()
     lines = ["| " + " | ".join(c.upper() if c in ("fvd", "psnr", "ssim", "lpips", "fps", "tp", "step") else c
                                for c in head) + " |", "|" + " --- |" * len(head)]
@@ -44,7 +46,7 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     if where:
         lines += ["", "notes:"] + [f"- {n}" + ("" if len(w) == len(rows) else f" ({', '.join(w)})")
                                    for n, w in where.items()]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / f"{stem}.md", "\n".join(lines) + "\n")
 
 
 DIGITS = {"unchanged": 3, "ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3,

@@ -41,7 +41,7 @@ from mcar.tokenizer.vq_model import (
     to_uint8,
     use_l2_quantizer,
 )
-from mcar.train.checkpoint_io import load_checkpoint
+from mcar.train.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -104,7 +104,7 @@ class VQLit(L.LightningModule):
 
     def configure_optimizers(self):
         c = self.cfg
-        opt = torch.optim.Adam(self.vq.parameters(), lr=c.lr, betas=(0.9, 0.99))
+        opt = torch.optim.Adam(self.vq.parameters(), lr=c.lr, betas=tuple(c.betas))
 
         def factor(step):  # warmup, constant, linear decay to min_lr_ratio over the last decay_frac of steps
             if step < c.warmup_steps:
@@ -268,7 +268,8 @@ def train(cfg: DictConfig) -> VQLit:
                         L.pytorch.loggers.CSVLogger(out, name="logs"), callbacks=[ckpt],
                         val_check_interval=cfg.val_every, check_val_every_n_epoch=None,
                         num_sanity_val_steps=0, gradient_clip_val=cfg.grad_clip, log_every_n_steps=10,
-                        enable_progress_bar=cfg.progress_bar, enable_model_summary=False)
+                        enable_progress_bar=cfg.progress_bar, enable_model_summary=False,
+                        plugins=[AtomicCheckpointIO()])  # ckpt_path= is read as weights only, saves are atomic
     crops = CropBatches(train_frames, cfg.batch_size, tuple(cfg.crop), cfg.crop_align, cfg.seed)
     start = 0
     ckpt_path = cfg.ckpt_path
