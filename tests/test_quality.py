@@ -54,8 +54,8 @@ def test_dtype_follows_the_inputs_at_least_float32():
 def test_every_former_psnr_site_agrees_with_the_home():
     """A caller that re-implements the formula (and drifts) fails here."""
     from mcar.eval import metrics as M
+    from mcar.tokenizer.quality import frame_scores
     from mcar.tools import vq_patches
-    from mcar.train.vq_training import frame_scores
 
     g = torch.Generator().manual_seed(0)
     gt = torch.rand(2, 3, 3, 8, 8, generator=g)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from mcar.tokenizer.quality import frame_scores
 from mcar.tokenizer.vq_model import decode_latents, to_input
-from mcar.train.vq_training import frame_scores
 
 
 @torch.no_grad()

@@ -18,3 +18,13 @@ def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float, dim: int | tuple[i
     if min_mse > 0:
         mse = mse.clamp_min(min_mse)
     return 10 * torch.log10(data_range**2 / mse)
+
+
+def frame_scores(x: torch.Tensor, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) PSNR in dB and (B,) SSIM of whole frames, VQ images in [-1, 1] compared on [0, 1] (VQ training's
+    validation and `mcar vq_eval`)."""
+    from torchmetrics.functional.image import structural_similarity_index_measure as ssim
+
+    a, b = (x + 1) / 2, (rec.clamp(-1, 1) + 1) / 2
+    scores = psnr(a, b, data_range=1.0, dim=tuple(range(1, a.dim())), min_mse=1e-10)  # finite: a mean
+    return scores, ssim(b, a, data_range=1.0, reduction="none")

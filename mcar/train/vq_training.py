@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
-from torchmetrics.functional.image import structural_similarity_index_measure as ssim_fn
 from tqdm import tqdm
 
 from mcar.data.common import StepsFrom
@@ -181,7 +180,7 @@ class VQLit(L.LightningModule):
     def validation_step(self, x, i):
         x = x.to(self.device)
         rec, _, ids = self(x)
-        psnr, ssim = frame_scores(x, rec)
+        psnr, ssim = quality.frame_scores(x, rec)
         self.val_psnr.append(psnr)
         self.val_ssim.append(ssim)
         self.val_ids.append(ids)
@@ -206,13 +205,6 @@ class VQLit(L.LightningModule):
             save_vq(self.vq, out / "best")
             (out / "best" / "metrics.txt").write_text(
                 f"step {self.global_step}\npsnr {psnr:.3f}\nssim {ssim:.4f}\nusage {usage:.4f}\n")
-
-
-def frame_scores(x: torch.Tensor, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) PSNR in dB and (B,) SSIM of whole frames, images in [-1, 1] compared on [0, 1]."""
-    a, b = (x + 1) / 2, (rec.clamp(-1, 1) + 1) / 2
-    psnr = quality.psnr(a, b, data_range=1.0, dim=tuple(range(1, a.dim())), min_mse=1e-10)  # finite: a mean
-    return psnr, ssim_fn(b, a, data_range=1.0, reduction="none")
 
 
 def previous_best(out: Path) -> float:
