@@ -365,7 +365,8 @@ def test_piped_training_shows_progress(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path):
-    """Issue 4/5 item 3: `finetune` and `generate` after `train data=synthetic ...` need no data= repeated (they
+    """Issue 4/5 item 3: `finetune`, `generate` and `evaluate` (its schedule too) after `train data=synthetic ...`
+    need no data= repeated (they
     used to fail: "init_from ... was trained with data.n_a=2, but this run has data.n_a=1"); an override that
     conflicts is still named."""
     run_script("train.py", *SMALL_DATA, *job_overrides(tmp_path, "pre"), "logger=none", "trainer.max_steps=2",
@@ -373,11 +374,21 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path)
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["data"]["n_a"] == 2
     p = run_script("finetune.py", *job_overrides(tmp_path, "ft"), f"init_from={ckpt}", "logger=none", "steps=1",
-                   "trainer.val_check_interval=1", "val_dashboard.n_clips=0", "run_name=ft")
+                   "trainer.val_check_interval=1", "val_dashboard.n_clips=0", "run_name=ft", "schedule.k=3")
     assert "data as the checkpoint was trained (override with data=...)" in p.stdout + p.stderr
-    assert torch.load(tmp_path / "ckpt" / "ft" / "last.ckpt", weights_only=True)["global_step"] == 1
+    tuned = tmp_path / "ckpt" / "ft" / "last.ckpt"
+    hp = torch.load(tuned, weights_only=True)
+    assert hp["global_step"] == 1 and hp["hyper_parameters"]["schedule"]["k"] == 3
     p = run_script("-m mcar.generate", f"ckpt={ckpt}", "prompt=0", f"hydra.run.dir={tmp_path}/gen")
     assert list((tmp_path / "gen").glob("clip0_*.mp4"))
+    # evaluate (and play, through the same loader as generate) take the data and the schedule too: k=3 here
+    p = run_script("-m mcar.evaluate", f"ckpt={tuned}", "n_clips=2", "batch_size=2", "logger=none", "idm=null",
+                   f"hydra.run.dir={tmp_path}/eval")
+    assert "data and vq and schedule as the checkpoint was trained" in p.stdout + p.stderr
+    from mcar.data.files import read_json
+
+    (row,) = read_json(tmp_path / "eval" / "results.json")["rows"]
+    assert row["sampler"] == "diagd k=3" and row["clips"] == 2, row
     p = run_script("finetune.py", *job_overrides(tmp_path, "ft2"), f"init_from={ckpt}", "logger=none", "steps=1",
                    "data.n_a=1", check=False)
     assert p.returncode != 0 and "was trained with data.n_a=2, but this run has data.n_a=1" in p.stderr
