@@ -1,61 +1,134 @@
 #!/usr/bin/env bash
 # The staged GPU check (mcar/eval/gpu_check.py): each stage in its own process under a timeout, writing <stage>.json into
-# the output folder; a stage whose JSON is already there is skipped (run again after a kill or a timeout: it
-# resumes), then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included).
+# the output folder, then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included). Each
+# stage JSON records the fingerprint of what it measured (model, overrides, tiny or not, torch, device): a stage done
+# by the same run is skipped (run again after a kill or a timeout: it resumes); one measured by another run is moved
+# to <stage>.json.stale and runs again; merge refuses stages of different fingerprints.
 #
 #   bash scripts/gpu_check.sh                      # 700m, paper setting (16-frame clips, bf16, act. ckpt, compile)
 #   bash scripts/gpu_check.sh --tiny               # every stage at tiny size on CPU in a few minutes (CI runs it)
 #   bash scripts/gpu_check.sh --out DIR --timeout 420 --wheels .whl model=300m   # extra args: Hydra overrides
 #
-# --wheels DIR installs DIR/*.whl (bash ../shared/wheelhouse.sh DIR builds them: hydra-core, omegaconf, antlr4,
+# --out: outputs/gpu_check by default, outputs/gpu_check_tiny with --tiny (a tiny run never stands in for a real one).
+# --timeout: seconds per stage (480). --budget SECONDS (or GPU_CHECK_BUDGET): a stage whose estimate
+# (bench.gpu.estimate_s in mcar/conf/bench.yaml) does not fit the time left since the script started, less merge's
+# estimate, is not started: "skipped for budget", for a later call; a started stage's timeout is cut to the time left.
+# --stages "A B": only these stages, in this order. --copy-to DIR: on exit (even a failed one), the JSONs, logs and
+# bench_gpu.md are copied into DIR.
+# --wheels DIR installs DIR/*.whl (bash scripts/wheelhouse.sh DIR builds them: hydra-core, omegaconf, antlr4,
 # diffusers) into .site and puts it on PYTHONPATH: a GPU machine with only torch and lightning then runs it.
 # Always data=synthetic logger=csv: no wandb, av, diffusers or crafter is imported. PYTHON picks the interpreter.
+#
+# On the lent GPU machine (commands of at most 10 minutes, ~30 minutes a sitting, only files under $OUT come back),
+# the 700m stages take ~14-25 minutes: split them over several calls of one command (carry .whl):
+#
+#   bash scripts/gpu_check.sh --wheels .whl --budget 540 --copy-to "$OUT/gpu_check"
+#
+# Each call runs, in order, the stages not done that fit its 540 s (the first: train_causal, train_diagd, flex and
+# whatever else fits), ends within ~570 s (a stage's kill grace is 30 s) and returns them under gpu_check/. Repeat it
+# until it prints "every stage done". A warm machine keeps outputs/gpu_check between calls; a fresh one needs the
+# earlier JSONs: copy them back here (mkdir -p outputs/gpu_check; cp <files_at>/gpu_check/*.json outputs/gpu_check/)
+# and add outputs/gpu_check to carry. To get the 25 frames/s target's stage first in a short sitting:
+# --stages "sampler_diagd_16f sampler_ntp_16f".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=outputs/gpu_check; tiny=0; wheels=""; limit=480
+out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; only=""; copy_to=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=1; shift ;;
     --out) out=$2; shift 2 ;;
     --wheels) wheels=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --budget) budget=$2; shift 2 ;;
+    --stages) only=$2; shift 2 ;;
+    --copy-to) copy_to=$2; shift 2 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) break ;;
   esac
 done
+if [ -n "$budget" ] && ! [[ "$budget" =~ ^[0-9]+$ ]]; then
+  echo "gpu_check: --budget (or GPU_CHECK_BUDGET) takes whole seconds, not '$budget'"; exit 2
+fi
 py=${PYTHON:-python3}
 if [ -n "$wheels" ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$PWD/.site" "$wheels"/*.whl || exit 1
   export PYTHONPATH="$PWD/.site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ "$tiny" = 1 ]; then
+  out=${out:-outputs/gpu_check_tiny}
   set -- experiment=paper model=tiny data.h=3 data.w=4 data.n_a=2 data.clip_frames=3 data.codebook_size=32 \
     data.action_vocab_size=8 trainer.accelerator=cpu bench.device=cpu bench.gpu.steps=3 bench.gpu.warmup_steps=1 \
     bench.repeats=1 bench.warmup=0 'bench.gpu.sampler_frames=[2,4]' bench.memory.direct=false "$@"
 else
+  out=${out:-outputs/gpu_check}
   set -- experiment=paper model=700m "$@"
 fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+if [ -n "$copy_to" ]; then
+  mkdir -p "$copy_to"
+  copy_to=$(cd "$copy_to" && pwd)
+  trap 'cp "$out"/*.json "$out"/*.json.stale "$out"/*.log "$out"/bench_gpu.md "$copy_to"/ 2>/dev/null' EXIT
+fi
 common=(data=synthetic logger=csv "bench.gpu.dir=$out")
 export PYTHONUNBUFFERED=1
 list=$("$py" -m mcar.bench gpu bench.gpu.stage=list "${common[@]}" "$@" "hydra.run.dir=$out/hydra/list" 2>"$out/list.log" \
        | tail -n 1)
-stages=$(printf '%s' "$list" | "$py" -c 'import json, sys; print(" ".join(json.load(sys.stdin)["stages"]))') || {
+# one line per stage: name, state for this run (done, stale or missing), estimate in seconds; then merge's estimate
+plan=$(printf '%s' "$list" | "$py" -c '
+import json, sys
+r = json.load(sys.stdin)
+for s in r["stages"]:
+    print(s, r["state"][s], r["estimate_s"][s])
+print("merge", "-", r["estimate_s"]["merge"])') || {
   echo "gpu_check: could not list the stages (see $out/list.log):"; tail -n 20 "$out/list.log"; exit 1; }
-failed=()
-for stage in $stages; do
-  if [ -f "$out/$stage.json" ]; then
+declare -A state estimate
+stages=()
+while read -r name st est; do
+  estimate[$name]=$est
+  [ "$name" = merge ] && continue
+  state[$name]=$st
+  stages+=("$name")
+done <<< "$plan"
+for stage in "${stages[@]}"; do  # before any budget or --stages choice: merge never meets another run's stage
+  if [ "${state[$stage]}" = stale ]; then
+    mv "$out/$stage.json" "$out/$stage.json.stale"
+    echo "== $stage: measured by another run (model, overrides, torch or device differ; see its \"fingerprint\"):" \
+         "moved to $stage.json.stale, runs again"
+  fi
+done
+selected=("${stages[@]}")
+if [ -n "$only" ]; then
+  read -r -a selected <<< "$only"
+  for stage in "${selected[@]}"; do
+    [ -n "${state[$stage]:-}" ] || { echo "gpu_check: --stages: no stage '$stage'; the stages: ${stages[*]}"; exit 2; }
+  done
+fi
+failed=(); deferred=()
+for stage in "${selected[@]}"; do
+  if [ "${state[$stage]}" = done ]; then
     echo "== $stage: done before, skipped (delete $out/$stage.json to run it again)"
     continue
   fi
-  echo "== $stage (at most ${limit}s; log: $out/$stage.log)"
+  stage_limit=$limit
+  if [ -n "$budget" ]; then
+    left=$((budget - SECONDS - estimate[merge]))
+    if [ "${estimate[$stage]}" -gt "$left" ]; then
+      echo "== $stage: skipped for budget (estimate ${estimate[$stage]}s, ${left}s left of --budget ${budget}s" \
+           "after merge's ${estimate[merge]}s)"
+      deferred+=("$stage")
+      continue
+    fi
+    [ "$left" -lt "$stage_limit" ] && stage_limit=$left
+    [ "$stage_limit" -lt 1 ] && stage_limit=1  # timeout 0 would mean no limit
+  fi
+  echo "== $stage (at most ${stage_limit}s; log: $out/$stage.log)"
   t0=$SECONDS
-  timeout --kill-after=30 "$limit" "$py" -m mcar.bench gpu "bench.gpu.stage=$stage" "${common[@]}" "$@" \
+  timeout --kill-after=30 "$stage_limit" "$py" -m mcar.bench gpu "bench.gpu.stage=$stage" "${common[@]}" "$@" \
     "hydra.run.dir=$out/hydra/$stage" >"$out/$stage.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then
-    [ $rc -eq 124 ] && echo "   timed out after ${limit}s" || echo "   failed (exit $rc)"
+    [ $rc -eq 124 ] && echo "   timed out after ${stage_limit}s" || echo "   failed (exit $rc)"
     tail -n 15 "$out/$stage.log" | sed 's/^/   | /'
     failed+=("$stage")
   else
@@ -68,5 +141,12 @@ cat "$out/bench_gpu.md"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: ${#failed[@]} stage(s) failed or timed out: ${failed[*]} (run the script again to retry them)"
   exit 1
+fi
+missing=()
+for stage in "${stages[@]}"; do [ -f "$out/$stage.json" ] || missing+=("$stage"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "gpu_check: ${#missing[@]} stage(s) not run yet: ${missing[*]}" \
+       "${deferred[*]:+(skipped for budget: ${deferred[*]}) }(run the same command again, e.g. in the next call)"
+  exit 0
 fi
 echo "gpu_check: every stage done; $out/bench_gpu.md"

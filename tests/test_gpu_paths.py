@@ -9,6 +9,7 @@
   tokens.
 """
 import re
+import warnings
 
 import pytest
 import torch
@@ -75,11 +76,16 @@ def test_block_compile_does_not_recompile_with_dynamic_shapes_when_the_mask_chan
     assert graphs == [[], []], f"symbolic sizes in a recompiled graph: {graphs}"
 
 
+def loop_bounds(code: str) -> list[int]:
+    """The trip counts of the loops in inductor's generated C++ kernels."""
+    return [int(b) for b in
+            re.findall(r"for\(int64_t \w+=static_cast<int64_t>\(0L\); \w+<static_cast<int64_t>\((\d+)L\)", code)]
+
+
 def whole_buffer_loops(code: str, buf: torch.Tensor) -> int:
     """Loops of inductor's C++ kernels that run over the cache buffer's rows (or all its elements)."""
     B, H, R, D = buf.shape
-    bounds = re.findall(r"for\(int64_t \w+=static_cast<int64_t>\(0L\); \w+<static_cast<int64_t>\((\d+)L\)", code)
-    return sum(int(b) in (R, R * D, H * R * D, B * H * R * D) for b in bounds)
+    return sum(b in (R, R * D, H * R * D, B * H * R * D) for b in loop_bounds(code))
 
 
 def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
@@ -106,7 +112,10 @@ def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
         _, codes = run_and_get_code(step, m, tokens, p)
     buf = m.layers[0].attention.cache.k_buf
     assert p.src.shape[-1] > 1 and buf.shape[2] not in p.mask.shape  # a real pass; the buffer's size is unique
-    assert whole_buffer_loops("\n".join(codes), buf) == 0
+    code = "\n".join(codes)
+    # the loop pattern still reads inductor's code (~60 loops here): 0 whole-buffer loops is not 0 loops found
+    assert len(loop_bounds(code)) >= 20, f"{len(loop_bounds(code))} loops found: has inductor's loop format changed?"
+    assert whole_buffer_loops(code, buf) == 0
     torch._dynamo.reset()
     compiled = ScheduleSampler(LAYOUT, frames, 1, k=2, compile=True, temperature=0)
     with torch.no_grad():
@@ -156,8 +165,14 @@ def test_a_checkpoint_of_a_step_with_a_non_finite_loss_is_refused():
         module.on_save_checkpoint({})
 
 
-def test_fp32_matmuls_use_tensor_cores_where_the_trainer_runs_on_cuda():
-    from mcar.train.task import use_tensor_cores_for_fp32
+def test_fp32_matmuls_use_tensor_cores_where_the_trainer_runs_on_cuda(monkeypatch, tmp_path):
+    """The helper, and build_trainer calling it with the strategy's device: a CPU trainer leaves fp32 matmuls
+    alone; the same trainer with its root device pretending to be CUDA (no GPU needed) sets "high"."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from mcar.train.task import build_trainer, use_tensor_cores_for_fp32
+
+    from .conftest import SMALL_DATA, compose
 
     before = torch.get_float32_matmul_precision()
     try:
@@ -165,6 +180,16 @@ def test_fp32_matmuls_use_tensor_cores_where_the_trainer_runs_on_cuda():
         use_tensor_cores_for_fp32(torch.device("cpu"))
         assert torch.get_float32_matmul_precision() == "highest"
         use_tensor_cores_for_fp32(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "high"
+
+        cfg = compose("train", [*SMALL_DATA, f"paths.checkpoint_root={tmp_path}/ckpt", "logger=none",
+                                "trainer.accelerator=cpu"])
+        torch.set_float32_matmul_precision("highest")
+        build_trainer(cfg.copy(), str(tmp_path / "cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        monkeypatch.setattr(SingleDeviceStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+        trainer = build_trainer(cfg.copy(), str(tmp_path / "cuda"))
+        assert trainer.strategy.root_device.type == "cuda"
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
@@ -186,9 +211,34 @@ def test_mfu_counts_every_row_the_diagd_step_computes():
     assert module.step_flops(8) == pytest.approx(8 * rows * (6 * n + 12 * 2 * 32 * visible_keys))
 
 
-def test_peak_flops_tells_the_pcie_h100_from_the_sxm_one():
+# device name -> dense bf16 peak (FP32 accumulate, no sparsity); None: not in the table (no MFU without peak_flops=)
+PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "NVIDIA H100 PCIe": 756e12,
+         "NVIDIA H100 80GB HBM2e": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
+         "NVIDIA GH200 480GB": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+         "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10G": 125e12,
+         "NVIDIA GeForce RTX 4090": 165.2e12, "Tesla T4": None, "NVIDIA H100": None}
+# where Lightning's _CUDA_FLOPS (2.6) gives another bf16 figure, and why we do not take it (mcar/core/flops.py)
+LIGHTNING_DIFFERS = {"NVIDIA H200": None,  # its "h200 sxm1" row (2.0e15, with sparsity) needs "sxm1" in the name
+                     "NVIDIA H200 NVL": None,  # likewise "nvl1" (1.7e15, with sparsity)
+                     "NVIDIA H100 NVL": 1978.8e12,  # with sparsity
+                     "NVIDIA GH200 480GB": None,  # no row
+                     "NVIDIA L40S": 121e12,  # the L4's row: "l4" is in the name
+                     "NVIDIA L40": 121e12,  # likewise (its own L40 row, 181e12, needs "tesla" in the name)
+                     "NVIDIA GeForce RTX 4090": 82.6e12}  # its TF32 figure
+
+
+def test_peak_flops_knows_each_variant_and_agrees_with_lightning_or_says_why_not(monkeypatch):
+    from lightning.fabric.utilities.throughput import get_available_flops
+
     from mcar.core.flops import mfu, peak_of
 
-    assert peak_of("NVIDIA H100 PCIe") == 756e12 and peak_of("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_of("NVIDIA H200") == 989e12 and peak_of("Tesla T4") is None
+    assert {name: peak_of(name) for name in PEAKS} == PEAKS
+    assert peak_of("nvidia h100 pcie") == 756e12  # case-insensitive, as Lightning
+    for name, ours in PEAKS.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning warns about the names it does not know
+            theirs = get_available_flops(torch.device("cuda", 0), torch.bfloat16)
+        want = LIGHTNING_DIFFERS.get(name, ours)
+        assert theirs == pytest.approx(want, rel=1e-3) if want else theirs is None, (name, theirs, want)
     assert mfu(4e14, 1.0, 989e12, 2) == pytest.approx(4e14 / 1.978e15) and mfu(1.0, 1.0, None) is None

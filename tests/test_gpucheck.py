@@ -1,5 +1,7 @@
 """The memory planner against measured peaks, and the GPU check command at tiny sizes on CPU."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ import torch
 from mcar.core.model import ModelConfig, Transformer
 from mcar.train.memory import count_params, fit_activations, measure_step_peak, plan
 
-from .conftest import REPO, script_env
+from .conftest import REPO, compose, script_env
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
         "data.action_vocab_size=8"]
@@ -103,10 +105,16 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     assert "| causal | bf16-mixed |" in md and "| diagd | bf16-mixed |" in md and "| diagd k=2 | 4 | 24 |" in md
     assert md in p.stdout
 
-    (out / "flex.json").unlink()
+    flex = json.loads((out / "flex.json").read_text())
+    assert flex["fingerprint"]["tiny"] and flex["fingerprint"]["model"] == "tiny"
+    assert flex["fingerprint"]["device"] == "cpu" and "model=tiny" in flex["fingerprint"]["overrides"]
+    flex["fingerprint"] |= {"model": "700m", "tiny": False}  # as if another run had measured flex here
+    (out / "flex.json").write_text(json.dumps(flex))
     p = gpu_check(out, "--timeout", "1")  # no Python starts in a second: flex times out, nothing else runs again
-    assert p.returncode == 1 and "== flex (at most 1s" in p.stdout and "timed out after 1s" in p.stdout
+    assert p.returncode == 1 and "== flex: measured by another run" in p.stdout, p.stdout
+    assert "== flex (at most 1s" in p.stdout and "timed out after 1s" in p.stdout
     assert p.stdout.count("done before, skipped") == len(STAGES) - 1
+    assert (out / "flex.json.stale").exists() and not (out / "flex.json").exists()
     assert "Missing stages (failed, timed out or not run): flex" in (out / "bench_gpu.md").read_text()
     p = gpu_check(out)
     assert p.returncode == 0 and "every stage done" in p.stdout
@@ -141,3 +149,121 @@ def test_gpu_check_runs_every_stage_in_one_process_by_default(tmp_path):
     assert r == json.loads((tmp_path / "bench_gpu.json").read_text())
     assert r["missing"] == [] and set(r["train"]) == {"causal", "diagd"} and set(r["sampler"]) == {"ntp_3f", "diagd_3f"}
     assert (tmp_path / "bench_gpu.md").exists()
+
+
+# ---- the stage fingerprint, resuming and the time budget --------------------------------------------------------
+def stage_json(out, stage, fp, result=None):
+    (out / f"{stage}.json").write_text(json.dumps({"stage": stage, "device": fp["device"], "date": "2026-11-25",
+                                                   "model": fp["model"], "torch": fp["torch"], "fingerprint": fp,
+                                                   "seconds": 1.0, "result": result}))
+
+
+FLEX = {"dtype": "float32", "seq_len": 46, "max_rel_err": 1e-7, "argmax_agreement": 1.0, "tolerance": 1e-4, "ok": True,
+        "compiled_graphs": 0}
+
+
+def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mixed_runs(tmp_path):
+    """A tiny CPU run's stage JSON never stands in for the 700m run's: the fingerprint (model, overrides, tiny,
+    torch, device) tells them apart, and merge refuses a folder holding both, naming the stage files."""
+    from mcar.eval.gpu_check import fingerprint, merge, stage_states
+
+    cfg = compose("bench", TINY)
+    tiny = fingerprint(cfg, ["bench.gpu.stage=flex", f"bench.gpu.dir={tmp_path}", "model=tiny",
+                             "bench.gpu.estimate_s.flex=9", "bench.gpu.targets.mfu=0.5"])
+    assert tiny == {"model": "tiny", "tiny": True, "overrides": ["model=tiny"], "torch": torch.__version__,
+                    "device": "cpu"}  # where it writes, the targets and the time estimates measure nothing
+    real = fingerprint(compose("bench", ["model=700m"]), ["model=700m"])
+    assert real["model"] == "700m" and not real["tiny"]
+
+    stage_json(tmp_path, "flex", tiny, FLEX)
+    stage_json(tmp_path, "memory", real, {})
+    (tmp_path / "train_causal.json").write_text(json.dumps({"stage": "train_causal", "result": {}}))  # no fingerprint
+    assert stage_states(tmp_path, ["flex", "memory", "train_causal", "train_diagd"], real) == {
+        "flex": "stale", "memory": "done", "train_causal": "stale", "train_diagd": "missing"}
+
+    (tmp_path / "train_causal.json").unlink()
+    with pytest.raises(ValueError, match="different runs") as e:
+        merge(cfg, tmp_path)
+    assert "flex.json" in str(e.value) and "memory.json" in str(e.value) and str(tmp_path) in str(e.value)
+    assert not (tmp_path / "bench_gpu.json").exists()
+    stage_json(tmp_path, "memory", tiny, {})
+    r = merge(cfg, tmp_path)
+    assert r["fingerprint"] == tiny and r["flex_vs_dense"]["ok"] and "train_causal" in r["missing"]
+
+
+FAKE_BENCH = """#!{python}
+# `python -m mcar.bench gpu ...` as scripts/gpu_check.sh calls it, without mcar or torch: stage estimates from
+# FAKE_ESTIMATES, each stage sleeps FAKE_SLEEP[stage] seconds; any other use of the interpreter is the real one
+import json, os, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+if args[:2] != ["-m", "mcar.bench"]:
+    os.execv(sys.executable, [sys.executable, *args])
+kv = dict(a.split("=", 1) for a in args[3:] if "=" in a)
+stage, out = kv["bench.gpu.stage"], Path(kv["bench.gpu.dir"])
+estimates = json.loads(os.environ["FAKE_ESTIMATES"])
+names = [s for s in estimates if s != "merge"]
+if stage == "list":
+    def state(s):
+        p = out / f"{{s}}.json"
+        return "missing" if not p.exists() else "done" if json.loads(p.read_text())["fingerprint"] == "fp" else "stale"
+    print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}, "estimate_s": estimates}}))
+elif stage == "merge":
+    (out / "bench_gpu.md").write_text("merged: " + " ".join(s for s in names if (out / f"{{s}}.json").exists()) + "\\n")
+else:
+    time.sleep(json.loads(os.environ.get("FAKE_SLEEP", "{{}}")).get(stage, 0))
+    (out / f"{{stage}}.json").write_text(json.dumps({{"fingerprint": "fp"}}))
+    print(stage, "measured")
+"""
+
+
+def fake_gpu_check(root, *args, estimates, sleep=None, env=()):
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=root, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHON=str(root / "python"),
+                                                FAKE_ESTIMATES=json.dumps(estimates),
+                                                FAKE_SLEEP=json.dumps(sleep or {}), **dict(env)))
+
+
+def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_another_runs_stage(tmp_path):
+    """scripts/gpu_check.sh's own logic (a fake `mcar.bench gpu`, no torch, seconds): --tiny writes its own folder;
+    with --budget a stage whose estimate does not fit the time left (less merge's) is skipped for budget, later
+    ones that fit still run; a stage of another run is moved aside and run again, not merged; a started stage's
+    timeout is cut to the time left; --stages picks; --copy-to returns the results."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "gpu_check.sh", tmp_path / "scripts")
+    (tmp_path / "python").write_text(FAKE_BENCH.format(python=sys.executable))
+    (tmp_path / "python").chmod(0o755)
+    est = {"train_causal": 1, "sampler_ntp_16f": 1000, "flex": 1, "memory": 1, "sampler_diagd_16f": 2000, "merge": 5}
+
+    tiny = tmp_path / "outputs" / "gpu_check_tiny"
+    tiny.mkdir(parents=True)
+    (tiny / "memory.json").write_text(json.dumps({"fingerprint": "fp"}))  # done by this run before
+    (tiny / "sampler_diagd_16f.json").write_text(json.dumps({"fingerprint": "another run"}))
+    p = fake_gpu_check(tmp_path, "--tiny", "--copy-to", "returned", estimates=est, env={"GPU_CHECK_BUDGET": "60"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not (tmp_path / "outputs" / "gpu_check").exists()  # the real run's folder is untouched
+    assert "== sampler_ntp_16f: skipped for budget (estimate 1000s" in p.stdout
+    assert "== sampler_diagd_16f: measured by another run" in p.stdout
+    assert "== sampler_diagd_16f: skipped for budget (estimate 2000s" in p.stdout
+    assert "== memory: done before, skipped" in p.stdout
+    for stage in ("train_causal", "flex"):
+        assert f"== {stage} (at most " in p.stdout and (tiny / f"{stage}.json").exists()
+    assert (tiny / "sampler_diagd_16f.json.stale").exists() and not (tiny / "sampler_diagd_16f.json").exists()
+    assert (tiny / "bench_gpu.md").read_text() == "merged: train_causal flex memory\n"
+    assert "not run yet: sampler_ntp_16f sampler_diagd_16f (skipped for budget: sampler_ntp_16f sampler_diagd_16f)" \
+        in p.stdout and "every stage done" not in p.stdout
+    returned = tmp_path / "returned"
+    assert {f.name for f in returned.iterdir()} >= {"train_causal.json", "flex.json", "memory.json", "bench_gpu.md",
+                                                     "sampler_diagd_16f.json.stale"}
+
+    # the next call: only the stage asked for, its timeout cut to the budget left after merge's estimate
+    p = fake_gpu_check(tmp_path, "--tiny", "--budget", "8", "--stages", "sampler_ntp_16f",
+                       estimates=est | {"sampler_ntp_16f": 1}, sleep={"sampler_ntp_16f": 60})
+    assert p.returncode == 1 and "timed out after" in p.stdout, p.stdout + p.stderr
+    limit = int(p.stdout.split("== sampler_ntp_16f (at most ")[1].split("s")[0])
+    assert 1 <= limit <= 3 and "train_causal" not in p.stdout.split("== sampler_ntp_16f")[0]
+    p = fake_gpu_check(tmp_path, "--tiny", "--stages", "sampler_ntp_16f sampler_diagd_16f", estimates=est)
+    assert p.returncode == 0 and "every stage done" in p.stdout, p.stdout + p.stderr
+    p = fake_gpu_check(tmp_path, "--tiny", "--stages", "nope", estimates=est)
+    assert p.returncode == 2 and "--stages: no stage 'nope'" in p.stdout

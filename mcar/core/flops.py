@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import torch
 
-# dense bf16 peak FLOP/s by fragments of torch.cuda.get_device_name(): every fragment must match, first row wins
-# (the PCIe H100 has fewer SMs and lower clocks than the SXM one: 756 vs 989 TFLOP/s)
-PEAK_BF16 = ((("H100", "PCIe"), 756e12), (("H100", "NVL"), 835e12), (("H200",), 989e12), (("H100",), 989e12),
-             (("GH200",), 989e12), (("A100",), 312e12), (("L40S",), 362e12), (("A10G",), 125e12), (("4090",), 165e12))
+# dense bf16 peak FLOP/s (FP32 accumulation, no sparsity) by fragments of torch.cuda.get_device_name(), matched
+# case-insensitively: every fragment must match, first row wins, an unlisted variant (a bare "NVIDIA H100") gets
+# None rather than a neighbour's peak. Lightning's _CUDA_FLOPS (lightning/fabric/utilities/throughput.py, 2.6) has
+# the same H100 SXM/PCIe, A100, A10G, L40 and L4 values, and the same variant rule (an H100 reporting HBM3 is SXM,
+# HBM2e is PCIe). Where it differs, on purpose: its H200 (2.0e15), H200 NVL (1.7e15) and H100 NVL (1.98e15) rows are
+# the datasheets' with-sparsity figures (dense: half, per card), and its H200 rows need "sxm1"/"nvl1" in the name;
+# it gives "NVIDIA L40" and "NVIDIA L40S" its L4 row (121e12: "l4" is in the name; L40S datasheet: 362 dense); its
+# RTX 4090 bf16 (82.6e12) is the card's TF32 figure (Ada whitepaper: bf16 with FP32 accumulate 165.2 dense, FP16
+# accumulate 330); it has no GH200 (SXM-class Hopper: 989). tests/test_gpu_paths.py checks each row against it.
+PEAK_BF16 = ((("GH200",), 989e12), (("H200", "NVL"), 835e12), (("H200",), 989e12),
+             (("H100", "NVL"), 835e12), (("H100", "PCIe"), 756e12), (("H100", "HBM2e"), 756e12),
+             (("H100", "HBM3"), 989e12), (("H100", "SXM"), 989e12),
+             (("A100",), 312e12), (("L40S",), 362e12), (("L40",), 181e12), (("L4",), 121e12), (("A10G",), 125e12),
+             (("RTX 4090",), 165.2e12))
 
 
 def peak_flops(device: torch.device, override: float | None = None) -> float | None:
@@ -24,7 +34,9 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
 
 
 def peak_of(name: str) -> float | None:
-    return next((v for parts, v in PEAK_BF16 if all(p in name for p in parts)), None)
+    """The dense bf16 peak of the GPU called `name` (a CUDA device name, or e.g. "H100 SXM"); None if unknown."""
+    name = name.lower()
+    return next((v for parts, v in PEAK_BF16 if all(p.lower() in name for p in parts)), None)
 
 
 def train_flops_per_token(n_params_no_emb: int, n_layers: int, dim: int, seq_len: int, mask_density: float) -> float:

@@ -8,7 +8,10 @@ fake tensors as a cross-check.
 gpu: the check a GPU machine runs first, in stages that each fit a 10-minute command and write their own JSON
 (`bench.gpu.stage=<name>`, into bench.gpu.dir), then `bench.gpu.stage=merge` joins them into bench_gpu.{json,md}
 with the targets. scripts/gpu_check.sh runs them in order, one process each, with timeouts, skipping stages whose
-JSON exists (resumable). Stages (`bench.gpu.stage=list` prints them):
+JSON was written by the same run (resumable). Each stage JSON records the fingerprint of what it measured (model,
+overrides, tiny or not, torch, device); `list` says which stages are done, stale (measured by another run) or
+missing, with each stage's time estimate (bench.gpu.estimate_s); merge refuses stages of different fingerprints.
+Stages (`bench.gpu.stage=list` prints them):
 - train_<mask> (causal, diagd): train.py's own path (Lightning, the configured trainer, precision, activation
   checkpointing, per-block compile on CUDA with static shapes) for bench.gpu.steps steps: ms/step over the timed
   window, tokens/s, MFU over the rows the mask computes, peak allocated and reserved memory, host syncs per step
@@ -121,7 +124,7 @@ class StepTimes(Callback):
 def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
     """The bench command's own overrides (experiment, model, data, trainer...) plus what a timing run needs."""
     g = cfg.bench.gpu
-    user = [o for o in HydraConfig.get().overrides.task if not o.split("=")[0].lstrip("+~").startswith("bench.")]
+    user = [o for o in command_overrides() if not o.split("=")[0].lstrip("+~").startswith("bench.")]
     if not any(o.startswith("data=") for o in user):
         user = [f"data={cfg.data.name}"] + user  # the bench's default data (synthetic), not train.py's
     on_cuda = torch.cuda.is_available() and OmegaConf.select(cfg, "trainer.accelerator") != "cpu"
@@ -129,6 +132,42 @@ def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
     return user + [f"mask={mask}", "logger=csv", f"trainer.max_steps={int(g.steps)}", "trainer.limit_val_batches=0",
                    "val_dashboard.n_clips=0", "checkpoint.every_n_steps=null", "++trainer.enable_progress_bar=false",
                    f"compile={compile_}", f"run_name=gpucheck-{mask}", f"paths.checkpoint_root={out}/ckpt"]
+
+
+def command_overrides() -> list[str]:
+    """The bench command's Hydra overrides (hydra.* ones excluded), in their order; none outside a Hydra app."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+# overrides that change where a stage writes, what merge compares against, or the script's budget: not what it
+# measures, so not in the fingerprint
+NOT_MEASURED = ("bench.gpu.stage", "bench.gpu.dir", "bench.gpu.estimate_s", "bench.gpu.targets")
+
+
+def fingerprint(cfg: DictConfig, overrides: list[str]) -> dict:
+    """What a stage measured: a stage JSON counts as done for a run only if this matches (a tiny CPU run, another
+    model, other overrides, another torch or another GPU must not stand in for it)."""
+    measured = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(NOT_MEASURED)]
+    return {"model": str(cfg.model.name), "tiny": cfg.model.name == "tiny", "overrides": measured,
+            "torch": torch.__version__, "device": device_name()}
+
+
+def stage_states(out: Path, names: list[str], fp: dict) -> dict[str, str]:
+    """Each stage: done (its JSON has this fingerprint), stale (a JSON of another fingerprint, or of none) or
+    missing."""
+    states = {}
+    for name in names:
+        path = out / f"{name}.json"
+        states[name] = "missing" if not path.exists() else \
+            "done" if json.loads(path.read_text()).get("fingerprint") == fp else "stale"
+    return states
+
+
+def stage_estimates(cfg: DictConfig, names: list[str]) -> dict[str, int]:
+    """Each stage's upper time estimate in seconds (bench.gpu.estimate_s: the stage's own, else `default`), and
+    merge's."""
+    est = cfg.bench.gpu.estimate_s
+    return {name: int(est.get(name, est.default)) for name in [*names, "merge"]}
 
 
 def compiled_graphs() -> int:
@@ -258,7 +297,8 @@ def run_stage(cfg: DictConfig, stage: str, out: Path) -> dict:
     else:
         raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all, merge or list")
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
-              "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1), "result": result}
+              "torch": torch.__version__, "fingerprint": fingerprint(cfg, command_overrides()),
+              "seconds": round(time.perf_counter() - t0, 1), "result": result}
     write_json(result, out / f"{stage}.json")
     return result
 
@@ -273,12 +313,15 @@ def read_stage(out: Path, stage: str) -> dict | None:
 
 
 def run_gpu(cfg: DictConfig) -> dict:
-    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), list, merge, or all (every stage, then merge)."""
+    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), list (the stages, their state for this run and
+    estimates), merge, or all (every stage, then merge)."""
     out = Path(cfg.bench.gpu.dir)
     out.mkdir(parents=True, exist_ok=True)
     stage = cfg.bench.gpu.stage
     if stage == "list":
-        return {"stages": stages(cfg)}
+        names, fp = stages(cfg), fingerprint(cfg, command_overrides())
+        return {"stages": names, "state": stage_states(out, names, fp), "estimate_s": stage_estimates(cfg, names),
+                "fingerprint": fp}
     if stage == "all":
         for name in stages(cfg):
             torch.compiler.reset()  # every stage compiles from scratch, as in its own process
@@ -290,12 +333,14 @@ def run_gpu(cfg: DictConfig) -> dict:
 
 
 def merge(cfg: DictConfig, out: Path) -> dict:
-    """Join the stage JSONs found in `out` into bench_gpu.json and bench_gpu.md (missing stages: listed)."""
+    """Join the stage JSONs found in `out` into bench_gpu.json and bench_gpu.md (missing stages: listed). They
+    must share one fingerprint (whichever machine merges: the stages' own, not this command's)."""
     found = {s: json.loads((out / f"{s}.json").read_text()) for s in stages(cfg) if (out / f"{s}.json").exists()}
+    check_one_fingerprint(out, found)
     first = next(iter(found.values()), {})
     r = {"device": first.get("device", device_name()), "date": first.get("date", time.strftime("%Y-%m-%d")),
          "model": first.get("model", cfg.model.name), "torch": first.get("torch", torch.__version__),
-         "missing": [s for s in stages(cfg) if s not in found],
+         "fingerprint": first.get("fingerprint"), "missing": [s for s in stages(cfg) if s not in found],
          "stage_seconds": {s: v["seconds"] for s, v in found.items()},
          "train": {s.removeprefix("train_"): v["result"] for s, v in found.items() if s.startswith("train_")},
          "sampler": {s.removeprefix("sampler_"): v["result"] for s, v in found.items() if s.startswith("sampler_")},
@@ -306,6 +351,18 @@ def merge(cfg: DictConfig, out: Path) -> dict:
     write_json(r, out / "bench_gpu.json")
     (out / "bench_gpu.md").write_text(markdown(r))
     return r
+
+
+def check_one_fingerprint(out: Path, found: dict[str, dict]) -> None:
+    """Refuse to merge stages measured by different runs (a tiny CPU run's with a GPU run's, two models...)."""
+    groups: dict[str, list[str]] = {}
+    for name, stage in found.items():
+        groups.setdefault(json.dumps(stage.get("fingerprint"), sort_keys=True), []).append(f"{name}.json")
+    if len(groups) > 1:
+        described = "; ".join(f"{', '.join(files)}: {fp}" for fp, files in groups.items())
+        raise ValueError(f"{out} holds stages measured by different runs, not merged: {described}. Delete or move "
+                         f"the stage files of the run not wanted (scripts/gpu_check.sh moves a stage measured by "
+                         f"another run to <stage>.json.stale and runs it again)")
 
 
 def check_targets(r: dict, t: DictConfig) -> list[dict]:
