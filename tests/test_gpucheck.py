@@ -267,3 +267,53 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     assert p.returncode == 0 and "every stage done" in p.stdout, p.stdout + p.stderr
     p = fake_gpu_check(tmp_path, "--tiny", "--stages", "nope", estimates=est)
     assert p.returncode == 2 and "--stages: no stage 'nope'" in p.stdout
+
+
+# on the GPU machine hydra, omegaconf and antlr4 exist only as the wheelhouse's wheels installed into .site
+ONLY_FROM_THE_WHEELHOUSE = BLOCK_HEAVY_IMPORTS + """
+import importlib.machinery, os
+WHEELED = {"hydra", "omegaconf", "antlr4"}
+class FromSiteOnly(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in WHEELED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [os.environ["MCAR_TEST_SITE"]])
+        if spec is None:
+            raise ImportError(f"{name} is not in the wheelhouse's .site")
+        with open(os.environ["MCAR_TEST_IMPORTS"], "a") as f:
+            f.write(f"{name} {spec.origin}\\n")
+        return spec
+sys.meta_path.insert(0, FromSiteOnly())
+"""
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_path):
+    """The GPU machine has torch and lightning but no hydra, omegaconf, antlr4, wandb, diffusers, av or crafter:
+    `bash scripts/wheelhouse.sh DIR` builds the wheels (from the package index) and `gpu_check.sh --wheels DIR`
+    installs them into .site and runs a stage with nothing else."""
+    site = REPO / ".site"
+    if site.exists():
+        pytest.skip(f"{site} exists (a developer's wheel install): not overwritten by a test")
+    wheels = tmp_path / "whl"
+    env = script_env() | {"PYTHON_VERSION": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    p = subprocess.run(["bash", "scripts/wheelhouse.sh", str(wheels)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert {w.name.split("-")[0] for w in wheels.glob("*.whl")} >= {"hydra_core", "omegaconf",
+                                                                    "antlr4_python3_runtime"}
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(ONLY_FROM_THE_WHEELHOUSE)
+    imports = tmp_path / "imports.txt"
+    env = script_env() | {"MCAR_TEST_SITE": str(site), "MCAR_TEST_IMPORTS": str(imports), "PYTHON": sys.executable}
+    env["PYTHONPATH"] = f"{hooks}:{env['PYTHONPATH']}"
+    out = tmp_path / "gc"
+    try:
+        p = subprocess.run(["bash", "scripts/gpu_check.sh", "--tiny", "--out", str(out), "--wheels", str(wheels),
+                            "--stages", "flex"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+    assert json.loads((out / "flex.json").read_text())["result"]["ok"], p.stdout[-3000:] + p.stderr[-3000:]
+    loaded = imports.read_text().split()
+    assert {"hydra", "omegaconf", "antlr4"} <= set(loaded[::2]) and all(o.startswith(str(site)) for o in loaded[1::2])
