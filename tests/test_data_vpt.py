@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mcar.data.episodes import read_episode_actions
-from mcar.data.tokenize import tokenize_dir
+from mcar.data.tokenize import merged_index, tokenize_dir
 from mcar.data.vpt_actions import parse_vpt
 from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.tokenizer.video import write_mp4
@@ -211,7 +211,9 @@ def test_ranks_split_the_episodes(tmp_path):
     vq = tiny_vq()
     tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=1, world=2, size=SIZE)
     assert sorted(p.name for p in (tmp_path / "tok").glob("*.frames.npy")) == ["e2.frames.npy"]
-    index = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2, size=SIZE)
+    part = tokenize_dir(tmp_path, tmp_path / "tok", "vpt", vq, "tiny", min_frames=2, rank=0, world=2, size=SIZE)
+    assert [e["name"] for e in part["episodes"]] == ["e1", "e3"]  # rank 0's part of the index
+    index = merged_index(tmp_path / "tok", part["meta"], tmp_path)  # rank 0, once every rank is done
     assert [e["name"] for e in index["episodes"]] == ["e1", "e2", "e3"]  # the index covers every rank's shards
 
 

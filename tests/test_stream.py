@@ -123,6 +123,24 @@ def test_stream_packed_for_other_clips_is_refused(stream):
         datamodule(stream_dir, clip_frames=4)
 
 
+def test_a_stale_index_is_rebuilt_before_packing_or_refused(tmp_path):
+    """pack_stream packs what is on disk: shards added since the index was built (a killed tokeniser's) are packed
+    too; without a meta.json to rebuild the index with, a stale index is refused, naming the folder."""
+    from mcar.data.stream import pack_stream
+
+    tokens = token_folder(tmp_path / "tokens", LENGTHS[:3])
+    rng = np.random.default_rng(1)
+    np.save(tokens / "ep03.actions.npy", rng.integers(0, 8, (9, 2), dtype=np.uint16))
+    np.save(tokens / "ep03.frames.npy", rng.integers(0, 32, (9, 3, 4), dtype=np.uint16))
+    record = pack_stream(tokens, str(tmp_path / "stream"), clip_frames=3, val_episodes=1, workers=1)
+    assert record["val_episode_names"] == ["ep03"] and record["val_clips"] == 3 and record["train_episodes"] == 3
+    assert [e["name"] for e in json.loads((tokens / "index.json").read_text())["episodes"]][-1] == "ep03"
+    (tokens / "meta.json").unlink()
+    (tokens / "ep00.frames.npy").unlink()
+    with pytest.raises(ValueError, match=f"{tokens}/index.json does not describe .*ep00: listed, but its shards"):
+        pack_stream(tokens, str(tmp_path / "stream2"), clip_frames=3, val_episodes=1, workers=1)
+
+
 def test_data_stream_composes_with_the_training_config():
     from tests.conftest import compose
 

@@ -1,10 +1,10 @@
 """What a token shard must be, checked once and recorded in index.json, so that a start reads no shard in full.
 
 An episode's shards: <name>.frames.npy (T, h, w) and <name>.actions.npy (T, n_a), non-negative integers, T > 0 on
-both. `shard_stats` reads both once (when the index is built) and records T, the grid, n_a, the id ranges and
-the files' sizes; `check_entry` then holds an index entry against the data config without reading the data. A
-shard whose size changed since is read again. Every failure names the file, the field and, for an id out of
-range, the first frame holding it.
+both. `shard_stats` reads both once (when the index is built; the tokeniser describes the arrays it has just
+written instead: `describe_shard`) and records T, the grid, n_a, the id ranges and the files' sizes; `check_entry`
+then holds an index entry against the data config without reading the data. A shard whose size changed since is
+read again. Every failure names the file, the field and, for an id out of range, the first frame holding it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,13 @@ def shard_bytes(folder: str | Path, name: str) -> int:
 def shard_stats(folder: str | Path, name: str) -> dict:
     """Read an episode's two shards once: -> the index entry (frames, grid, n_a, id ranges, bytes)."""
     frames_path, actions_path = shard_paths(folder, name)
-    toks, acts = open_shard(frames_path), open_shard(actions_path)
+    return describe_shard(folder, name, open_shard(frames_path), open_shard(actions_path))
+
+
+def describe_shard(folder: str | Path, name: str, toks: np.ndarray, acts: np.ndarray) -> dict:
+    """The index entry of an episode's shards from their arrays: memory-mapped (shard_stats), or the arrays the
+    tokeniser has just written (nothing read back); `bytes` are the files' sizes on disk."""
+    frames_path, actions_path = shard_paths(folder, name)
     if toks.ndim != 3 or acts.ndim != 2:
         raise ShardError(f"{frames_path if toks.ndim != 3 else actions_path}: shape "
                          f"{toks.shape if toks.ndim != 3 else acts.shape}, not (T, h, w) image ids and (T, n_a) "

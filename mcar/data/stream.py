@@ -60,13 +60,14 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
                 val_episodes: int = 2, chunk_bytes: str = "64MB", workers: int | None = None) -> dict:
     """An indexed tokens folder (mcar tokenize) -> the stream at `out` (a folder or an object-store URL that
     LitData writes to). Episodes shorter than a clip are left out. -> what pack.json records."""
-    from mcar.data.token_clips import read_index, split_by_episode
+    from mcar.data.token_clips import split_by_episode
+    from mcar.data.tokenize import current_index
 
     litdata = _litdata()
     tokens_dir, stride = Path(tokens_dir), stride or clip_frames
     if stride < 1 or clip_frames < 2:
         raise ValueError(f"stream clip_frames={clip_frames} (>= 2) and stride={stride} (>= 1)")
-    index = read_index(tokens_dir)
+    index = current_index(tokens_dir)  # a stale index is rebuilt (or refused), never packed from
     meta = index.get("meta", {})
     entries = [e for e in index["episodes"] if e["frames"] >= clip_frames]
     for e in entries:  # each shard's recorded id ranges against the folder's vocabularies

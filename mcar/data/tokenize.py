@@ -3,14 +3,18 @@
 For each episode <name>, in `out`:
     <name>.actions.npy  (T, n_a) uint16  action ids (local: 0..action vocab; the dataset adds codebook_size)
     <name>.frames.npy   (T, h, w) uint16 VQ token ids of the kept frames
-    index.json          {"meta": {...}, "episodes": [{"name", "frames"}, ...]}
+    index.json          {"meta": {...}, "episodes": [{"name", "frames", "grid", "n_a", "image_ids", ...}, ...]}
     skipped.json        {name: reason} of the last run
+    index.rank<r>.json, skipped.rank<r>.json   rank r's part of both (world > 1), until rank 0 merges them
 
 Each shard is written to a temp name and renamed, frames last: a present frames file means a finished episode,
 which later runs skip (resumable), and a failing episode never touches shards already written. Ranks split the
-episodes by size (`balanced_share`: largest first, each to the least-loaded rank); each rank rebuilds index.json
-from the shards on disk when it finishes. `mcar tokenize` runs one rank per device over an allocation (Lightning
-Fabric: devices=, num_nodes=; torchrun and SLURM tasks are found by Fabric), each printing its frames/s.
+episodes by size (`balanced_share`: largest first, each to the least-loaded rank). Each rank describes its own
+finished episodes in its part (a shard it wrote from the arrays in memory, one a killed run left by reading it),
+and rank 0, once every rank is done, merges the parts into index.json (`merged_index`) reading no shard again;
+a single rank (world = 1) merges its own part at once. `mcar tokenize` runs one rank per device over an
+allocation (Lightning Fabric: devices=, num_nodes=; torchrun and SLURM tasks are found by Fabric), each printing
+its frames/s.
 
     mcar tokenize episodes=data/crafter/episodes out=data/crafter/tokens source=crafter size=[224,384]
     mcar tokenize episodes=/vpt out=/data/vpt_tokens source=vpt vq=/path/vq size=[224,384] devices=8 num_nodes=4
@@ -33,7 +37,7 @@ from tqdm import tqdm
 
 from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.data.files import read_json, write_atomic, write_json, writing_into
-from mcar.data.shards import current_entry, shard_bytes
+from mcar.data.shards import ShardError, current_entry, describe_shard, shard_bytes
 from mcar.tokenizer.actions import action_space
 from mcar.tokenizer.video import FrameStream
 
@@ -90,19 +94,63 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
     return np.concatenate(tokens), ids[kept].astype(np.uint16), notes
 
 
+def part_path(out: Path, rank: int) -> Path:
+    """Rank `rank`'s index entries of its own episodes, until rank 0 merges them into index.json."""
+    return out / f"index.rank{rank}.json"
+
+
+def index_entries(path: Path) -> dict:
+    """{name: entry} of an index or a rank's part; {} when it is missing or unreadable (its shards are read)."""
+    try:
+        return {e["name"]: e for e in read_json(path).get("episodes", [])}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
+
+
+def read_skipped(out: Path) -> dict:
+    """{name: reason} of the last run: skipped.json, and the ranks' parts not merged into it yet."""
+    skipped = {}
+    for f in [out / "skipped.json", *sorted(out.glob("skipped.rank*.json"))]:
+        if f.exists():
+            skipped.update(read_json(f))
+    return skipped
+
+
 def build_index(out: Path, meta: dict) -> dict:
     """index.json from the finished shards on disk, each checked and described once (mcar.data.shards: frames,
-    grid, id ranges, sizes); entries of an earlier index whose shards did not change are kept as they are."""
-    try:
-        old = {e["name"]: e for e in read_json(out / "index.json").get("episodes", [])}
-    except (OSError, ValueError):
-        old = {}
+    grid, id ranges, sizes): the entry of the old index or of a rank's part whose recorded bytes match the files
+    is kept as it is, only a shard neither describes is read. Then the ranks' parts are merged away (their
+    skipped episodes into skipped.json)."""
+    known = index_entries(out / "index.json")
+    parts = sorted(out.glob("index.rank*.json"))
+    for part in parts:
+        known.update(index_entries(part))
     episodes = []
     for f in sorted(out.glob("*.frames.npy")):
         name = f.name[: -len(".frames.npy")]
-        episodes.append(current_entry(out, old.get(name), name))
+        episodes.append(current_entry(out, known.get(name), name))
     index = {"meta": meta, "episodes": episodes}
     write_json(out / "index.json", index)
+    skipped_parts = sorted(out.glob("skipped.rank*.json"))
+    if skipped_parts:  # the ranks' episodes skipped by the last run, those since tokenised left out
+        listed = {e["name"] for e in episodes}
+        skipped = {}
+        for f in skipped_parts:
+            skipped.update(read_json(f))
+        write_json(out / "skipped.json", {n: why for n, why in sorted(skipped.items()) if n not in listed})
+    for f in parts + skipped_parts:
+        f.unlink(missing_ok=True)
+    return index
+
+
+def merged_index(out: str | Path, meta: dict, episodes: str | Path) -> dict:
+    """Rank 0 once every rank finished (or the only rank): index.json from the ranks' parts (build_index). Raises
+    if no episode is usable."""
+    out = Path(out)
+    index = build_index(out, meta)
+    if not index["episodes"]:
+        skipped = read_skipped(out)
+        raise ValueError(f"nothing usable in {episodes}: all {len(skipped)} episodes skipped ({skipped})")
     return index
 
 
@@ -127,11 +175,29 @@ def stale_index(out: str | Path, names: list[str] | None = None) -> str | None:
             return f"{name}: its shards changed since they were indexed"
         if np.load(on_disk[name], mmap_mode="r").shape[0] != frames:
             return f"{name}: listed with {frames} frames, its shard holds another count"
-    skipped = read_json(out / "skipped.json") if (out / "skipped.json").exists() else {}
+    skipped = read_skipped(out)
     missing = [n for n in names or [] if n not in listed and n not in skipped]
     if missing:
         return f"episodes neither tokenised nor skipped: {missing[:5]}"
     return None
+
+
+def current_index(folder: str | Path) -> dict:
+    """index.json as it describes the shards on disk now: a stale one (stale_index: a killed run's shards or
+    parts, a shard deleted or replaced since) is rebuilt first with the folder's meta.json, reading only the
+    shards it does not describe; one that cannot be rebuilt is refused, naming the folder."""
+    from mcar.data.token_clips import read_index
+
+    folder = Path(folder)
+    stale = stale_index(folder)
+    if stale and (folder / "meta.json").exists():
+        print(f"{folder}/index.json is stale ({stale}): rebuilt from the shards")
+        build_index(folder, read_json(folder / "meta.json"))
+    elif stale and (folder / "index.json").exists():
+        raise ValueError(f"{folder}/index.json does not describe the shards there ({stale}) and no meta.json says "
+                         f"what made them: run `mcar tokenize` into {folder} again (it resumes, then rebuilds the "
+                         f"index)")
+    return read_index(folder)
 
 
 def check_meta(out: Path, meta: dict) -> None:
@@ -160,12 +226,31 @@ def balanced_share(found: list[tuple], rank: int, world: int) -> list[tuple]:
     return sorted(mine, key=lambda episode: episode[0])
 
 
+def describe_share(out: Path, names: list[str], written: dict, rank: int) -> list[dict]:
+    """This rank's part: the index entries of its finished episodes, those written now from memory (`written`),
+    those of an earlier run from the index or an unmerged part of this rank, and those no index describes (a
+    killed run's) read here, by the rank that owns them, not by rank 0."""
+    known = {**index_entries(out / "index.json"), **index_entries(part_path(out, rank))}
+    mine = []
+    for name in names:
+        if name in written:
+            mine.append(written[name])
+        elif (out / f"{name}.frames.npy").exists():
+            try:
+                mine.append(current_entry(out, known.get(name), name))
+            except ShardError:  # left to rank 0's merge, which names it past the barrier (no rank left waiting)
+                pass
+    return mine
+
+
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
                  world: int = 1, size: tuple[int, int] | None = None, space: str | None = None,
                  stats: dict | None = None) -> dict:
     """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
-    stored), on the VQ's device. -> the index; `stats` (if given) gets this rank's frames, seconds and frames/s.
+    stored), on the VQ's device, and describe the share in this rank's part of the index. -> world = 1: the
+    index (merged_index); world > 1: this rank's part ({"meta", "episodes"}), which rank 0 merges with the others
+    by `merged_index` once every rank is done. `stats` (if given) gets this rank's frames, seconds and frames/s.
     One process per rank writes into a folder at a time (a second waits, then skips what the first finished)."""
     out = Path(out)
     with writing_into(out, f"token shards (rank {rank} of {world})", f".mcar-writer.rank{rank}.lock"):
@@ -189,7 +274,7 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
     if not found:
         raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
     todo = balanced_share(found, rank, world)
-    skipped, done, encoded, t0 = {}, 0, 0, time.perf_counter()
+    skipped, written, done, encoded, t0 = {}, {}, 0, 0, time.perf_counter()
     progress = tqdm(todo, desc=f"tokenising {Path(episodes).name} (rank {rank} of {world})", unit="ep",
                     position=rank if world <= 8 else None)
     for name, mp4, jsonl in progress:
@@ -215,19 +300,20 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
             warnings.warn(f"{mp4}: {note}")
         _save_npy(out / f"{name}.actions.npy", actions)
         _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
+        written[name] = describe_shard(out, name, frames, actions)  # from memory: nothing read back
         done += 1
     seconds = time.perf_counter() - t0
     stats.update(frames=encoded, seconds=seconds, frames_per_s=encoded / seconds if seconds > 0 else 0.0)
     device = next(vq.parameters()).device
     print(f"rank {rank} of {world} on {device}: {encoded} frames encoded in {seconds:.1f} s: "
           f"{stats['frames_per_s']:.1f} frames/s")
-    write_json(out / ("skipped.json" if world == 1 else f"skipped.rank{rank}.json"), skipped)
-    index = build_index(out, meta)
-    print(f"tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in index['episodes'])} frames in "
-          f"{out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))
-    if not index["episodes"]:
-        raise ValueError(f"nothing usable in {episodes}: all {len(skipped)} episodes skipped ({skipped})")
-    return index
+    part = {"meta": meta, "episodes": describe_share(out, [name for name, _, _ in todo], written, rank)}
+    mine = part["episodes"]
+    write_json(part_path(out, rank), part)
+    write_json(out / f"skipped.rank{rank}.json", skipped)
+    print(f"rank {rank} of {world}: tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in mine)} "
+          f"frames in {out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))
+    return merged_index(out, meta, episodes) if world == 1 else part
 
 
 if __name__ == "__main__":  # the old spelling of `mcar tokenize`: handed to the command line by name

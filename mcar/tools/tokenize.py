@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from mcar.data.tokenize import build_index, tokenize_dir
+from mcar.data.tokenize import merged_index, tokenize_dir
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer.vq_model import check_frame_size, load_vq, vq_id
 
@@ -25,17 +25,17 @@ def fabric_for(c):
 
 
 def run(fabric, c) -> dict | None:
-    """One rank's share; then rank 0 sums the throughput, writes the index and packs the stream. -> rank 0's
-    summary (None on the others)."""
+    """One rank's share (and its part of the index); then rank 0 sums the throughput, merges the ranks' parts into
+    index.json and packs the stream. -> rank 0's summary (None on the others)."""
     import torch
 
     vq = load_vq(c.vq.path).to(fabric.device).eval()
     stats: dict = {}
-    index = tokenize_dir(c.episodes, c.out, c.source, vq, vq_id(c.vq.path), int(c.batch), int(c.min_frames),
-                         not c.keep_null, not c.keep_gui, fabric.global_rank, fabric.world_size,
-                         size=check_frame_size(vq, list(c.size), "size"), stats=stats)
-    mine = torch.tensor([stats["frames"], stats["seconds"]], dtype=torch.float64, device=fabric.device)
-    every = fabric.all_gather(mine).reshape(-1, 2).cpu()  # waits for every rank
+    mine = tokenize_dir(c.episodes, c.out, c.source, vq, vq_id(c.vq.path), int(c.batch), int(c.min_frames),
+                        not c.keep_null, not c.keep_gui, fabric.global_rank, fabric.world_size,
+                        size=check_frame_size(vq, list(c.size), "size"), stats=stats)
+    rate = torch.tensor([stats["frames"], stats["seconds"]], dtype=torch.float64, device=fabric.device)
+    every = fabric.all_gather(rate).reshape(-1, 2).cpu()  # waits for every rank: every part is written
     if fabric.global_rank != 0:
         return None
     frames, slowest = int(every[:, 0].sum()), float(every[:, 1].max())
@@ -44,7 +44,7 @@ def run(fabric, c) -> dict | None:
                "frames_per_s_per_device": round(frames / slowest / fabric.world_size, 1) if slowest else 0.0}
     print(f"tokenised {frames} frames on {summary['devices']} {summary['device']} devices in {slowest:.1f} s: "
           f"{summary['frames_per_s']} frames/s, {summary['frames_per_s_per_device']} per device")
-    index = build_index(Path(c.out), index["meta"])  # every rank's shards
+    index = merged_index(Path(c.out), mine["meta"], c.episodes)  # reads no shard: the ranks described theirs
     summary["episodes"], summary["frames"] = len(index["episodes"]), sum(e["frames"] for e in index["episodes"])
     if c.stream:
         from mcar.data.stream import pack_stream
