@@ -71,6 +71,39 @@ def test_ckpt_path_of_train_is_refused_by_us_and_by_lightnings_resume(hostile, t
     refused(lambda: AtomicCheckpointIO().load_checkpoint(path, weights_only=False), hostile)
 
 
+def sharded_checkpoint(folder: Path) -> Path:
+    """A genuine sharded checkpoint folder as trainer=fsdp writes it: torch.distributed.checkpoint's shards and
+    .metadata, Lightning's meta.pt beside them."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"w": torch.randn(3, 2)}, "step": torch.tensor(2)}, checkpoint_id=folder)
+    torch.save({"global_step": 2, "epoch": 0}, folder / "meta.pt")
+    return folder
+
+
+def test_a_sharded_ckpt_path_is_read_as_data_before_torch_unpickles_its_metadata(hostile, tmp_path):
+    """torch.distributed.checkpoint reads a sharded folder's .metadata with plain pickle: train's resume refuses a
+    .metadata (or meta.pt) holding code before Lightning gets the folder; a genuine one passes."""
+    import pickle
+
+    from mcar.train.checkpoint_io import check_sharded_checkpoint
+    from mcar.train.task import run
+
+    check_sharded_checkpoint(sharded_checkpoint(tmp_path / "genuine"))
+    folder = sharded_checkpoint(tmp_path / "ckpt" / "x" / "last.ckpt")
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(hostile.marker)))
+    cfg = compose("train", [*SMALL_DATA, "model=tiny", "logger=none", f"ckpt_path={folder}",
+                            f"paths.checkpoint_root={tmp_path}/ckpt", f"paths.output_dir={tmp_path}/out"])
+    assert "posix.system" in refused(lambda: run(cfg), hostile)
+    meta = sharded_checkpoint(tmp_path / "meta")
+    hostile("meta/meta.pt")
+    refused(lambda: check_sharded_checkpoint(meta), hostile)
+
+
 def test_idm_of_evaluate_is_refused(hostile):
     from mcar.eval.idm import load_idm
 

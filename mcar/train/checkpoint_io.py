@@ -46,6 +46,46 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "meta.pt").is_file()
 
 
+# what torch.distributed.checkpoint's .metadata legitimately holds: its metadata dataclasses, sizes, dtypes, paths
+SHARD_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch.serialization", "_get_layout")}
+
+
+class _ShardMetadataUnpickler(pickle.Unpickler):
+    """Python's restricted unpickler: only the globals above (and torch dtypes) may be named, so nothing else can be
+    built or called."""
+
+    def find_class(self, module, name):
+        if (module, name) in SHARD_METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                         torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+
+
+def check_sharded_checkpoint(path: str | Path) -> None:
+    """A sharded checkpoint folder, read as data only before Lightning resumes from it: torch.distributed.checkpoint
+    reads its .metadata with plain pickle (any object, so any code), so that file is read here first with only the
+    checkpoint-metadata classes allowed, and meta.pt as weights only; either holding more is refused by name."""
+    path = Path(path)
+    load_weights_only(path / "meta.pt", "sharded checkpoint's meta.pt")
+    metadata = path / ".metadata"
+    if not metadata.is_file():
+        raise FileNotFoundError(f"sharded checkpoint {path} has no .metadata (torch.distributed.checkpoint's index "
+                                f"of the shards): not a complete checkpoint")
+    try:
+        with open(metadata, "rb") as f:
+            _ShardMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refused to load sharded checkpoint {path}: its .metadata holds more than "
+                         f"torch.distributed.checkpoint's metadata ({e}), and unpickling that could run code") \
+            from None
+    except Exception as e:  # truncated, not a pickle at all
+        raise ValueError(f"cannot read sharded checkpoint {path}/.metadata: {type(e).__name__}: {e}") from e
+
+
 def load_weights_only(path: str | Path, what: str = "checkpoint", mmap: bool = False) -> dict:
     """torch.load with weights_only=True: tensors and plain Python data, never code. A file that holds anything else
     (a pickled object whose unpickling could run code, e.g. one calling os.system) is refused, naming the file and

@@ -18,7 +18,13 @@ from mcar.core.sampler import build_sampler
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import Checkpoints, build_callbacks
-from mcar.train.checkpoint_io import AtomicCheckpointIO, check_state_shapes, is_sharded_checkpoint, load_checkpoint
+from mcar.train.checkpoint_io import (
+    AtomicCheckpointIO,
+    check_sharded_checkpoint,
+    check_state_shapes,
+    is_sharded_checkpoint,
+    load_checkpoint,
+)
 from mcar.train.jobs import (
     check_run_name,
     checkpoint_dir,
@@ -87,7 +93,9 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     with torch.device("cpu"):
         module = build_module(cfg)
     resumed = None  # the resumed checkpoint, read once (shards: torch.distributed.checkpoint checks each tensor)
-    if ckpt_path and not is_sharded_checkpoint(Path(ckpt_path)):
+    if ckpt_path and is_sharded_checkpoint(Path(ckpt_path)):
+        check_sharded_checkpoint(ckpt_path)  # torch.distributed.checkpoint unpickles its index with plain pickle
+    elif ckpt_path:
         resumed = load_checkpoint(ckpt_path)
         check_state_shapes(module, resumed["state_dict"], ckpt_path)
     if init_from:
