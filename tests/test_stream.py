@@ -1,6 +1,7 @@
 """Issue 5/5 items 2-3: the LitData stream (packed from token shards, split across ranks, resumed mid-epoch and at an
 epoch's end exactly, soaked) and the tokeniser over several devices (Lightning Fabric) with its throughput."""
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,47 @@ def test_stream_packed_for_other_clips_is_refused(stream):
     _, stream_dir, _ = stream
     with pytest.raises(ValueError, match="clip_frames=3 but data.clip_frames=4"):
         datamodule(stream_dir, clip_frames=4)
+
+
+class FolderAsBucket:
+    """LitData's object-store client, served from a local folder (s3://bucket/x -> root/bucket/x)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def local(self, url: str) -> Path:
+        assert url.startswith("s3://"), url
+        return self.root / url[len("s3://"):]
+
+    def upload_file(self, local_path: str, remote_path: str) -> None:
+        self.local(remote_path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(local_path, self.local(remote_path))
+
+    def download_file(self, remote_path: str, local_path: str) -> None:
+        shutil.copy(self.local(remote_path), local_path)
+
+    def exists(self, path: str) -> bool:
+        return self.local(path).exists()
+
+
+def test_pack_json_goes_to_and_comes_from_the_object_store_beside_a_url_stream(tmp_path, monkeypatch):
+    """A stream at s3://... gets its pack.json there too, and a data module on that URL holds it against its
+    config (it used to be skipped: a codebook or action vocabulary mismatch went unnoticed)."""
+    from mcar.data import stream as stream_module
+    from mcar.data.stream import StreamDataModule, read_pack_record, write_pack_record
+
+    bucket = FolderAsBucket(tmp_path / "store")
+    monkeypatch.setattr(stream_module, "object_store", lambda url: bucket)
+    record = {"h": 3, "w": 4, "n_a": 2, "clip_frames": 3, "tokens_meta": {"codebook_size": 32, "action_vocab_size": 8}}
+    write_pack_record("s3://bucket/vpt_stream/", record)
+    assert json.loads((tmp_path / "store" / "bucket" / "vpt_stream" / "pack.json").read_text()) == record
+    assert read_pack_record("s3://bucket/vpt_stream") == (record, "s3://bucket/vpt_stream/pack.json")
+    assert read_pack_record("s3://bucket/elsewhere")[0] is None
+    kw = {"clip_frames": 3, "batch_size": 4, "num_workers": 0, "val_clips": 4, **GEOMETRY}
+    StreamDataModule("s3://bucket/vpt_stream", **kw).check_pack()
+    with pytest.raises(ValueError, match="s3://bucket/vpt_stream/pack.json: the stream was packed with "
+                                         "codebook_size=32 but data.codebook_size=64"):
+        StreamDataModule("s3://bucket/vpt_stream", **{**kw, "codebook_size": 64}).check_pack()
 
 
 def test_a_stale_index_is_rebuilt_before_packing_or_refused(tmp_path):

@@ -5,8 +5,9 @@ nodes and loader workers by LitData, resumed mid-epoch exactly from the loader s
     python train.py data=stream data.stream_dir=s3://bucket/vpt_stream vq=amused vq.path=/weights/vq
 
 A stream folder holds two LitData datasets, `train/` and `val/` (the last `val_episodes` episodes by name, as the
-local path splits them), and `pack.json` (what was packed, from which tokens). One item is one clip: `frames`
-(clip_frames, h, w) and `actions` (clip_frames, n_a) uint16 ids, `episode`, `start`. Training clips start every
+local path splits them), and `pack.json` (what was packed, from which tokens; for a URL, in the object store
+beside them, through LitData's own client). One item is one clip: `frames` (clip_frames, h, w) and `actions`
+(clip_frames, n_a) uint16 ids, `episode`, `start`. Training clips start every
 `stride` frames of an episode (stride < clip_frames stores overlapping windows: more distinct clips, more
 bytes); validation clips do not overlap. Items are packed from an indexed tokens folder, so every shard was
 checked against its geometry and vocabularies once (mcar.data.shards) before it was written.
@@ -16,6 +17,7 @@ LitData (not webdataset or mosaicml-streaming): measured in BENCHMARKS.md "Data 
 from __future__ import annotations
 
 import os
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from mcar.data.common import ClipDataModule, check_vocab
-from mcar.data.files import write_json
+from mcar.data.files import read_json, write_json
 from mcar.data.shards import ShardError, check_entry, shard_paths
 from mcar.tokenizer.clips import join_clip
 
@@ -93,9 +95,42 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
               "train_episodes": len(train), "val_episode_names": val,
               "train_clips": sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train),
               "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
-    if "://" not in out:
-        write_json(Path(out) / "pack.json", record)
+    write_pack_record(out, record)
     return record
+
+
+def is_url(location: str) -> bool:
+    return "://" in str(location)
+
+
+def object_store(url: str):
+    """LitData's client for an object-store URL (s3://, gs://): the same credentials its streams use."""
+    from litdata.streaming.fs_provider import _get_fs_provider
+
+    return _get_fs_provider(url)
+
+
+def write_pack_record(out: str, record: dict) -> None:
+    """pack.json beside the stream's train/ and val/: in the folder, or uploaded beside them in the object store."""
+    if not is_url(out):
+        write_json(Path(out) / "pack.json", record)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write_json(Path(tmp) / "pack.json", record)
+        object_store(out).upload_file(str(Path(tmp) / "pack.json"), f"{out.rstrip('/')}/pack.json")
+
+
+def read_pack_record(stream_dir: str) -> tuple[dict | None, str]:
+    """-> (pack.json of the stream, or None where it has none; where it was read)."""
+    where = f"{stream_dir.rstrip('/')}/pack.json"
+    if not is_url(stream_dir):
+        return (read_json(Path(where)) if Path(where).exists() else None), where
+    store = object_store(stream_dir)
+    if not store.exists(where):
+        return None, where
+    with tempfile.TemporaryDirectory() as tmp:
+        store.download_file(where, str(Path(tmp) / "pack.json"))
+        return read_json(Path(tmp) / "pack.json"), where
 
 
 class StreamClips:
@@ -159,13 +194,11 @@ class StreamDataModule(ClipDataModule):
                                                                               name, actions)
 
     def check_pack(self) -> None:
-        """A local stream's pack.json against the data config (a URL's is not read: its items are, as they come)."""
-        record = Path(self.stream_dir) / "pack.json"
-        if "://" in self.stream_dir or not record.exists():
+        """The stream's pack.json (local or in the object store) against the data config: geometry, clip length
+        and vocabularies (its items' shapes are checked again as they come)."""
+        pack, record = read_pack_record(self.stream_dir)
+        if pack is None:
             return
-        from mcar.data.files import read_json
-
-        pack = read_json(record)
         meta = pack.get("tokens_meta", {})
         for key, want in [("h", self.layout.h), ("w", self.layout.w), ("n_a", self.layout.n_a),
                           ("clip_frames", self.clip_frames), ("codebook_size", self.codebook_size),
