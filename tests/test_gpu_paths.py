@@ -242,3 +242,15 @@ def test_peak_flops_knows_each_variant_and_agrees_with_lightning_or_says_why_not
         want = LIGHTNING_DIFFERS.get(name, ours)
         assert theirs == pytest.approx(want, rel=1e-3) if want else theirs is None, (name, theirs, want)
     assert mfu(4e14, 1.0, 989e12, 2) == pytest.approx(4e14 / 1.978e15) and mfu(1.0, 1.0, None) is None
+
+
+def test_peak_bandwidth_knows_each_variant():
+    """The bandwidth floor's table tells the H100 variants apart as the peak-FLOPs table does (an H100 reporting
+    HBM2e is a PCIe card: 2.0 TB/s, not the SXM's 3.35) and leaves an ambiguous name to bench.bandwidth."""
+    from mcar.core.flops import bandwidth_of
+
+    want = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12, "NVIDIA H100 80GB HBM2e": 2.0e12,
+            "NVIDIA H100 NVL": 3.9e12, "NVIDIA H200": 4.8e12, "NVIDIA H200 NVL": 4.8e12,
+            "NVIDIA A100-SXM4-80GB": 2.0e12, "NVIDIA A100-SXM4-40GB": 1.555e12, "NVIDIA H100": None,
+            "NVIDIA GH200 480GB": None}
+    assert {name: bandwidth_of(name) for name in want} == want

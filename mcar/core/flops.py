@@ -33,10 +33,28 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
     return peak_of(torch.cuda.get_device_name(device))
 
 
+# peak memory bandwidth (bytes/s) by the same fragments and rule: what a memory-bound sampling pass can reach (the
+# bandwidth floor of mcar bench sampler and the GPU check). GH200 ships with 4.0 (HBM3) or 4.9 TB/s (HBM3e) under one
+# name ("GH200" holds "H200": its own row, None), like a bare "NVIDIA H100" (pass bench.bandwidth=).
+PEAK_BANDWIDTH = ((("GH200",), None), (("H200",), 4.8e12), (("H100", "NVL"), 3.9e12), (("H100", "PCIe"), 2.0e12),
+                  (("H100", "HBM2e"), 2.0e12), (("H100", "HBM3"), 3.35e12), (("H100", "SXM"), 3.35e12),
+                  (("A100", "80GB"), 2.0e12), (("A100",), 1.555e12))
+
+
+def device_lookup(table, name: str) -> float | None:
+    """The value of the first row of `table` whose every fragment is in `name` (case-insensitive); None if none."""
+    name = name.lower()
+    return next((v for parts, v in table if all(p.lower() in name for p in parts)), None)
+
+
 def peak_of(name: str) -> float | None:
     """The dense bf16 peak of the GPU called `name` (a CUDA device name, or e.g. "H100 SXM"); None if unknown."""
-    name = name.lower()
-    return next((v for parts, v in PEAK_BF16 if all(p.lower() in name for p in parts)), None)
+    return device_lookup(PEAK_BF16, name)
+
+
+def bandwidth_of(name: str) -> float | None:
+    """The peak memory bandwidth of the GPU called `name` in bytes/s; None if unknown."""
+    return device_lookup(PEAK_BANDWIDTH, name)
 
 
 def train_flops_per_token(n_params_no_emb: int, n_layers: int, dim: int, seq_len: int, mask_density: float) -> float:

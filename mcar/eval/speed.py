@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mcar.core.devices import resolve_device, set_threads, sync
-from mcar.core.flops import mfu, peak_flops, train_step_flops
+from mcar.core.flops import bandwidth_of, mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, masked_loss
 from mcar.core.model import ModelConfig, Transformer
@@ -65,18 +65,13 @@ def common_fields(cfg, device, dtype, model) -> dict:
 
 # ---- sampler ----------------------------------------------------------------------------------------------
 # peak memory bandwidth (B/s) by device name: every name fragment must match, first row wins
-PEAK_BANDWIDTH = ((("H200",), 4.8e12), (("H100", "PCIe"), 2.0e12), (("H100",), 3.35e12),
-                  (("A100", "80GB"), 2.0e12), (("A100",), 1.555e12))
-
-
 def peak_bandwidth(device: torch.device, override: float | None = None) -> float | None:
-    """bench.bandwidth if set, else the table's value for a known GPU; None on CPU or an unknown GPU."""
+    """bench.bandwidth if set, else mcar.core.flops' table's value for a known GPU; None on CPU or an unknown GPU."""
     if override:
         return float(override)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((bw for parts, bw in PEAK_BANDWIDTH if all(p in name for p in parts)), None)
+    return bandwidth_of(torch.cuda.get_device_name(device))
 
 
 def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, device) -> dict:
