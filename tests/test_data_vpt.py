@@ -1,6 +1,7 @@
 """VPT-format fixture (real key names, GUI / null frames, scroll-wheel hotbar, stuck attack) -> exact action
 tokens; and every kind of bad input: skipped or trimmed with a warning naming the file, a summary, shards kept."""
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -282,3 +283,14 @@ def test_other_resolutions_and_orphan_jsonl_are_reported(tmp_path):
     assert [(e["name"], e["frames"]) for e in index["episodes"]] == [("small", 4)]
     assert any("1 jsonl files without an mp4 ignored: ['lonely']" in w for w in warned)
     assert any("video is 320x180, not VPT's 640x360: resized to 384x224" in w for w in warned)
+
+
+def test_an_mp4_is_written_under_a_temp_name_of_this_host_and_process(tmp_path, monkeypatch):
+    """Two machines writing episodes into one shared folder may share a pid: the temp name holds the host too."""
+    from mcar.tokenizer import video
+
+    names = []
+    monkeypatch.setattr(video, "_encode", lambda frames, tmp, *a: (names.append(tmp.name), tmp.write_bytes(b"x")))
+    monkeypatch.setattr(video.socket, "gethostname", lambda: "node7")
+    write_mp4(np.zeros((1, 8, 8, 3), np.uint8), tmp_path / "ep.mp4")
+    assert names == [f".ep.node7.{os.getpid()}.part.mp4"] and (tmp_path / "ep.mp4").read_bytes() == b"x"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from fractions import Fraction
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
     pix_fmt="rgb24", crf=0 reads back bit for bit (pixel art: about 4 kB a frame at 224x384)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.part{path.suffix}")  # this process's own temp name
+    # this process's own temp name, the host's too: two machines writing into one shared folder share pids
+    tmp = path.with_name(f".{path.stem}.{socket.gethostname()}.{os.getpid()}.part{path.suffix}")
     options = {k: str(v) for k, v in (("crf", crf), ("preset", preset)) if v is not None}
     try:
         _encode(frames, tmp, fps, codec, pix_fmt, options)
