@@ -15,6 +15,9 @@ def test_soak_kills_and_resumes_bit_identically(tmp_path):
     assert result == json.loads((tmp_path / "soak.json").read_text())
     assert result["kills"] == 3 and result["starts"] == 4
     assert sorted(result["kill_after_checkpoint_steps"]) == result["kill_after_checkpoint_steps"]
+    # seed 0's first kill is due at the checkpoint after step 15 plus < 0.8 of an interval: a wait timed from the
+    # process start (its start-up included) let it slip to step 60, and on a busy machine later kills past the end
+    assert result["kill_after_checkpoint_steps"][0] <= 30
     assert result["steps"] == result["steps_compared"] == 120 and result["mismatches"] == 0
     assert result["final_weights_equal"]
 

@@ -80,6 +80,9 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                                  stderr=subprocess.DEVNULL)
     ckpt_dir = out / "ckpt" / "soak"
     killed, starts, t1, kill_steps = 0, 0, time.time(), []
+    # seconds a checkpoint interval takes, timed between two checkpoints of one process: from a start to its first
+    # checkpoint includes its start-up, and a wait of up to 0.8x that on a busy machine outlasted the run's end
+    interval = 1.0
     while True:
         (out / "killed").mkdir(exist_ok=True)
         with open(out / "killed" / f"{starts:03d}.stderr", "wb") as stderr:  # why a start failed, when one does
@@ -88,10 +91,15 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                                     env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         starts += 1
         if killed < len(targets):
-            seen, t_seen, interval = newest_step(ckpt_dir), time.time(), 1.0
-            while proc.poll() is None and newest_step(ckpt_dir) < targets[killed]:
-                if newest_step(ckpt_dir) > seen:  # how long a checkpoint interval takes now
-                    interval, seen, t_seen = time.time() - t_seen, newest_step(ckpt_dir), time.time()
+            seen, t_seen = newest_step(ckpt_dir), None
+            while proc.poll() is None:
+                step = newest_step(ckpt_dir)
+                if step > seen:
+                    if t_seen is not None:  # this process's second checkpoint or later: how long an interval takes
+                        interval = (time.time() - t_seen) * every / (step - seen)
+                    seen, t_seen = step, time.time()
+                if step >= targets[killed]:
+                    break
                 time.sleep(0.05)
             time.sleep(rng.uniform(0, 0.8 * interval))
             if proc.poll() is None:
