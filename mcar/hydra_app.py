@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.core.precision import trainer_precision
 
 CONFIG_PATH = "pkg://mcar.conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs, as files
 
 
 def asset_path(name: str) -> str:

@@ -139,12 +139,9 @@ class TokenDataModule(ClipDataModule):
         return None
 
     def make_sources(self):
-        from mcar.data.tokenize import build_index, stale_index
+        from mcar.data.tokenize import refresh_index
 
-        stale = stale_index(self.tokens_dir)
-        if stale and (self.tokens_dir / "meta.json").exists():  # shards written, index not (a kill between them)
-            print(f"{self.tokens_dir}/index.json is stale ({stale}): rebuilt from the shards")
-            build_index(self.tokens_dir, read_json(self.tokens_dir / "meta.json"))
+        refresh_index(self.tokens_dir)  # shards written, index not (a kill between them): rebuilt
         index = read_index(self.tokens_dir)
         self.check_meta(index.get("meta", {}))
         wanted = self.episode_names()

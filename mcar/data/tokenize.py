@@ -182,18 +182,26 @@ def stale_index(out: str | Path, names: list[str] | None = None) -> str | None:
     return None
 
 
-def current_index(folder: str | Path) -> dict:
-    """index.json as it describes the shards on disk now: a stale one (stale_index: a killed run's shards or
-    parts, a shard deleted or replaced since) is rebuilt first with the folder's meta.json, reading only the
-    shards it does not describe; one that cannot be rebuilt is refused, naming the folder."""
-    from mcar.data.token_clips import read_index
-
+def refresh_index(folder: str | Path) -> str | None:
+    """Rebuild index.json when it does not describe the shards on disk (stale_index: a killed run's shards or
+    parts, a shard deleted or replaced since), with the folder's meta.json, reading only the shards it does not
+    describe. -> None when the index is current now; why it is stale when it cannot be rebuilt (no meta.json)."""
     folder = Path(folder)
     stale = stale_index(folder)
     if stale and (folder / "meta.json").exists():
         print(f"{folder}/index.json is stale ({stale}): rebuilt from the shards")
         build_index(folder, read_json(folder / "meta.json"))
-    elif stale and (folder / "index.json").exists():
+        return None
+    return stale
+
+
+def current_index(folder: str | Path) -> dict:
+    """index.json as it describes the shards on disk now (refresh_index); one that cannot be rebuilt is refused,
+    naming the folder."""
+    from mcar.data.token_clips import read_index
+
+    stale = refresh_index(folder)
+    if stale and (Path(folder) / "index.json").exists():
         raise ValueError(f"{folder}/index.json does not describe the shards there ({stale}) and no meta.json says "
                          f"what made them: run `mcar tokenize` into {folder} again (it resumes, then rebuilds the "
                          f"index)")

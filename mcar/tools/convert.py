@@ -28,11 +28,10 @@ import yaml
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import ScheduleConfig
-from mcar.hydra_app import compose_tool
+from mcar.hydra_app import CONF_DIR, compose_tool
 from mcar.train.checkpoint_io import AtomicCheckpointIO, load_weights_only
 
 log = logging.getLogger("mcar.convert")
-CONF = Path(__file__).resolve().parents[1] / "conf"
 MINEWORLD_LAYOUT = dict(h=14, w=24, n_a=11)  # 336 image tokens then 11 action tokens per frame, 347 slots
 MINEWORLD_16F_POSITIONS = 16 * 347  # max_position_embeddings of its *_16f configs (5,552)
 # LLaMA (transformers) name -> mcar name; q/k/v are concatenated into wqkv
@@ -126,7 +125,7 @@ def model_config(llama: dict, config: dict | None, preset: str | None,
                      norm_eps=float(config.get("rms_norm_eps", 1e-6)))
         max_pos = config.get("max_position_embeddings")
     elif preset is not None:
-        path = CONF / "model" / f"{preset}.yaml"
+        path = CONF_DIR / "model" / f"{preset}.yaml"
         if not path.exists():
             raise FileNotFoundError(f"model={preset}: no {path}")
         given = yaml.safe_load(path.read_text())["arch"]

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.hydra_app import CONF_DIR
 from mcar.train.checkpoint_io import is_sharded_checkpoint
 
 log = logging.getLogger("mcar")
@@ -150,13 +151,12 @@ HYDRA_CODE_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_"
 CODE_KEY = re.compile(r"_\w+_")  # and any other key of that shape a later Hydra may give a meaning
 FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 GROUP_OPTION = re.compile(r"[A-Za-z0-9_]+")
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def packaged_group_config(group: str, option) -> dict | None:
     """This install's mcar/conf/<group>/<option>.yaml, unresolved, on top of the same-group configs its defaults
     list extends (crafter_tiles extends crafter); None when the group has no such option."""
-    path = CONF / group / f"{option}.yaml"
+    path = CONF_DIR / group / f"{option}.yaml"
     if not isinstance(option, str) or not GROUP_OPTION.fullmatch(option) or not path.is_file():
         return None  # a name such as ../x never leaves conf/<group>/
     node = OmegaConf.load(path)
