@@ -4,11 +4,13 @@ run's checkpoints."""
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from mcar.data.files import FolderLock
 from mcar.train.ownership import LOCK, check_fresh_checkpoint_dir, claim, release
 from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script, script_env
 
@@ -30,6 +32,57 @@ def test_a_live_owner_is_refused_and_a_killed_ones_lock_is_free(tmp_path):
     assert json.loads(lock.read_text())["pid"] == os.getpid() and claim(tmp_path, "output dir", "x") == lock
     release(lock)
     assert not lock.exists()
+
+
+_FORKING_OWNER = """
+import multiprocessing, os, sys, time
+from mcar.data.files import FolderLock
+assert FolderLock(sys.argv[1], ".mcar-run.lock").acquire(blocking=False, run_name="parent")
+if sys.argv[2] == "os.fork":
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+else:  # a DataLoader worker's way
+    proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    proc.start()
+    child = proc.pid
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("fork", ["os.fork", "multiprocessing"])
+def test_a_killed_runs_lock_is_free_at_once_while_its_forked_children_live(tmp_path, fork):
+    """A flock belongs to the open file, which forked children share: the lock outlived a kill -9 of its run for as
+    long as the run's loader workers lived, and the resume was refused (issue 37)."""
+    owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, str(tmp_path), fork], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO, env=script_env())
+    child = int(owner.stdout.readline())
+    try:
+        owner.kill()
+        owner.wait()
+        os.kill(child, 0)  # the child still lives
+        resumed = FolderLock(tmp_path, LOCK)
+        assert resumed.acquire(blocking=False, run_name="resume")
+        resumed.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_forked_child_holds_none_of_its_parents_locks(tmp_path):
+    """Nor does it release them: its exit (or a `release` in it) leaves the parent's lock and lock file alone."""
+    lock = FolderLock(tmp_path, LOCK)
+    assert lock.acquire(blocking=False)
+    pid = os.fork()
+    if pid == 0:
+        code = 0 if not lock.held else 1
+        lock.release()
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert lock.held and (tmp_path / LOCK).exists()
+    assert not FolderLock(tmp_path, LOCK).acquire(blocking=False)
+    lock.release()
 
 
 def _claim_and_report(folder, barrier, results):

@@ -2,7 +2,9 @@
 a kernel lock per folder, atomic writes, and JSON read with the file named.
 
 A kernel lock (`fcntl.flock`) is released by the kernel when its process dies, kill -9 included: no stale lock to
-take over by hand, so no window where two processes both own a folder. Writes go to a per-process temp name beside the
+take over by hand, so no window where two processes both own a folder. A flock belongs to the open file, which a
+forked child (a DataLoader worker) shares, so every forked child closes its copies at once: the lock dies with the
+process that took it, not with its last child. Writes go to a per-process temp name beside the
 target and are renamed over it: a reader sees the old file or the new one, never half of one, and a full disk
 leaves the old file, says "no space left on <path>" and removes its temp file.
 """
@@ -19,6 +21,22 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("mcar")
+
+
+_TAKEN: set[FolderLock] = set()  # this process's held locks (held strongly: an open lock's fd must not be lost)
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the parent's lock descriptors (the parent still holds its locks) and forget them."""
+    for lock in list(_TAKEN):
+        if lock.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock.fd)
+            lock.fd = None
+    _TAKEN.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class FolderLock:
@@ -52,7 +70,12 @@ class FolderLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self.fd = fd
+        _TAKEN.add(self)
         return True
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
 
     def owner(self) -> dict:
         try:
@@ -66,6 +89,7 @@ class FolderLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+            _TAKEN.discard(self)
 
 
 @contextlib.contextmanager

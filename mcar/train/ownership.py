@@ -45,7 +45,7 @@ def claim(folder: str | Path, what: str, run_name: str) -> Path | None:
     if global_rank() != 0:
         return None
     path = (folder / LOCK).resolve()
-    if path in _HELD:
+    if path in _HELD and _HELD[path].held:  # a forked child holds none of its parent's locks
         return path  # this process already owns it (e.g. output dir == checkpoint dir)
     lock = FolderLock(folder, LOCK)
     try:
