@@ -254,3 +254,23 @@ def test_peak_bandwidth_knows_each_variant():
             "NVIDIA A100-SXM4-80GB": 2.0e12, "NVIDIA A100-SXM4-40GB": 1.555e12, "NVIDIA H100": None,
             "NVIDIA GH200 480GB": None}
     assert {name: bandwidth_of(name) for name in want} == want
+
+
+def test_the_cached_attention_kernel_is_chosen_by_us_not_by_the_trace(monkeypatch):
+    """The cached passes run under our SDPA backend list (memory-efficient on CUDA, as the per-pass plan assumes):
+    the H100 emulation's trace picked cuDNN attention by itself."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def record(*args, **kwargs):
+        b = torch.backends.cuda
+        seen.append((b.mem_efficient_sdp_enabled(), b.flash_sdp_enabled(), b.cudnn_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", record)
+    m = tiny_model().eval()
+    clip = torch.randint(0, 32, (1, LAYOUT.n_slots(FRAMES)))
+    with torch.no_grad():
+        ScheduleSampler(LAYOUT, FRAMES, 1, k=2, temperature=0).generate(m, clip)
+    assert seen and set(seen) == {(True, True, False)}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call

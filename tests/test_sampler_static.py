@@ -174,6 +174,26 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     torch._dynamo.reset()
 
 
+def test_compiled_step_takes_no_python_float_as_a_graph_input(model, monkeypatch):
+    """The model's floats (RMSNorm eps) are constants of the graph: under dynamic=True each was a CPU float64 input,
+    a host kernel and a host-to-device copy before every CUDA graph replay (issue 1/5 round 2 item 3)."""
+    torch._dynamo.reset()
+    inputs = []
+
+    def record(gm, example_inputs):
+        inputs.extend(example_inputs)
+        return gm
+
+    monkeypatch.setattr(compiling, "CPU_COMPILE_OPTIONS", dict(backend=record, fullgraph=True, dynamic=True))
+    layout = Layout(3, 4, 2)
+    ScheduleSampler(layout, T, seed=2, compile=True, k=2, top_p=0.9).generate(model, clip_for(layout))
+    torch._dynamo.reset()
+    assert inputs, "nothing was compiled"
+    floats = [x for x in inputs if isinstance(x, torch.SymFloat) or (isinstance(x, torch.Tensor) and x.ndim == 0
+                                                                       and x.dtype == torch.float64)]
+    assert not floats, f"{len(floats)} float graph inputs"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="inductor on CPU needs a C++ compiler")
 def test_compiled_on_cpu_gives_the_eager_tokens(model):

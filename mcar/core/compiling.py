@@ -17,4 +17,12 @@ def compiled(fn, device):
     # compiled from a copy of fn's code: dynamo keeps graphs, and its limit of 8 recompiles, per code object, and
     # each sampler adds a few (sizes 1, top-k/top-p on or off): samplers sharing one would run out
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, **(COMPILE_OPTIONS if torch.device(device).type == "cuda" else CPU_COMPILE_OPTIONS))
+    step = torch.compile(own, **(COMPILE_OPTIONS if torch.device(device).type == "cuda" else CPU_COMPILE_OPTIONS))
+    return constant_floats(step)
+
+
+def constant_floats(step):
+    """Every Python float a sampler step reads is a model constant (each RMSNorm's eps: 41 at 20 layers); the
+    per-call ones (temperature, top_p) come as tensors. Under dynamic=True dynamo would make each a CPU float64
+    graph input: a host kernel and a host-to-device copy before every CUDA graph replay."""
+    return torch._dynamo.config.patch(specialize_float=True)(step)

@@ -58,6 +58,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def attention_path(backend: str, device: torch.device, plain_causal: bool) -> str:
+    """How a mask reaches attention: `is_causal` (SDPA's flag: flash / cuDNN attention on a GPU, faster than
+    Triton flex at head_dim 64, and the fused CPU kernel), `flex` (a BlockMask) or `dense` (a bool mask for SDPA).
+    The plain causal mask takes is_causal unless flex is asked for by name."""
+    resolved = resolve_backend(backend, device)
+    if plain_causal and (backend == "auto" or resolved == "sdpa"):
+        return "is_causal"
+    return "flex" if resolved == "flex" else "dense"
+
+
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The training loss: mean cross-entropy over slots whose target is not IGNORE. logits (B, S, V), targets (B, S)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
@@ -109,10 +119,11 @@ class _DeviceMasks:
     def __call__(self, device: torch.device):
         key = str(device)
         if key not in self._masks:
-            if resolve_backend(self.backend, device) == "flex":
+            path = attention_path(self.backend, device, self.plain_causal)
+            if path == "flex":
                 self._masks[key] = self.table(device).block_mask()
-            else:  # the plain causal table needs no dense mask: SDPA's is_causal takes its fast CPU kernel
-                self._masks[key] = None if self.plain_causal else self.table(device).dense()
+            else:  # the dense mask is built on the host: its rule reads per-row codes made there
+                self._masks[key] = None if path == "is_causal" else self.table().dense().to(device)
         return self._masks[key]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from mcar.core.precision import active_dtype
@@ -65,6 +66,16 @@ def _wants_compiled_flex(q: torch.Tensor) -> bool:
 
 
 _flex_compiled = None  # torch.compile(flex_attention), made at the first eager call that wants it
+# The H100 forward template at the 700m shapes (head_dim 64, bf16) with flex's default 4 warps / 3 stages used all
+# 255 registers, spilled and serialized its wgmma pipeline (ptxas C7511); 8 warps / 2 stages keep the 128 x 128
+# tiles with no spill in the forward or the backward (../shared/gpu-aot, BENCHMARKS.md "GPU kernels").
+FLEX_KERNEL_OPTIONS = {"num_warps": 8, "num_stages": 2}
+
+
+# The cached passes' attention, chosen here rather than by SDPA's dispatcher at trace time (which picked cuDNN under
+# the H100 emulation): on CUDA the memory-efficient kernel, the one the per-pass plan assumes (arbitrary bias, few
+# query rows; flash takes no bias), on CPU the fused flash kernel; math only where neither applies.
+CACHED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def _flex(q, k, v, block_mask):
@@ -74,11 +85,12 @@ def _flex(q, k, v, block_mask):
     eager)."""
     global _flex_compiled
     gqa = q.shape[1] != k.shape[1]
+    options = FLEX_KERNEL_OPTIONS if q.is_cuda else None
     if _wants_compiled_flex(q) and not torch.compiler.is_compiling():
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
 
 
 class KVCache(nn.Module):
@@ -204,7 +216,8 @@ class Attention(nn.Module):
             bias = cached_attention_bias(bias, H // self.n_kv, dtype)
         keys, values = self.cache.write(cache_pos, k, v, bias.shape[-1] - S)  # (B, Hkv, S + n, D)
         qg = q.to(dtype).reshape(B, self.n_kv, (H // self.n_kv) * S, D)  # GQA group folded into rows
-        y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)  # (B, Hkv, g*S, D)
+        with sdpa_kernel(CACHED_SDPA_BACKENDS):
+            y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias)  # (B, Hkv, g*S, D)
         return y.reshape(B, H, S, D).type_as(q)  # reshape: SDPA may return a (B, g*S, Hkv, D) memory layout
 
 
