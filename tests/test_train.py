@@ -392,3 +392,21 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path)
     p = run_script("finetune.py", *job_overrides(tmp_path, "ft2"), f"init_from={ckpt}", "logger=none", "steps=1",
                    "data.n_a=1", check=False)
     assert p.returncode != 0 and "was trained with data.n_a=2, but this run has data.n_a=1" in p.stderr
+
+
+def test_dashboard_token_accuracy_counts_generated_frames_only():
+    """With two prompt frames the copied second prompt frame used to count as correctly generated (issue 33 item 3)."""
+    from mcar.core.sampler import build_sampler
+    from mcar.train.dashboard import generated_token_accuracy
+
+    lay, frames = Layout(3, 4, 2), 4
+    sampler = build_sampler({"name": "diagd"}, lay, frames, 32, {"k": 2, "prompt_frames": 2})
+    clips = torch.randint(0, 32, (2, lay.n_slots(frames)))
+    tokens = clips.clone()
+    image = lay.is_image(frames)
+    last_two = torch.arange(lay.n_slots(frames)) >= lay.n_slots(2)
+    tokens[:, image & last_two] = (clips[:, image & last_two] + 1) % 32  # every generated token wrong
+    assert generated_token_accuracy(sampler, tokens, clips).item() == 0.0
+    tokens[:, image & (torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))] = clips[:, image & (
+        torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))]  # the last frame right: half of what was generated
+    assert generated_token_accuracy(sampler, tokens, clips).item() == 0.5

@@ -59,6 +59,12 @@ def generate_eager(sampler, model, clips: torch.Tensor):
         return sampler.generate(model, clips)
 
 
+def generated_token_accuracy(sampler, tokens: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
+    """Share of the tokens the sampler generated (its schedule's, after every prompt frame) equal to the clips'."""
+    generated = sampler.schedule().generated.to(clips.device)
+    return (tokens[:, generated] == clips[:, generated]).float().mean()
+
+
 class ValDashboard(Callback):
     def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
                  vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
@@ -143,9 +149,8 @@ class ValDashboard(Callback):
         self._speed_rows += rows
         self.write_speed()
         self.save_tokens(clips, generated, frames, step)
-        gen_slots = lay.is_image(frames).to(clips.device)  # (N,) the image slots after the prompt frame
-        gen_slots[: lay.n_slots(1)] = False
-        acc = {f"val_gen/{label.split()[0]}_token_acc": (t[:, gen_slots] == clips[:, gen_slots]).float().mean()
+        samplers = self.samplers(pl_module, frames)
+        acc = {f"val_gen/{label.split()[0]}_token_acc": generated_token_accuracy(samplers[label], t, clips)
                for label, t in generated.items()}
         pl_module.log_dict({**acc, **{f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
                                       for k, v in zip(("passes", "fps", "tp"), r[2:5])}}, rank_zero_only=True)
