@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mcar.data.shards import ShardError
 from mcar.data.tokenize import balanced_share, build_index
 from tests.conftest import REPO, run_script
 
@@ -122,6 +123,35 @@ def test_stream_packed_for_other_clips_is_refused(stream):
     _, stream_dir, _ = stream
     with pytest.raises(ValueError, match="clip_frames=3 but data.clip_frames=4"):
         datamodule(stream_dir, clip_frames=4)
+
+
+def copied_stream(stream, tmp_path) -> Path:
+    _, stream_dir, _ = stream
+    shutil.copytree(stream_dir, tmp_path / "stream")
+    return tmp_path / "stream"
+
+
+def test_a_stream_declaring_pickled_fields_is_refused_before_any_item_is_read(stream, tmp_path):
+    """LitData unpickles a field its index.json calls "pickle": a crafted stream ran its payload (issue 34 item 1)."""
+    copy = copied_stream(stream, tmp_path)
+    index = copy / "train" / "index.json"
+    config = json.loads(index.read_text())
+    config["config"]["data_format"][2] = "pickle"
+    index.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"declares item fields \['numpy', 'numpy', 'pickle', 'int'\].*refused"):
+        datamodule(copy)
+
+
+def test_stream_items_outside_the_vocabularies_are_refused(stream, tmp_path):
+    """A stream without pack.json (nothing to hold the config against) still has each item's ids checked."""
+    copy = copied_stream(stream, tmp_path)
+    (copy / "pack.json").unlink()
+    dm = datamodule(copy, codebook_size=8)
+    with pytest.raises(ShardError, match="image ids up to .* but data.codebook_size=8"):
+        next(iter(dm.train_dataloader()))
+    dm = datamodule(copy, action_vocab_size=2)
+    with pytest.raises(ShardError, match="action ids up to .* data.action_vocab_size=2"):
+        next(iter(dm.train_dataloader()))
 
 
 class FolderAsBucket:

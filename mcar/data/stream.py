@@ -136,9 +136,10 @@ def read_pack_record(stream_dir: str) -> tuple[dict | None, str]:
 class StreamClips:
     """Items of a LitData dataset as clips in the docs/diagd.md layout (checked against the data config)."""
 
-    def __init__(self, h: int, w: int, n_a: int, clip_frames: int, codebook_size: int, source: str):
+    def __init__(self, h: int, w: int, n_a: int, clip_frames: int, codebook_size: int, source: str,
+                 action_vocab_size: int | None = None):
         self.h, self.w, self.n_a, self.clip_frames = h, w, n_a, clip_frames
-        self.codebook_size, self.source = codebook_size, source
+        self.codebook_size, self.action_vocab_size, self.source = codebook_size, action_vocab_size, source
 
     def __call__(self, item: dict) -> torch.Tensor:
         toks, acts = item["frames"], item["actions"]
@@ -146,6 +147,12 @@ class StreamClips:
             raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds frames {toks.shape} and "
                              f"actions {acts.shape}, but data.clip_frames, data.h, data.w, data.n_a = "
                              f"{self.clip_frames}, {self.h}, {self.w}, {self.n_a}: pack the stream again for them")
+        if toks.size and int(toks.max()) >= self.codebook_size or (
+                self.action_vocab_size is not None and acts.size and int(acts.max()) >= self.action_vocab_size):
+            raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds image ids up to "
+                             f"{int(toks.max())} and action ids up to {int(acts.max()) if acts.size else None}, but "
+                             f"data.codebook_size={self.codebook_size} and data.action_vocab_size="
+                             f"{self.action_vocab_size}: the stream was packed from other data")
         return join_clip(toks, acts, self.codebook_size)
 
 
@@ -155,6 +162,8 @@ def _clip_dataset(url: str, to_clip: StreamClips, **kw):
 
     try:
         return ClipStream(url, to_clip, **kw)
+    except ShardError:
+        raise
     except (FileNotFoundError, ValueError) as e:
         raise FileNotFoundError(f"{url}: not a LitData stream ({e}); make one with `mcar tokenize ... stream=` "
                                 f"(mcar.data.stream)") from None
@@ -211,7 +220,7 @@ class StreamDataModule(ClipDataModule):
         self.check_pack()
         kw = dict(cache_dir=self.cache_dir, max_cache_size=self.max_cache_size)
         clips = lambda split: StreamClips(self.layout.h, self.layout.w, self.layout.n_a, self.clip_frames,
-                                          self.codebook_size, f"{self.stream_dir}/{split}")
+                                          self.codebook_size, f"{self.stream_dir}/{split}", self.action_vocab_size)
         train = _clip_dataset(f"{self.stream_dir}/train", clips("train"), shuffle=True, seed=self.seed,
                               drop_last=True, **kw)
         val = _clip_dataset(f"{self.stream_dir}/val", clips("val"), shuffle=False, **kw)
