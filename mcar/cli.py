@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None):
     name, rest = args[0], args[1:]
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
-    from mcar.hydra_app import readable_progress
+    from mcar.hydra_app import plain_errors, readable_progress
 
-    with readable_progress():  # the tools that compose their config themselves (hydra_tool's do it too)
-        return importlib.import_module(f"mcar.tools.{name}").main(rest)
+    with readable_progress(), plain_errors():  # for the tools that compose their config themselves (hydra_tool's
+        return importlib.import_module(f"mcar.tools.{name}").main(rest)  # do both inside Hydra too)
 
 
 if __name__ == "__main__":

@@ -196,19 +196,26 @@ def raised_by_mcar(e: BaseException) -> bool:
     return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).parent)
 
 
-def said_plainly(job):
+@contextlib.contextmanager
+def plain_errors():
     """Our own errors end the command with their message only (Hydra would print a traceback and its
     HYDRA_FULL_ERROR hint around it); HYDRA_FULL_ERROR=1 shows the full traceback, and errors from inside the
     libraries keep theirs."""
+    try:
+        yield
+    except SAID_PLAINLY as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not raised_by_mcar(e):
+            raise
+        print(f"Error: {e}\n(the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def said_plainly(job):
+    """`job` under plain_errors (inside @hydra.main, before Hydra's own handler sees the error)."""
 
     @functools.wraps(job)
     def run(cfg):
-        try:
+        with plain_errors():
             return job(cfg)
-        except SAID_PLAINLY as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not raised_by_mcar(e):
-                raise
-            print(f"Error: {e}\n(the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
 
     return run

@@ -206,3 +206,16 @@ def test_converted_logits_equal_transformers_bit_for_bit_at_mineworld_geometry(t
         batch = CausalMask(layout, frames)(x)
         got = model(batch.tokens, batch.coords, batch.mask)
     assert torch.equal(got, want), (got - want).abs().amax(-1)[0].nonzero()[:5].flatten().tolist()
+
+
+def test_convert_refusals_end_the_command_with_one_line(tmp_path, capsys):
+    """`mcar convert` composes its config itself, outside Hydra's runner: its refusals printed a full traceback."""
+    from mcar.cli import main as mcar
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.ckpt").write_bytes(b"a trained run")
+    with pytest.raises(SystemExit) as stop:
+        mcar(["convert", "mineworld", str(tmp_path / "nowhere"), f"out={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err
+    assert err.splitlines()[0].startswith(f"Error: out={tmp_path / 'run'} already holds checkpoints (last.ckpt)")

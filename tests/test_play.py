@@ -199,6 +199,19 @@ def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
         bench_session(s, [1], ["noop"], steps=0, repeats=1)
 
 
+def test_play_without_gradio_says_how_to_install_it(crafter_files, monkeypatch):
+    """A RuntimeError from our code: one line through plain_errors (it was a chained ImportError, two tracebacks)."""
+    import sys
+
+    from mcar.tools.play import play
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # import gradio -> ImportError
+    cfg = compose("play", [f"ckpt={crafter_files}/tiny.ckpt", f"prompt_image={crafter_files}/start.png"])
+    with pytest.raises(RuntimeError, match=r"mcar play needs gradio: pip install -e '.\[play\]'") as e:
+        play(cfg)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
 def test_start_frames_from_a_held_out_clip():
     """prompt=<held-out clip id> with 2 start frames (schedule.prompt_frames=2), local action ids (n_a = 2)."""
     import tempfile

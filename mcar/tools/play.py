@@ -449,8 +449,8 @@ def play(cfg: DictConfig, block: bool = True):
         return print_bench(result, cfg.bench.out), session
     try:
         import gradio  # noqa: F401
-    except ImportError as e:
-        raise ImportError("mcar.play needs gradio: pip install -e '.[play]'") from e
+    except ImportError:
+        raise RuntimeError("mcar play needs gradio: pip install -e '.[play]'") from None
     session = build_session(cfg)
     log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
     log.info("mcar.play: warm-up took %.1f s", session.warm_up())
