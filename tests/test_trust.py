@@ -184,6 +184,17 @@ def tiny_checkpoint(path: Path, edit=lambda hp: None) -> Path:
     return path
 
 
+def test_an_arch_that_does_not_fit_the_weights_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """A 1 kB edit of arch made mcar allocate 51 GB before comparing it with the weights (issue 34 item 8)."""
+    import mcar.train.module
+    from mcar.eval.checkpoint import load_model
+
+    path = tiny_checkpoint(tmp_path / "big.ckpt", lambda hp: hp["arch"].update(dim=8192, n_layers=64, mlp_dim=32768))
+    monkeypatch.setattr(mcar.train.module.MCARModule, "__init__", lambda *a, **kw: pytest.fail("module built"))
+    with pytest.raises(ValueError, match=rf"(?s)checkpoint {path} does not fit this model .*model.tok_embeddings"):
+        load_model(path)
+
+
 def writes_file(marker: Path) -> dict:
     """The auditor's data config: Hydra's instantiate, asked to build a node whose _target_ writes `marker`."""
     return {"_target_": "hydra.utils.instantiate",

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
 from mcar.train.checkpoint_io import check_state_shapes, load_checkpoint
 
@@ -56,6 +57,7 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str 
     if "arch" not in hp or "layout" not in hp:
         raise ValueError(f"{path} has no mcar hyper_parameters (arch, layout): not a train.py checkpoint")
     hp["compile"] = False
+    check_arch_fits_weights(hp["arch"], state["state_dict"], path)
     module = MCARModule(**hp)
     check_state_shapes(module, state["state_dict"], str(path))
     module.load_state_dict(state["state_dict"])
@@ -65,6 +67,19 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str 
         for p in module.parameters():
             p.data = p.data.to(dtype)
     return module, hp
+
+
+def check_arch_fits_weights(arch: dict, state_dict: dict, path: Path) -> None:
+    """A checkpoint's arch against its weights' shapes on the meta device, before anything is allocated (an edited
+    arch of a 1 kB file asked for 51 GB and died in torch)."""
+    try:
+        cfg = ModelConfig(**arch)
+    except TypeError as e:
+        raise ValueError(f"{path}: hyper_parameters.arch is not a model config ({e})") from None
+    with torch.device("meta"):
+        skeleton = torch.nn.Module()
+        skeleton.model = Transformer(cfg)
+    check_state_shapes(skeleton, {k: v for k, v in state_dict.items() if k.startswith("model.")}, str(path))
 
 
 def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
