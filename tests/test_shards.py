@@ -124,3 +124,39 @@ def test_verify_shards_reads_every_shard_whatever_the_index_says(tmp_path):
     Folder(**kw).make_sources()  # trusted: the index was current
     with pytest.raises(S.ShardError, match=r"e0\.frames\.npy: image token 32"):
         Folder(**kw, verify_shards=True).make_sources()
+
+
+def test_a_same_size_shard_swapped_after_indexing_is_caught_at_the_clip_that_reads_it(tmp_path):
+    """The index's id ranges are trusted at start; a clip's own ids are not (issue 34 item 3: ids >= codebook_size
+    were action ids, trained on silently)."""
+    write(tmp_path, "e")
+    entries = {e["name"]: e for e in build_index(tmp_path, {})["episodes"]}
+    f, a = bad_frames("image id out of range")  # frame 3
+    np.save(tmp_path / "e.frames.npy", f)
+    clips = TokenClips(tmp_path, ["e"], LAYOUT, 3, CODES, action_vocab_size=ACTIONS, entries=entries)
+    clips.clip(0)  # frames 0-2: fine
+    with pytest.raises(S.ShardError, match=r"e\.frames\.npy: id 32 at frame 3 is out of range for "
+                                           r"data\.codebook_size=32, though index\.json said otherwise"):
+        clips.clip(1)
+
+
+def test_an_entry_lying_about_its_frames_does_not_survive_the_rebuild(tmp_path):
+    write(tmp_path, "e")
+    index = build_index(tmp_path, {})
+    index["episodes"][0]["frames"] = 100  # the shard holds 6
+    write_json(tmp_path / "index.json", index)
+    assert build_index(tmp_path, {})["episodes"][0]["frames"] == 6
+
+
+@pytest.mark.parametrize("index, problem", [
+    ({"episodes": "e"}, 'no "episodes" list'),
+    ({"episodes": [{"name": "e", "frames": "6"}]}, "e: field 'frames' is '6', not int"),
+    ({"episodes": [7]}, "an entry is int, not an object"),
+    ([], 'no "episodes" list'),
+])
+def test_a_malformed_index_names_its_file_and_field(tmp_path, index, problem):
+    from mcar.data.token_clips import read_index
+
+    write_json(tmp_path / "index.json", index)
+    with pytest.raises(S.ShardError, match=f"{tmp_path}/index.json is not an index of token shards \\({problem}\\)"):
+        read_index(tmp_path)

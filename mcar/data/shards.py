@@ -92,8 +92,41 @@ def check_entry(folder: str | Path, entry: dict, grid: tuple[int, int], n_a: int
                              f"out of range for {field}={vocab}; {REMEDY}")
 
 
+ENTRY_FIELDS = {"name": str, "frames": int, "grid": list, "n_a": int, "image_ids": list, "action_ids": list,
+                "bytes": int}
+
+
+def entry_problem(entry) -> str | None:
+    """Why `entry` is not an index entry as we write them (the field and what it holds); None when it is."""
+    if not isinstance(entry, dict):
+        return f"an entry is {type(entry).__name__}, not an object"
+    for field, kind in ENTRY_FIELDS.items():
+        value = entry.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{entry.get('name', '?')}: field {field!r} is {value!r}, not {kind.__name__}"
+    if len(entry["grid"]) != 2 or any(len(entry[k]) != 2 for k in ("image_ids", "action_ids")) or not all(
+            isinstance(v, int) for k in ("grid", "image_ids", "action_ids") for v in entry[k]):
+        return f"{entry['name']}: grid, image_ids and action_ids must be pairs of integers"
+    return None
+
+
+def index_problem(index) -> str | None:
+    """Why a parsed index.json is not one we write ({"meta": {...}, "episodes": [entries]}); None when it is."""
+    if not isinstance(index, dict) or not isinstance(index.get("episodes"), list):
+        return "no \"episodes\" list"
+    if not isinstance(index.get("meta", {}), dict):
+        return "\"meta\" is not an object"
+    return next(filter(None, map(entry_problem, index["episodes"])), None)
+
+
 def current_entry(folder: str | Path, entry: dict | None, name: str) -> dict:
-    """The index's entry when it records this shard as it is on disk (same sizes, stats present); else read it."""
-    if entry and "image_ids" in entry and entry.get("bytes") == shard_bytes(folder, name):
-        return entry
+    """The index's entry when it describes this shard as it is on disk: a well-formed entry, the files' sizes, and
+    the frame count, grid and n_a in the .npy headers (a few hundred bytes read). Else the shards are read and
+    described again: a lying or stale entry never survives a rebuild. Its id ranges are trusted here; every clip
+    read is checked again against the vocabularies (TokenClips.clip)."""
+    if entry_problem(entry) is None and entry["name"] == name and entry["bytes"] == shard_bytes(folder, name):
+        frames_path, actions_path = shard_paths(folder, name)
+        toks, acts = open_shard(frames_path), open_shard(actions_path)
+        if toks.shape == (entry["frames"], *entry["grid"]) and acts.shape == (entry["frames"], entry["n_a"]):
+            return entry
     return shard_stats(folder, name)

@@ -14,7 +14,15 @@ import torch
 from mcar.core.layout import Layout
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.data.files import read_json
-from mcar.data.shards import REMEDY, ShardError, check_entry, current_entry, open_shard, shard_paths
+from mcar.data.shards import (
+    REMEDY,
+    ShardError,
+    check_entry,
+    current_entry,
+    index_problem,
+    open_shard,
+    shard_paths,
+)
 from mcar.tokenizer.clips import join_clip
 
 
@@ -22,7 +30,12 @@ def read_index(folder: str | Path) -> dict:
     f = Path(folder) / "index.json"
     if not f.exists():
         raise FileNotFoundError(f"{f} not found: run the tokenisation job first (mcar tokenize)")
-    return read_json(f, "delete it: the next run rebuilds it from the shards")
+    index = read_json(f, "delete it: the next run rebuilds it from the shards")
+    problem = index_problem(index)
+    if problem:
+        raise ShardError(f"{f} is not an index of token shards ({problem}): delete it, the next run rebuilds it "
+                         f"from the shards")
+    return index
 
 
 def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], list[str]]:
@@ -50,6 +63,7 @@ class TokenClips:
         if clip_stride < 1:
             raise ValueError(f"data.clip_stride={clip_stride}: it must be >= 1")
         self.layout, self.frames, self.codebook_size, self.clip_stride = layout, frames, codebook_size, clip_stride
+        self.action_vocab_size = action_vocab_size
         self.folder, self.episode_names, entries = Path(folder), list(names), entries or {}
         lengths = []
         for name in self.episode_names:
@@ -83,6 +97,13 @@ class TokenClips:
     def clip(self, i: int) -> torch.Tensor:
         e, t = self.locate(i)
         toks, acts = self.frames_of(e, t, self.frames)
+        for arr, vocab, path, field in ((toks, self.codebook_size, 0, "data.codebook_size"),
+                                        (acts, self.action_vocab_size, 1, "data.action_vocab_size")):
+            if vocab is not None and arr.size and int(arr.max()) >= vocab:  # the index's ranges were wrong
+                bad = int(np.argwhere((arr >= vocab).reshape(len(arr), -1).any(1))[0][0])
+                raise ShardError(f"{shard_paths(self.folder, self.episode_names[e])[path]}: id {int(arr.max())} at "
+                                 f"frame {t + bad} is out of range for {field}={vocab}, though index.json said "
+                                 f"otherwise; {REMEDY}")
         return join_clip(toks, acts, self.codebook_size)  # (F * frame_len,)
 
 

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
 from mcar.data.files import read_json, write_atomic, write_json, writing_into
-from mcar.data.shards import ShardError, current_entry, describe_shard, shard_bytes
+from mcar.data.shards import ShardError, current_entry, describe_shard, entry_problem, index_problem, shard_bytes
 from mcar.tokenizer.actions import action_space
 from mcar.tokenizer.video import FrameStream
 
@@ -102,9 +102,11 @@ def part_path(out: Path, rank: int) -> Path:
 def index_entries(path: Path) -> dict:
     """{name: entry} of an index or a rank's part; {} when it is missing or unreadable (its shards are read)."""
     try:
-        return {e["name"]: e for e in read_json(path).get("episodes", [])}
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        index = read_json(path)
+    except (OSError, ValueError):
         return {}
+    episodes = index.get("episodes") if isinstance(index, dict) else None
+    return {e["name"]: e for e in episodes if entry_problem(e) is None} if isinstance(episodes, list) else {}
 
 
 def read_skipped(out: Path) -> dict:
@@ -163,6 +165,9 @@ def stale_index(out: str | Path, names: list[str] | None = None) -> str | None:
         index = read_json(out / "index.json")
     except (OSError, ValueError) as e:
         return str(e)
+    problem = index_problem(index)
+    if problem:
+        return f"not an index of token shards ({problem})"
     listed = {e["name"]: e["frames"] for e in index.get("episodes", [])}
     on_disk = {f.name[: -len(".frames.npy")]: f for f in out.glob("*.frames.npy")}
     if set(on_disk) - set(listed):
