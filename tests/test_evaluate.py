@@ -65,7 +65,8 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     idm = train_tiny_idm(tmp)
     run_script("-m mcar.evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
                "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
-               f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"idm={idm}")
+               f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"trust_code=[{tmp}/i3d.pt,{tmp}/lpips.pt]",
+               f"idm={idm}")
     from mcar.eval.reporting import COLUMNS
 
     table = list(csv.DictReader(open(tmp / "multi" / "results.csv")))

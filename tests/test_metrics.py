@@ -70,18 +70,23 @@ def test_weights_from_local_torchscript_files_or_unavailable_with_the_reason(tmp
     assert "fvd.i3d=" in missing.reason and "i3d_torchscript.pt" in missing.reason
     assert isinstance(M.load_torchscript(None, "LPIPS", "lpips"), M.Unavailable)
     (tmp_path / "junk.pt").write_text("not torchscript")
-    assert "cannot load" in M.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d").reason
+    junk = M.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d", [tmp_path / "junk.pt"])
+    assert "cannot load" in junk.reason
     videos = torch.rand(4, 5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     assert isinstance(M.fvd(missing, videos, videos), M.Unavailable)
     assert M.fmt(missing) == "n/a"
 
     torch.jit.script(FakeI3D()).save(str(tmp_path / "i3d.pt"))
     torch.jit.script(FakeLPIPS()).save(str(tmp_path / "lpips.pt"))
-    i3d = M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d")
+    with pytest.raises(ValueError, match=rf"fvd.i3d={tmp_path}/i3d.pt is a TorchScript program.*"
+                                         rf"trust_code=\[{tmp_path}/i3d.pt\]"):
+        M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d")  # refused before torch reads it
+    trusted = [str(tmp_path / "i3d.pt"), str(tmp_path / "lpips.pt"), str(tmp_path / "junk.pt")]
+    i3d = M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d", trusted)
     assert M.fvd(i3d, videos, videos) == pytest.approx(0, abs=1e-9)
     assert M.fvd(i3d, videos.flip(0).mul(0.5), videos) > 0.01
     assert "2 clips" in M.fvd(i3d, videos[:1], videos[:1]).reason
-    lp = M.lpips_per_frame(M.load_torchscript(str(tmp_path / "lpips.pt"), "LPIPS", "lpips"), videos, videos)
+    lp = M.lpips_per_frame(M.load_torchscript(str(tmp_path / "lpips.pt"), "LPIPS", "lpips", trusted), videos, videos)
     assert lp.shape == (4, 5) and float(lp.abs().max()) == 0
 
 

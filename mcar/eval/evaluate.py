@@ -76,8 +76,9 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s", cfg.ckpt, len(ids), frames, P,
              sampler_label(sampler))
 
-    nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d"),
-            "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips"),
+    trusted = list(cfg.get("trust_code") or [])
+    nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
+            "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips", trusted),
             "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
                                    layout.n_a, cfg.data.action_vocab_size)}
     try:

@@ -105,12 +105,19 @@ def frechet_distance_of_features(f1: torch.Tensor, f2: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ weight files
-def load_torchscript(path: str | None, what: str, config_key: str) -> torch.jit.ScriptModule | Unavailable:
-    """A TorchScript network from a local file, or Unavailable naming the config key and the path."""
+def load_torchscript(path: str | None, what: str, config_key: str,
+                     trust_code=()) -> torch.jit.ScriptModule | Unavailable:
+    """A TorchScript network from a local file, or Unavailable naming the config key and the path. TorchScript is a
+    program: loading and calling it runs whatever it holds, so only a file the user names in `trust_code` is
+    loaded; any other is refused before torch reads it."""
     if not path:
         return Unavailable(f"no {what} weights: set {config_key}=/path/to/file")
     if not Path(path).is_file():
         return Unavailable(f"{what} weights not found: {config_key}={path}")
+    if Path(path).resolve() not in {Path(p).resolve() for p in trust_code or ()}:
+        raise ValueError(f"{config_key}={path} is a TorchScript program, which runs its own code when loaded and "
+                         f"called: if you trust the file (e.g. the publisher's own release), run it by name with "
+                         f"trust_code=[{path}]")
     try:
         return torch.jit.load(str(path), map_location="cpu").eval()
     except Exception as e:  # not TorchScript, truncated, ...
