@@ -3,36 +3,47 @@
 # the output folder, then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included). Each
 # stage JSON records the fingerprint of what it measured (model, overrides, tiny or not, torch, device): a stage done
 # by the same run is skipped (run again after a kill or a timeout: it resumes); one measured by another run is moved
-# to <stage>.json.stale and runs again; merge refuses stages of different fingerprints.
+# to <stage>.json.stale and runs again; merge refuses stages of different fingerprints. Each stage loads the inductor
+# artifacts that earlier stages saved in compile_cache.zip (in the output folder) and adds its own at its end, a
+# timeout's included: a stage redone, even on a fresh machine handed that file, compiles from cache.
 #
 #   bash scripts/gpu_check.sh                      # 700m, paper setting (16-frame clips, bf16, act. ckpt, compile)
-#   bash scripts/gpu_check.sh --tiny               # every stage at tiny size on CPU in a few minutes (CI runs it)
+#   bash scripts/gpu_check.sh --plan               # the device calls of --budget (540) s the stages not done need
+#   bash scripts/gpu_check.sh --tiny               # every stage at tiny size on CPU in about a minute (CI runs it)
 #   bash scripts/gpu_check.sh --out DIR --timeout 420 --wheels .whl model=300m   # extra args: Hydra overrides
 #
 # --out: outputs/gpu_check by default, outputs/gpu_check_tiny with --tiny (a tiny run never stands in for a real one).
 # --timeout: seconds per stage (480). --budget SECONDS (or GPU_CHECK_BUDGET): a stage whose estimate
-# (bench.gpu.estimate_s in mcar/conf/bench.yaml) does not fit the time left since the script started, less merge's
-# estimate, is not started: "skipped for budget", for a later call; a started stage's timeout is cut to the time left.
-# --stages "A B": only these stages, in this order. --copy-to DIR: on exit (even a failed one), the JSONs, logs and
-# bench_gpu.md are copied into DIR.
+# (bench.gpu.estimate in mcar/conf/bench.yaml: start-up + graphs compiled x compile_s + work) does not fit the time
+# left since the script started, less merge's estimate, is not started: "skipped for budget", for a later call; a
+# started stage's timeout is cut to the time left. --plan: print, running nothing, the calls of --budget seconds
+# (540 unless given) that the stages not done need (all of them, whatever --stages says): each call's stages and
+# estimated seconds, and the total.
+# --stages "A B": only these stages, in this order. --copy-to DIR: on exit (even a failed one), DIR gets
+# gpu_check.tgz (the JSONs, logs and bench_gpu.md in one file: the lent machine returns at most 8 files), bench_gpu.md
+# and compile_cache.zip.
 # --wheels DIR installs DIR/*.whl (bash scripts/wheelhouse.sh DIR builds them: hydra-core, omegaconf, antlr4,
 # diffusers) into .site and puts it on PYTHONPATH: a GPU machine with only torch and lightning then runs it.
 # Always data=synthetic logger=csv: no wandb, av, diffusers or crafter is imported. PYTHON picks the interpreter.
 #
-# On the lent GPU machine (commands of at most 10 minutes, ~30 minutes a sitting, only files under $OUT come back),
-# the 700m stages take ~14-25 minutes: split them over several calls of one command (carry .whl):
+# On the lent GPU machine (commands of at most 10 minutes, ~30 minutes a sitting, only files under $OUT come back:
+# at most 8, of 16 MiB each), the 700m stages take ~21 minutes of upper estimates: three calls of one command
+# (carry .whl; --plan prints which stages go in which call):
 #
 #   bash scripts/gpu_check.sh --wheels .whl --budget 540 --copy-to "$OUT/gpu_check"
 #
-# Each call runs, in order, the stages not done that fit its 540 s (the first: train_causal, train_diagd, flex and
-# whatever else fits), ends within ~570 s (a stage's kill grace is 30 s) and returns them under gpu_check/. Repeat it
-# until it prints "every stage done". A warm machine keeps outputs/gpu_check between calls; a fresh one needs the
-# earlier JSONs: copy them back here (mkdir -p outputs/gpu_check; cp <files_at>/gpu_check/*.json outputs/gpu_check/)
-# and add outputs/gpu_check to carry. To get the 25 frames/s target's stage first in a short sitting:
-# --stages "sampler_diagd_16f sampler_ntp_16f".
+# Each call runs, in order, the stages not done that fit its 540 s, ends within ~570 s (a stage's kill grace is 30 s)
+# and returns them under gpu_check/. Repeat it until it prints "every stage done". A machine still warm (the next
+# call within its 30 s) keeps outputs/gpu_check and inductor's own cache; before a call on a fresh one, carry back
+# what the last call returned (here, in the repo root), and add outputs/gpu_check to carry:
+#
+#   mkdir -p outputs/gpu_check && tar -xzf <files_at>/gpu_check/gpu_check.tgz -C outputs/gpu_check &&
+#     cp <files_at>/gpu_check/compile_cache.zip outputs/gpu_check/
+#
+# To get the 25 frames/s target's stage first in a short sitting: --stages "sampler_diagd_16f sampler_ntp_16f".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; only=""; copy_to=""
+out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; only=""; copy_to=""; plan=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=1; shift ;;
@@ -42,7 +53,8 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift 2 ;;
     --stages) only=$2; shift 2 ;;
     --copy-to) copy_to=$2; shift 2 ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    --plan) plan=1; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -65,13 +77,29 @@ else
 fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+common=(data=synthetic logger=csv "bench.gpu.dir=$out")
+export PYTHONUNBUFFERED=1
+if [ "$plan" = 1 ]; then
+  "$py" -m mcar.bench gpu bench.gpu.stage=plan "bench.gpu.budget_s=${budget:-540}" "${common[@]}" "$@" \
+    "hydra.run.dir=$out/hydra/plan" 2>"$out/plan.log" | tail -n 1 \
+    | "$py" -c 'import json, sys; print(json.load(sys.stdin)["text"])' \
+    || { echo "gpu_check: could not plan the calls (see $out/plan.log):"; tail -n 20 "$out/plan.log"; exit 1; }
+  exit 0
+fi
+copy_back() {  # one archive, not a file each: the lent machine returns at most 8 files, of 16 MiB each
+  (cd "$out" && tar -czf "$copy_to/gpu_check.tgz" -- $(ls -- *.json *.json.stale *.log bench_gpu.md 2>/dev/null) \
+    2>/dev/null)
+  cp "$out"/bench_gpu.md "$out/compile_cache.zip" "$copy_to"/ 2>/dev/null
+  local mib=$(( $(stat -c %s "$copy_to/compile_cache.zip" 2>/dev/null || echo 0) / 1048576 ))
+  [ "$mib" -ge 16 ] && echo "gpu_check: compile_cache.zip is ${mib} MiB: over the lent machine's 16 MiB a file," \
+    "it will not come back (the next call compiles cold)"
+  return 0
+}
 if [ -n "$copy_to" ]; then
   mkdir -p "$copy_to"
   copy_to=$(cd "$copy_to" && pwd)
-  trap 'cp "$out"/*.json "$out"/*.json.stale "$out"/*.log "$out"/bench_gpu.md "$copy_to"/ 2>/dev/null' EXIT
+  trap copy_back EXIT
 fi
-common=(data=synthetic logger=csv "bench.gpu.dir=$out")
-export PYTHONUNBUFFERED=1
 list=$("$py" -m mcar.bench gpu bench.gpu.stage=list "${common[@]}" "$@" "hydra.run.dir=$out/hydra/list" 2>"$out/list.log" \
        | tail -n 1)
 # one line per stage: name, state for this run (done, stale or missing), estimate in seconds; then merge's estimate

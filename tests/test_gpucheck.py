@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -75,8 +76,10 @@ def gpu_check(out, *args):
                           capture_output=True, text=True, timeout=900)
 
 
-STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_2f", "sampler_diagd_2f", "sampler_ntp_4f",
-          "sampler_diagd_4f", "memory"]
+# one sampler length (--tiny runs two): each stage is a process start (~4-10 s on 2 cores), and a second length
+# checks nothing the first does not
+ONE_LENGTH = "bench.gpu.sampler_frames=[4]"
+STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "memory"]
 
 
 @pytest.mark.slow
@@ -85,7 +88,7 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     unimportable), one JSON each, merged into bench_gpu.{json,md}; a timed-out stage is reported and listed as
     missing, and the next run redoes only that stage."""
     out = tmp_path / "gc"
-    p = gpu_check(out)
+    p = gpu_check(out, ONE_LENGTH)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert all((out / f"{s}.json").exists() for s in STAGES)
     r = json.loads((out / "bench_gpu.json").read_text())
@@ -108,15 +111,17 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     flex = json.loads((out / "flex.json").read_text())
     assert flex["fingerprint"]["tiny"] and flex["fingerprint"]["model"] == "tiny"
     assert flex["fingerprint"]["device"] == "cpu" and "model=tiny" in flex["fingerprint"]["overrides"]
+    assert flex["compile_cache"]["saved"] == "nothing compiled: nothing saved"  # nothing compiles on CPU here
+    assert json.loads((out / "sampler_ntp_4f.json").read_text())["result"]["bare_forward"] == "timed"  # eager
     flex["fingerprint"] |= {"model": "700m", "tiny": False}  # as if another run had measured flex here
     (out / "flex.json").write_text(json.dumps(flex))
-    p = gpu_check(out, "--timeout", "1")  # no Python starts in a second: flex times out, nothing else runs again
+    p = gpu_check(out, "--timeout", "1", ONE_LENGTH)  # no Python starts in 1 s: flex times out, nothing else reruns
     assert p.returncode == 1 and "== flex: measured by another run" in p.stdout, p.stdout
     assert "== flex (at most 1s" in p.stdout and "timed out after 1s" in p.stdout
     assert p.stdout.count("done before, skipped") == len(STAGES) - 1
     assert (out / "flex.json.stale").exists() and not (out / "flex.json").exists()
     assert "Missing stages (failed, timed out or not run): flex" in (out / "bench_gpu.md").read_text()
-    p = gpu_check(out)
+    p = gpu_check(out, ONE_LENGTH)
     assert p.returncode == 0 and "every stage done" in p.stdout
     assert json.loads((out / "bench_gpu.json").read_text())["flex_vs_dense"]["ok"]
 
@@ -169,7 +174,8 @@ def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mix
 
     cfg = compose("bench", TINY)
     tiny = fingerprint(cfg, ["bench.gpu.stage=flex", f"bench.gpu.dir={tmp_path}", "model=tiny",
-                             "bench.gpu.estimate_s.flex=9", "bench.gpu.targets.mfu=0.5"])
+                             "bench.gpu.estimate.stages.flex.work_s=9", "bench.gpu.budget_s=300",
+                             "bench.gpu.targets.mfu=0.5"])
     assert tiny == {"model": "tiny", "tiny": True, "overrides": ["model=tiny"], "torch": torch.__version__,
                     "device": "cpu"}  # where it writes, the targets and the time estimates measure nothing
     real = fingerprint(compose("bench", ["model=700m"]), ["model=700m"])
@@ -209,11 +215,14 @@ if stage == "list":
         p = out / f"{{s}}.json"
         return "missing" if not p.exists() else "done" if json.loads(p.read_text())["fingerprint"] == "fp" else "stale"
     print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}, "estimate_s": estimates}}))
+elif stage == "plan":
+    print(json.dumps({{"text": f"planned for {{kv['bench.gpu.budget_s']}} s"}}))
 elif stage == "merge":
     (out / "bench_gpu.md").write_text("merged: " + " ".join(s for s in names if (out / f"{{s}}.json").exists()) + "\\n")
 else:
     time.sleep(json.loads(os.environ.get("FAKE_SLEEP", "{{}}")).get(stage, 0))
     (out / f"{{stage}}.json").write_text(json.dumps({{"fingerprint": "fp"}}))
+    (out / "compile_cache.zip").write_text(stage)
     print(stage, "measured")
 """
 
@@ -229,7 +238,8 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     """scripts/gpu_check.sh's own logic (a fake `mcar.bench gpu`, no torch, seconds): --tiny writes its own folder;
     with --budget a stage whose estimate does not fit the time left (less merge's) is skipped for budget, later
     ones that fit still run; a stage of another run is moved aside and run again, not merged; a started stage's
-    timeout is cut to the time left; --stages picks; --copy-to returns the results."""
+    timeout is cut to the time left; --stages picks; --copy-to returns the results as three files (the lent machine
+    returns at most 8); --plan runs no stage."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "gpu_check.sh", tmp_path / "scripts")
     (tmp_path / "python").write_text(FAKE_BENCH.format(python=sys.executable))
@@ -254,8 +264,19 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     assert "not run yet: sampler_ntp_16f sampler_diagd_16f (skipped for budget: sampler_ntp_16f sampler_diagd_16f)" \
         in p.stdout and "every stage done" not in p.stdout
     returned = tmp_path / "returned"
-    assert {f.name for f in returned.iterdir()} >= {"train_causal.json", "flex.json", "memory.json", "bench_gpu.md",
-                                                     "sampler_diagd_16f.json.stale"}
+    assert {f.name for f in returned.iterdir()} == {"gpu_check.tgz", "bench_gpu.md", "compile_cache.zip"}
+    unpacked = tmp_path / "unpacked"  # as the script's header carries them back to the next call
+    unpacked.mkdir()
+    subprocess.run(["tar", "-xzf", str(returned / "gpu_check.tgz"), "-C", str(unpacked)], check=True)
+    assert {f.name for f in unpacked.iterdir()} >= {"train_causal.json", "flex.json", "memory.json", "bench_gpu.md",
+                                                     "sampler_diagd_16f.json.stale", "train_causal.log", "list.log",
+                                                     "merge.log"}
+    assert (returned / "compile_cache.zip").read_text() == "flex"  # the last stage run's
+
+    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--budget", "300", estimates=est)
+    assert p.returncode == 0 and p.stdout == "planned for 300 s\n", p.stdout + p.stderr
+    p = fake_gpu_check(tmp_path, "--tiny", "--plan", estimates=est)
+    assert p.stdout == "planned for 540 s\n" and not (tiny / "sampler_ntp_16f.json").exists()
 
     # the next call: only the stage asked for, its timeout cut to the budget left after merge's estimate
     p = fake_gpu_check(tmp_path, "--tiny", "--budget", "8", "--stages", "sampler_ntp_16f",
@@ -317,3 +338,161 @@ def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_
     assert json.loads((out / "flex.json").read_text())["result"]["ok"], p.stdout[-3000:] + p.stderr[-3000:]
     loaded = imports.read_text().split()
     assert {"hydra", "omegaconf", "antlr4"} <= set(loaded[::2]) and all(o.startswith(str(site)) for o in loaded[1::2])
+
+
+# ---- the call plan, the compile cache carried between calls, what a sampler stage compiles ----------------------
+def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_none():
+    """As gpu_check.sh --budget runs them: each call spends call_s, starts in order every stage whose estimate fits
+    what is left less merge's, then merges; a stage too long for any call alone is reported, not packed."""
+    from mcar.eval.gpu_check import plan_calls
+
+    plan = plan_calls({"a": 100, "b": 300, "c": 150, "too_long": 400, "d": 50, "merge": 30}, budget=400, call_s=10)
+    assert plan["calls"] == [{"stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
+                             {"stages": {"b": 300}, "estimate_s": 340}]
+    assert plan["too_long"] == {"too_long": 400} and plan["total_s"] == 680
+    assert plan_calls({"merge": 30}, budget=400, call_s=10)["calls"] == []  # every stage done: no call
+
+
+def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
+    """bench.gpu.stage=plan (gpu_check.sh --plan) with the shipped bench.gpu.estimate for 700m: every stage in 3
+    calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
+    planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
+    import zipfile
+
+    from mcar.eval.gpu_check import COMPILE_CACHE, fingerprint, run_gpu, stages
+
+    cfg = compose("bench", ["experiment=paper", "model=700m", "bench.gpu.stage=plan", f"bench.gpu.dir={tmp_path}"])
+    plan = run_gpu(cfg)
+    assert len(plan["calls"]) == 3 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
+    assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
+    e = cfg.bench.gpu.estimate
+    assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
+    assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
+        e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
+    assert "call 3, ~" in plan["text"] and "sampler_diagd_16f 165 = 25 start-up" in plan["text"]
+
+    stage_json(tmp_path, "train_causal", fingerprint(cfg, []), {})  # done by this run
+    with zipfile.ZipFile(tmp_path / COMPILE_CACHE, "w") as z:
+        z.writestr("sampler_ntp_16f.bin", b"artifacts")
+    plan = run_gpu(cfg)
+    assert plan["done"] == ["train_causal"] and "train_causal" not in plan["arithmetic"]
+    assert plan["arithmetic"]["sampler_ntp_16f"] == "115 = 25 start-up + 2 model x 15 + 60 work (compile cached)"
+
+
+def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, monkeypatch):
+    """save_compile_cache adds this process's artifacts (torch.compiler.save_cache_artifacts, faked here) as the
+    stage's member of compile_cache.zip, replacing its older one; load_compile_cache loads every member; a damaged
+    file or a torch without the API is a one-line note, never an error."""
+    from mcar.eval.gpu_check import COMPILE_CACHE, cached_stages, load_compile_cache, save_compile_cache
+
+    made, loaded = [], []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: made.pop())
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or "info")
+
+    def save(stage, artifacts):
+        made.append(None if artifacts is None else (artifacts, "info"))  # what save_cache_artifacts returns
+        return save_compile_cache(tmp_path, stage)
+
+    assert load_compile_cache(tmp_path) == "no compile_cache.zip yet: compiled cold"
+    assert cached_stages(tmp_path) == set()
+    assert save("train_causal", b"train graphs").startswith("saved 0.0 MiB of artifacts")
+    assert save("flex", None) == "nothing compiled: nothing saved"
+    save("sampler_ntp_4f", b"sampler graphs")
+    save("train_causal", b"train graphs, again")
+    assert cached_stages(tmp_path) == {"train_causal", "sampler_ntp_4f"}
+    assert load_compile_cache(tmp_path).startswith("loaded 2 of 2 stages' artifacts")
+    assert sorted(loaded) == [b"sampler graphs", b"train graphs, again"]
+
+    (tmp_path / COMPILE_CACHE).write_bytes(b"half a zip")
+    assert load_compile_cache(tmp_path).startswith("compile_cache.zip unreadable (") and not cached_stages(tmp_path)
+    monkeypatch.delattr(torch.compiler, "save_cache_artifacts")
+    monkeypatch.delattr(torch.compiler, "load_cache_artifacts")
+    assert "has no torch.compiler.save_cache_artifacts: nothing saved" in save_compile_cache(tmp_path, "flex")
+    assert "has no torch.compiler.load_cache_artifacts: compiled cold" in load_compile_cache(tmp_path)
+
+
+def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monkeypatch):
+    """`timeout` stops a stage with SIGTERM, 30 s before its kill: the stage's compile artifacts are saved first
+    (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back."""
+    import signal
+
+    from mcar.eval import gpu_check
+
+    saved = []
+
+    def stopped_by_timeout(cfg, out):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode
+
+    monkeypatch.setattr(gpu_check, "memory_check", stopped_by_timeout)
+    monkeypatch.setattr(gpu_check, "save_compile_cache", lambda out, stage: saved.append(stage) or "saved")
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.run_stage(compose("bench", TINY), "memory", tmp_path)
+    assert stop.value.code == 128 + signal.SIGTERM and saved == ["memory"]
+    assert not (tmp_path / "memory.json").exists() and signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_compile_cache_round_trip_lets_a_fresh_machine_compile_from_cache(tmp_path, monkeypatch):
+    """Real inductor artifacts on CPU: a compile with an empty inductor cache directory misses and its artifacts are
+    saved; another empty directory (a fresh machine) that loads compile_cache.zip first hits the cache."""
+    from torch._dynamo.utils import counters
+
+    from mcar.eval.gpu_check import load_compile_cache, save_compile_cache
+
+    def compile_on(machine):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / machine))
+        torch._dynamo.reset()
+        counters.clear()
+        note = load_compile_cache(tmp_path)
+        torch.compile(lambda x: (x * 2 + 1).sin(), dynamic=False)(torch.ones(8))
+        return note, counters["aot_autograd"]["autograd_cache_hit"]
+
+    assert compile_on("machine1") == ("no compile_cache.zip yet: compiled cold", 0)
+    assert save_compile_cache(tmp_path, "flex").startswith("saved ")
+    note, hits = compile_on("machine2")
+    assert note.startswith("loaded 1 of 1 stages' artifacts") and hits == 1
+    torch._dynamo.reset()
+
+
+def test_a_compiled_sampler_stage_compiles_the_generation_step_alone(monkeypatch):
+    """A sampler stage with the sampler compiled (CUDA's path; forced on CPU here, dynamo with a counting backend,
+    no inductor) compiles only generate's step: the bare forwards (another function, so other whole-model graphs,
+    ~1 min each for 700m on an H100 host) are skipped and the JSON says so; bench.bare_forward=true adds them."""
+    from mcar.core import compiling
+    from mcar.core import sampler as sampler_module
+    from mcar.eval.gpu_check import sampler_check
+
+    graphs, real_compiled = [], compiling.compiled
+
+    def counting_compiled(fn, device):  # the sampler's own compiled(), its options' backend counting each graph
+        def backend(gm, example_inputs):
+            graphs.append(fn.__name__)
+            return gm.forward
+
+        monkeypatch.setattr(compiling, "CPU_COMPILE_OPTIONS", dict(dynamic=True, backend=backend))
+        return real_compiled(fn, device)
+
+    monkeypatch.setattr(sampler_module, "compiled", counting_compiled)
+    # one layer: dynamo's trace time grows with the layers; one thread: two fight over a loaded 2-core machine
+    base = [*TINY, "model.arch.n_layers=1", "sampler.compile=true", "bench.device=cpu", "bench.repeats=1",
+            "bench.warmup=1", "bench.threads=1"]
+    threads = torch.get_num_threads()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # compiled_graphs counts this process's graphs, as a stage's process has
+    try:
+        r = sampler_check(compose("bench", base), "diagd", 3)
+        assert r["compile"] and r["bare_forward"].startswith("skipped: the sampler's step is compiled")
+        assert r["bare_forward_ms_per_pass"] is None and r["overhead"] is None
+        assert set(graphs) == {"_sample_pass"} and 1 <= len(graphs) <= 2  # a general graph (+ its size-1 one)
+        assert r["compiled_graphs"] == len(graphs)
+        step_graphs = len(graphs)
+
+        graphs.clear()
+        torch._dynamo.reset()
+        r = sampler_check(compose("bench", [*base, "bench.bare_forward=true"]), "diagd", 3)
+        assert r["bare_forward"] == "timed" and r["bare_forward_ms_per_pass"] > 0
+        assert graphs.count("_sample_pass") == step_graphs and "forward_rows" in graphs  # what auto saves
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()

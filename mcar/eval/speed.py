@@ -2,7 +2,9 @@
 
 sampler: generate frames prompt_frames..T-1 of a random clip with the configured sampler (batch
 bench.batch_size), median over bench.repeats after bench.warmup runs; also times the bare model forwards of the
-same passes (same inputs, same cache, no gathering or sampling) to measure the sampler's own overhead.
+same passes (same inputs, same cache, no gathering or sampling) to measure the sampler's own overhead
+(bench.bare_forward: auto skips them where the sampler's step is compiled, since they would compile whole-model
+graphs of their own).
 bench.compare=true runs NTP and the configured DiagD in one process and adds speedup and pass_ratio.
 train: forward + backward + optimiser steps (conf/optim) on random clips under the configured mask; tokens/s,
 ms/step, peak memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/eval/gpu_check.py.
@@ -26,9 +28,7 @@ from mcar.core.masks import build_mask_factory, masked_loss
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler, forward_rows
-from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
-from mcar.train.module import build_optimizer
 
 
 def timed(fn, device: torch.device, warmup: int, repeats: int):
@@ -90,11 +90,12 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     plans = sched.plan(sampler.full, device)  # built once, cached by the schedule
     static = sampler.static_plan(sched, device) if sampler.is_static(device) else None
     plan_seconds = time.perf_counter() - t0
+    bare = bare_forward_timing(sampler, device, OmegaConf.select(cfg, "bench.bare_forward", default="auto"))
     sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
     seconds, (_, stats) = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
                                 b.warmup, b.repeats)
-    calls = pass_calls(model, sampler, sched, clip, plans)
-    bare_seconds, _ = timed(bare_forwards(model, calls), device, b.warmup, b.repeats)
+    calls = pass_calls(model, sampler, sched, clip, plans)  # builds no graph: a compiled forward compiles when run
+    bare_seconds = timed(bare_forwards(model, calls), device, b.warmup, b.repeats)[0] if bare == "timed" else None
     costs = pass_costs(model, calls, device, b.repeats) if b.pass_costs else None
     B, frames, n = clip.shape[0], sampler.frames - prompt_frames, len(plans)
     rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
@@ -119,9 +120,25 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
                 bytes_per_pass=round(bytes_per_pass), bandwidth=peak,
                 floor_ms_per_pass=round(1000 * bytes_per_pass / peak, 4) if peak else None,
                 bandwidth_fraction=round(bytes_per_pass / s_per_pass / peak, 4) if peak else None,
-                bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3),
-                overhead=round(seconds / bare_seconds, 3), plan_seconds=round(plan_seconds, 3),
+                bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3) if bare_seconds else None,
+                overhead=round(seconds / bare_seconds, 3) if bare_seconds else None, bare_forward=bare,
+                plan_seconds=round(plan_seconds, 3),
                 pass_costs=costs)
+
+
+def bare_forward_timing(sampler, device, setting) -> str:
+    """bench.bare_forward (true, false, or auto: timed unless the sampler's step is compiled, as the bare forward is
+    another function, so another whole-model compile, ~1 min per graph for 700m on an H100 host) -> "timed" or why
+    not (the JSON's bare_forward)."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"bench.bare_forward={setting!r} is invalid: choose true, false or auto (skipped where the "
+                         f"sampler's step is compiled)")
+    if setting is False:
+        return "skipped: bench.bare_forward=false"
+    if setting == "auto" and sampler.compiles(device):
+        return ("skipped: the sampler's step is compiled and the bare forwards would compile whole-model graphs of "
+                "their own (bench.bare_forward=true times them anyway)")
+    return "timed"
 
 
 def pass_calls(model, sampler, sched, clip, plans):
@@ -212,7 +229,8 @@ def run_sampler(cfg: DictConfig) -> dict:
                              speedup_over_pass_ratio=round(speedup / pass_ratio, 3),
                              # the same ratio for the bare forwards: what a sampler without overhead would reach
                              bare_speedup_over_pass_ratio=round(ntp["bare_forward_ms_per_pass"]
-                                                                / diag["bare_forward_ms_per_pass"], 3))
+                                                                / diag["bare_forward_ms_per_pass"], 3)
+                             if diag["bare_forward_ms_per_pass"] else None)
 
 
 # ---- train ------------------------------------------------------------------------------------------------
@@ -223,6 +241,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def run_train(cfg: DictConfig) -> dict:
+    from mcar.train.module import build_optimizer  # imports Lightning: not for the sampler's start-up
+
     device, dtype, layout, model = setup(cfg)
     frames, b = int(cfg.data.clip_frames), cfg.bench
     mcfg = to_dict(cfg.mask)
@@ -261,6 +281,8 @@ def bench_data(cfg: DictConfig) -> dict:
     """The configured datamodule's train loader as Lightning builds it (bench.batch_size clips a step): the
     median wait for the next batch in the main process. Warm-up also drains what the loader workers prefetched,
     so with workers this is their steady-state time per batch: below ms_per_step, input never holds training up."""
+    from mcar.data.common import build_datamodule  # imports Lightning: not for the sampler's start-up
+
     b = cfg.bench
     dm = build_datamodule(cfg.data, batch_size=int(b.batch_size))
     dm.prepare_data()
