@@ -3,8 +3,8 @@
     mcar train model=700m                     mcar finetune mask=diagd steps=1000
     mcar generate ckpt=checkpoints/<run>      mcar bench sampler model=300m
 
-Overrides are Hydra's (`key=value`, `group=option`, `--multirun`, `--cfg job`). `python -m mcar.<tool>`,
-`python train.py` and `python finetune.py` run the same code.
+Overrides are Hydra's (`key=value`, `group=option`, `--multirun`, `--cfg job`). `python train.py` and
+`python finetune.py` are `mcar train` and `mcar finetune`; `python -m mcar.cli <tool>` is `mcar <tool>`.
 """
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ out=$(cd "$out" && pwd)
 common=(data=synthetic logger=csv "bench.gpu.dir=$out")
 export PYTHONUNBUFFERED=1
 if [ "$plan" = 1 ]; then
-  "$py" -m mcar.bench gpu bench.gpu.stage=plan "bench.gpu.budget_s=${budget:-540}" "${common[@]}" "$@" \
+  "$py" -m mcar.cli bench gpu bench.gpu.stage=plan "bench.gpu.budget_s=${budget:-540}" "${common[@]}" "$@" \
     "hydra.run.dir=$out/hydra/plan" 2>"$out/plan.log" | tail -n 1 \
     | "$py" -c 'import json, sys; print(json.load(sys.stdin)["text"])' \
     || { echo "gpu_check: could not plan the calls (see $out/plan.log):"; tail -n 20 "$out/plan.log"; exit 1; }
@@ -100,7 +100,7 @@ if [ -n "$copy_to" ]; then
   copy_to=$(cd "$copy_to" && pwd)
   trap copy_back EXIT
 fi
-list=$("$py" -m mcar.bench gpu bench.gpu.stage=list "${common[@]}" "$@" "hydra.run.dir=$out/hydra/list" 2>"$out/list.log" \
+list=$("$py" -m mcar.cli bench gpu bench.gpu.stage=list "${common[@]}" "$@" "hydra.run.dir=$out/hydra/list" 2>"$out/list.log" \
        | tail -n 1)
 # one line per stage: name, state for this run (done, stale or missing), estimate in seconds; then merge's estimate
 plan=$(printf '%s' "$list" | "$py" -c '
@@ -152,7 +152,7 @@ for stage in "${selected[@]}"; do
   fi
   echo "== $stage (at most ${stage_limit}s; log: $out/$stage.log)"
   t0=$SECONDS
-  timeout --kill-after=30 "$stage_limit" "$py" -m mcar.bench gpu "bench.gpu.stage=$stage" "${common[@]}" "$@" \
+  timeout --kill-after=30 "$stage_limit" "$py" -m mcar.cli bench gpu "bench.gpu.stage=$stage" "${common[@]}" "$@" \
     "hydra.run.dir=$out/hydra/$stage" >"$out/$stage.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then
@@ -163,7 +163,7 @@ for stage in "${selected[@]}"; do
     echo "   done in $((SECONDS - t0))s: $(tail -n 1 "$out/$stage.log" | cut -c1-200)"
   fi
 done
-"$py" -m mcar.bench gpu bench.gpu.stage=merge "${common[@]}" "$@" "hydra.run.dir=$out/hydra/merge" >"$out/merge.log" 2>&1 \
+"$py" -m mcar.cli bench gpu bench.gpu.stage=merge "${common[@]}" "$@" "hydra.run.dir=$out/hydra/merge" >"$out/merge.log" 2>&1 \
   || { echo "gpu_check: merge failed (see $out/merge.log)"; tail -n 20 "$out/merge.log"; exit 1; }
 cat "$out/bench_gpu.md"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -1,4 +1,4 @@
-"""`python -m mcar.bench` prints one JSON line with consistent fields (values only, no timing assertions)."""
+"""`mcar bench` prints one JSON line with consistent fields (values only, no timing assertions)."""
 import json
 import statistics
 
@@ -29,7 +29,7 @@ PASS_COST_FIELDS = {"prefill_ms", "prefill_rows", "fixed_ms", "ms_per_row", "us_
 
 
 def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
-    p = run_script("-m mcar.bench", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
+    p = run_script("-m mcar.cli bench", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     return printed, json.loads(next(tmp_path.glob("bench_*.json")).read_text())
 

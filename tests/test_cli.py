@@ -84,30 +84,3 @@ def test_a_built_wheel_runs_a_tool_from_a_fresh_venv(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["model"] == "tiny"
     assert (work / "run" / ".hydra" / "config.yaml").is_file()
-
-
-def test_old_argparse_spellings_still_run_their_tools(tmp_path):
-    """`python -m mcar.data.crafter_gen --out D ...` and `python -m mcar.vq_patches <episodes> --out ...` (the
-    spellings of commands written before the one CLI) run the same tools as `mcar crafter_gen` / `mcar vq_patches`."""
-    env = {**script_env(), "PYTHONPATH": str(REPO)}
-    run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    p = subprocess.run([sys.executable, "-m", "mcar.data.crafter_gen", "--out", "eps", "--episodes", "3", "--frames",
-                        "6", "--size", "32", "48"], **run)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert len(list((tmp_path / "eps").glob("*.mp4"))) == 3
-    p = subprocess.run([sys.executable, "-m", "mcar.vq_patches", "eps", "--out", "pvq", "--codes", "4", "--iters",
-                        "2", "--held-out", "1"], **run)
-    assert p.returncode == 0, p.stderr[-2000:]
-    stats = json.loads((tmp_path / "pvq" / "metrics.json").read_text())
-    assert stats["train_episodes"] == 2 and stats["held_out_frames"] == 6
-    assert stats["command"].startswith("mcar vq_patches episodes=eps out=pvq codes=4")
-
-
-
-def test_the_old_module_spellings_of_evaluate_and_idm_still_run(tmp_path):
-    """table3 used to print `python -m mcar.eval.evaluate ...`: those commands reach the tools (here their --help)."""
-    env = {**script_env(), "PYTHONPATH": str(REPO)}
-    for module, tool in (("mcar.eval.evaluate", "evaluate"), ("mcar.eval.idm", "idm")):
-        p = subprocess.run([sys.executable, "-m", module, "--cfg", "job"], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0 and f"task: {tool}" in p.stdout, p.stderr[-2000:]

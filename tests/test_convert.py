@@ -1,4 +1,4 @@
-"""`python -m mcar.convert mineworld`: a randomly initialised, reduced LlamaForCausalLM with MineWorld's config
+"""`mcar convert mineworld`: a randomly initialised, reduced LlamaForCausalLM with MineWorld's config
 shape (GQA, 1D RoPE, untied head, image codes then action ids) is saved, converted and compared on the same clip."""
 import json
 

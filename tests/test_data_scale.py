@@ -119,7 +119,7 @@ def test_mcar_bench_data_prints_one_json_line_at_the_target_batch(tmp_path):
 
     from .conftest import run_script
 
-    p = run_script("-m mcar.bench", "data", "bench.data.frames=800", "bench.data.episode_frames=400",
+    p = run_script("-m mcar.cli bench", "data", "bench.data.frames=800", "bench.data.episode_frames=400",
                    f"bench.data.dir={tmp_path}", "bench.data.workers=0", "bench.data.steps=2",
                    "bench.data.warmup_steps=0", f"hydra.run.dir={tmp_path}")
     row = json.loads(p.stdout.strip().splitlines()[-1])

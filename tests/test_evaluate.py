@@ -1,4 +1,4 @@
-"""End-to-end: a tiny model trained by train.py (W&B offline), its training dashboard, `python -m mcar.evaluate`
+"""End-to-end: a tiny model trained by train.py (W&B offline), its training dashboard, `mcar evaluate`
 as a multirun over samplers (table columns, reference rows, W&B run dirs), `mcar.generate` and the IDM job."""
 import csv
 import json
@@ -63,7 +63,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
     torch.jit.script(FakeI3D()).save(str(tmp / "i3d.pt"))
     torch.jit.script(FakeLPIPS()).save(str(tmp / "lpips.pt"))
     idm = train_tiny_idm(tmp)
-    run_script("-m mcar.evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
+    run_script("-m mcar.cli evaluate", "-m", *SMALL_DATA, *job_overrides(tmp, "eval"), f"ckpt={tmp}/ckpt/{RUN}",
                "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
                f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"trust_code=[{tmp}/i3d.pt,{tmp}/lpips.pt]",
                f"idm={idm}")

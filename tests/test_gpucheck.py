@@ -128,7 +128,8 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
 
 @pytest.mark.slow
 def test_bench_memory_plans_the_configured_training_step(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mcar.bench", "memory", *TINY, "model.activation_checkpointing=true",
+    p = subprocess.run([sys.executable, "-m", "mcar.cli", "bench", "memory", *TINY,
+                        "model.activation_checkpointing=true",
                         "bench.memory.budget_gib=0.03", f"hydra.run.dir={tmp_path}"],
                        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -142,9 +143,9 @@ def test_bench_memory_plans_the_configured_training_step(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_runs_every_stage_in_one_process_by_default(tmp_path):
-    """`python -m mcar.bench gpu ...` without bench.gpu.stage (stage=all): every stage in this process, then the
+    """`mcar bench gpu ...` without bench.gpu.stage (stage=all): every stage in this process, then the
     merge; its printed JSON is bench_gpu.json."""
-    p = subprocess.run([sys.executable, "-m", "mcar.bench", "gpu", "experiment=paper", *TINY, "data=synthetic",
+    p = subprocess.run([sys.executable, "-m", "mcar.cli", "bench", "gpu", "experiment=paper", *TINY, "data=synthetic",
                         "logger=csv", "trainer.accelerator=cpu", "bench.gpu.steps=2", "bench.gpu.warmup_steps=1",
                         "bench.repeats=1", "bench.warmup=0", "bench.gpu.sampler_frames=[3]",
                         "bench.memory.direct=false", f"hydra.run.dir={tmp_path}"],
@@ -198,15 +199,15 @@ def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mix
 
 
 FAKE_BENCH = """#!{python}
-# `python -m mcar.bench gpu ...` as scripts/gpu_check.sh calls it, without mcar or torch: stage estimates from
+# `python -m mcar.cli bench gpu ...` as scripts/gpu_check.sh calls it, without mcar or torch: stage estimates from
 # FAKE_ESTIMATES, each stage sleeps FAKE_SLEEP[stage] seconds; any other use of the interpreter is the real one
 import json, os, sys, time
 from pathlib import Path
 
 args = sys.argv[1:]
-if args[:2] != ["-m", "mcar.bench"]:
+if args[:3] != ["-m", "mcar.cli", "bench"]:
     os.execv(sys.executable, [sys.executable, *args])
-kv = dict(a.split("=", 1) for a in args[3:] if "=" in a)
+kv = dict(a.split("=", 1) for a in args[4:] if "=" in a)
 stage, out = kv["bench.gpu.stage"], Path(kv["bench.gpu.dir"])
 estimates = json.loads(os.environ["FAKE_ESTIMATES"])
 names = [s for s in estimates if s != "merge"]

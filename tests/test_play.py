@@ -179,7 +179,7 @@ def test_serving_port_moves_past_a_taken_port():
 
 
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
-    """python -m mcar.play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
+    """mcar play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
     one JSON line printed and written to bench.out."""
     from mcar.tools.play import bench_session, play
 

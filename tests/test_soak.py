@@ -1,4 +1,4 @@
-"""Issue 15 item 7, short form of `python -m mcar.soak`: kill -9 a training run at random moments, resume it each
+"""Issue 15 item 7, short form of `mcar soak`: kill -9 a training run at random moments, resume it each
 time; every step's loss and the final weights equal an uninterrupted run's (the long form is in BENCHMARKS.md)."""
 import json
 
@@ -9,7 +9,7 @@ from tests.conftest import SMALL_DATA, run_script
 
 @pytest.mark.slow
 def test_soak_kills_and_resumes_bit_identically(tmp_path):
-    p = run_script("-m mcar.soak", f"out={tmp_path}", "kills=3", "every=10", *SMALL_DATA, "trainer.max_steps=120",
+    p = run_script("-m mcar.cli soak", f"out={tmp_path}", "kills=3", "every=10", *SMALL_DATA, "trainer.max_steps=120",
                    timeout=900)
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "soak.json").read_text())

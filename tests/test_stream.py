@@ -227,7 +227,7 @@ def test_soak_kills_and_resumes_a_stream_bit_identically(stream, tmp_path):
     cross two epoch ends)."""
     _, stream_dir, _ = stream
     geometry = [f"data.{k}={v}" for k, v in GEOMETRY.items()]
-    p = run_script("-m mcar.soak", f"out={tmp_path}", "kills=3", "every=10", "data=stream",
+    p = run_script("-m mcar.cli soak", f"out={tmp_path}", "kills=3", "every=10", "data=stream",
                    f"data.stream_dir={stream_dir}", *geometry, "data.clip_frames=3", "data.batch_size=2",
                    "data.val_clips=2", "data.num_workers=2", "trainer.max_steps=130", timeout=900)
     result = json.loads(p.stdout.strip().splitlines()[-1])

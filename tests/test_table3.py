@@ -72,7 +72,7 @@ TINY = [*SMALL_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", "che
 
 @pytest.mark.slow
 def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
-    args = ["-m mcar.table3", "experiment=crafter_table3_cpu", f"paths.root_dir={tmp_path}", *TINY]
+    args = ["-m mcar.cli table3", "experiment=crafter_table3_cpu", f"paths.root_dir={tmp_path}", *TINY]
     run_script(*args, timeout=1200)
     out = tmp_path / "outputs" / "table3" / "crafter_table3_cpu"
     state = json.loads((out / "state.json").read_text())

@@ -379,10 +379,10 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path)
     tuned = tmp_path / "ckpt" / "ft" / "last.ckpt"
     hp = torch.load(tuned, weights_only=True)
     assert hp["global_step"] == 1 and hp["hyper_parameters"]["schedule"]["k"] == 3
-    p = run_script("-m mcar.generate", f"ckpt={ckpt}", "prompt=0", f"hydra.run.dir={tmp_path}/gen")
+    p = run_script("-m mcar.cli generate", f"ckpt={ckpt}", "prompt=0", f"hydra.run.dir={tmp_path}/gen")
     assert list((tmp_path / "gen").glob("clip0_*.mp4"))
     # evaluate (and play, through the same loader as generate) take the data and the schedule too: k=3 here
-    p = run_script("-m mcar.evaluate", f"ckpt={tuned}", "n_clips=2", "batch_size=2", "logger=none", "idm=null",
+    p = run_script("-m mcar.cli evaluate", f"ckpt={tuned}", "n_clips=2", "batch_size=2", "logger=none", "idm=null",
                    f"hydra.run.dir={tmp_path}/eval")
     assert "data and vq and schedule as the checkpoint was trained" in p.stdout + p.stderr
     from mcar.data.files import read_json

@@ -204,8 +204,8 @@ def writes_file(marker: Path) -> dict:
 
 
 # the tools that adopt a checkpoint's config, as the CLI runs them: in a Hydra app (only there is it adopted)
-TOOLS = {"evaluate": ("-m mcar.evaluate", "ckpt=", ["logger=none"]),
-         "generate": ("-m mcar.generate", "ckpt=", ["prompt=0"]),
+TOOLS = {"evaluate": ("-m mcar.cli evaluate", "ckpt=", ["logger=none"]),
+         "generate": ("-m mcar.cli generate", "ckpt=", ["prompt=0"]),
          "finetune": ("finetune.py", "init_from=", ["logger=none", "steps=1"])}
 
 

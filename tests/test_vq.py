@@ -95,8 +95,8 @@ def test_committed_small_vq_loads():
 
 @pytest.mark.slow
 def test_vq_train_command_tiny(tmp_path):
-    """`python -m mcar.vq_train` on generated Crafter episodes, tiny: best/ + last/ folders, metrics, PNG, resume."""
-    base = [sys.executable, "-m", "mcar.vq_train", f"episodes={tmp_path}/eps", f"out={tmp_path}/out",
+    """`mcar vq_train` on generated Crafter episodes, tiny: best/ + last/ folders, metrics, PNG, resume."""
+    base = [sys.executable, "-m", "mcar.cli", "vq_train", f"episodes={tmp_path}/eps", f"out={tmp_path}/out",
             "generate.episodes=3", "generate.frames=8", "generate.workers=1", "val_episodes=1", "val_per_episode=4",
             "val_stride=2", "crop=[64,64]", "batch_size=2", "val_every=3", "ckpt_every=3", "print_every=1",
             "kmeans_batches=1", "vq.arch.block_out_channels=[8,8,8,8,8]", "vq.arch.norm_num_groups=4",

@@ -68,7 +68,7 @@ def _wants_compiled_flex(q: torch.Tensor) -> bool:
 _flex_compiled = None  # torch.compile(flex_attention), made at the first eager call that wants it
 # The H100 forward template at the 700m shapes (head_dim 64, bf16) with flex's default 4 warps / 3 stages used all
 # 255 registers, spilled and serialized its wgmma pipeline (ptxas C7511); 8 warps / 2 stages keep the 128 x 128
-# tiles with no spill in the forward or the backward (../shared/gpu-aot, BENCHMARKS.md "GPU kernels").
+# tiles with no spill in the forward or the backward (BENCHMARKS.md, "GPU kernels compiled on CPU").
 FLEX_KERNEL_OPTIONS = {"num_warps": 8, "num_stages": 2}
 
 

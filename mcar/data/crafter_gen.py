@@ -238,11 +238,3 @@ def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, 
             bar.update()
     bar.close()
     return names
-
-
-if __name__ == "__main__":  # the old spelling of `mcar crafter_gen`: handed to the command line by name
-    import runpy
-    import sys
-
-    sys.argv[1:1] = ["crafter_gen"]
-    runpy.run_module("mcar.cli", run_name="__main__")

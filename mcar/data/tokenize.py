@@ -327,11 +327,3 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
     print(f"rank {rank} of {world}: tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in mine)} "
           f"frames in {out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))
     return merged_index(out, meta, episodes) if world == 1 else part
-
-
-if __name__ == "__main__":  # the old spelling of `mcar tokenize`: handed to the command line by name
-    import runpy
-    import sys
-
-    sys.argv[1:1] = ["tokenize"]
-    runpy.run_module("mcar.cli", run_name="__main__")

@@ -111,11 +111,3 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     log_wandb(cfg, rows, per_frame, media)
     log.info("results (%s):\n%s", out, (out / "results.md").read_text())
     return rows
-
-
-if __name__ == "__main__":  # the old spelling of `mcar evaluate` (table3 printed it): handed to the CLI by name
-    import runpy
-    import sys
-
-    sys.argv[1:1] = ["evaluate"]
-    runpy.run_module("mcar.cli", run_name="__main__")

@@ -352,11 +352,3 @@ def train_idm(cfg: DictConfig) -> dict:
     log.info("IDM held-out accuracy %.3f, movement actions %s (majority baseline %.3f, macro F1 %.3f) -> %s",
              final["accuracy"], final["moves_accuracy"], final["majority_baseline"], final["macro_f1"], out)
     return report
-
-
-if __name__ == "__main__":  # the old spelling of `mcar idm` (table3 printed it): handed to the CLI by name
-    import runpy
-    import sys
-
-    sys.argv[1:1] = ["idm"]
-    runpy.run_module("mcar.cli", run_name="__main__")
