@@ -1,6 +1,7 @@
 """Issue 5/5 items 2-3: the LitData stream (packed from token shards, split across ranks, resumed mid-epoch and at an
 epoch's end exactly, soaked) and the tokeniser over several devices (Lightning Fabric) with its throughput."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -279,3 +280,29 @@ def test_tokenize_over_two_devices_writes_what_one_does_and_a_stream(tmp_path):
     pack = json.loads((tmp_path / "stream" / "pack.json").read_text())
     assert pack["train_episodes"] == 4 and pack["val_episode_names"] == ["e4"] and pack["h"] == 14
     assert (REPO / "conf" / "data" / "stream.yaml").exists()
+
+
+def test_each_pack_stages_its_chunks_in_its_own_folder_and_removes_it(stream, tmp_path, monkeypatch):
+    """LitData empties one machine-wide /tmp/chunks at each optimize's start: two packs at once broke each other
+    (issue 34 item 5). Each pack now has its own staging folders, gone afterwards, the caller's settings restored."""
+    import litdata
+
+    from mcar.data.stream import pack_stream
+
+    tokens, _, _ = stream
+    seen, real = [], litdata.optimize
+
+    def recording(**kw):
+        seen.append((os.environ["DATA_OPTIMIZER_CACHE_FOLDER"], os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"]))
+        return real(**kw)
+
+    monkeypatch.setattr(litdata, "optimize", recording)
+    monkeypatch.setenv("DATA_OPTIMIZER_DATA_CACHE_FOLDER", "/callers/own")
+    monkeypatch.delenv("DATA_OPTIMIZER_CACHE_FOLDER", raising=False)
+    for out in ("a", "b"):
+        pack_stream(tokens, str(tmp_path / out), clip_frames=3, val_episodes=1, chunk_bytes="8kB", workers=1)
+    assert len(seen) == 4 and len({chunks for chunks, _ in seen}) == 2  # per pack, shared by its two splits
+    for chunks, data in seen:
+        assert Path(chunks).parent == Path(data).parent and not Path(chunks).parent.exists()
+    assert "DATA_OPTIMIZER_CACHE_FOLDER" not in os.environ
+    assert os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] == "/callers/own"

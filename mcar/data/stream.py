@@ -16,7 +16,9 @@ LitData (not webdataset or mosaicml-streaming): measured in BENCHMARKS.md "Data 
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -81,14 +83,15 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
     train, val = split_by_episode([e["name"] for e in entries], val_episodes)
     frames = {e["name"]: e["frames"] for e in entries}
     workers = workers or max(1, min(len(train), os.cpu_count() or 1))
-    for split, names, split_stride in (("train", train, stride), ("val", val, clip_frames)):
-        # inputs largest first: the optimize workers' shares end together
-        names = sorted(names, key=lambda n: -frames[n])
-        litdata.optimize(fn=partial(episode_clips, tokens_dir=str(tokens_dir), clip_frames=clip_frames,
-                                    stride=split_stride),
-                         inputs=names, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
-                         num_workers=min(workers, len(names)), mode="overwrite", reorder_files=False,
-                         start_method="fork")  # fork: callers need no __main__ guard
+    with own_litdata_cache():
+        for split, names, split_stride in (("train", train, stride), ("val", val, clip_frames)):
+            # inputs largest first: the optimize workers' shares end together
+            names = sorted(names, key=lambda n: -frames[n])
+            litdata.optimize(fn=partial(episode_clips, tokens_dir=str(tokens_dir), clip_frames=clip_frames,
+                                        stride=split_stride),
+                             inputs=names, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                             num_workers=min(workers, len(names)), mode="overwrite", reorder_files=False,
+                             start_method="fork")  # fork: callers need no __main__ guard
     (grid, n_a_), = grids
     record = {"format": FORMAT, "tokens_dir": str(tokens_dir.resolve()), "tokens_meta": meta,
               "h": grid[0], "w": grid[1], "n_a": n_a_, "clip_frames": clip_frames, "stride": stride,
@@ -97,6 +100,29 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
               "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
     write_pack_record(out, record)
     return record
+
+
+LITDATA_CACHE_VARS = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
+
+
+@contextlib.contextmanager
+def own_litdata_cache():
+    """LitData's optimize stages chunks in one folder per machine (/tmp/chunks), emptied by each run at its start:
+    two packs at once broke each other (one crashed, one left a stream with a chunk missing). Each pack gets its own
+    folder, removed afterwards however the pack ends (a full disk left 31 MB behind)."""
+    saved = {v: os.environ.get(v) for v in LITDATA_CACHE_VARS}
+    own = tempfile.mkdtemp(prefix="mcar-pack-")
+    try:
+        os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = os.path.join(own, "chunks")
+        os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = os.path.join(own, "data")
+        yield own
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def is_url(location: str) -> bool:
