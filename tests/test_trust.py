@@ -254,8 +254,24 @@ def test_the_shipped_checkpoints_config_passes_unchanged():
     from mcar.train.jobs import checkpoint_group_config
 
     hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
-    for group in ("data", "vq", "schedule"):
+    for group in ("vq", "schedule"):
         assert checkpoint_group_config(group, hp[group], "ckpt=shipped") == hp[group]
+    data = checkpoint_group_config("data", hp["data"], "ckpt=shipped")
+    assert data | {"root": None} == hp["data"] | {"root": None}
+    assert data["root"] == "${paths.data_dir}/crafter"  # this install's (the shipped file says ./data/crafter)
+
+
+def test_a_checkpoint_never_decides_where_data_is_built_or_how_its_vq_trains():
+    """data.root and data.vq_train_overrides come from this install's config of the same name (issue 34 items 6, 7:
+    a checkpoint chose where generate built data, and its override strings reached the VQ job's compose())."""
+    from mcar.train.checkpoint_io import load_checkpoint
+    from mcar.train.jobs import checkpoint_group_config
+
+    hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
+    hostile = hp["data"] | {"root": "/etc/elsewhere", "vq_train": True,
+                            "vq_train_overrides": ["out=/root/x", "episodes=1000000", "+hydra.searchpath=[/tmp]"]}
+    data = checkpoint_group_config("data", hostile, "ckpt=x")
+    assert data["root"] == "${paths.data_dir}/crafter" and data["vq_train_overrides"] == []
 
 
 @pytest.mark.parametrize("where", ["vq_trainer", "nested", "unknown_group", "args", "schedule"])

@@ -240,7 +240,24 @@ def checkpoint_group_config(group: str, node, source: str) -> dict:
         raise ValueError(f"{source}: refused the checkpoint's {named}: code may be named only as mcar's own config "
                          f"group has it, and mcar/conf/{group}/ has no config {name!r} (the checkpoint's "
                          f"{group}.name); a checkpoint's config is data, never code{hint}")
-    return relocate_assets(checked_checkpoint_value(node, packaged, source, group, origin, hint))
+    return own_locations(group, relocate_assets(checked_checkpoint_value(node, packaged, source, group, origin,
+                                                                          hint)), packaged)
+
+
+# where a config group builds and writes: this install's own settings, never a checkpoint's (a checkpoint's data.root
+# decided where generate / evaluate / play built data, anywhere on disk; its vq_train_overrides are Hydra override
+# strings: a VQ `out=` anywhere, 1e6 episodes on 64 workers, a hydra.searchpath)
+OWN_LOCATIONS = {"data": ("root", "vq_train_overrides")}
+
+
+def own_locations(group: str, adopted: dict, packaged: dict | None) -> dict:
+    """The adopted config with OWN_LOCATIONS taken from this install's config of the same name (left out where it
+    has none: the command line then gives them, e.g. data.root=)."""
+    for key in OWN_LOCATIONS.get(group, ()):
+        adopted.pop(key, None)
+        if packaged is not None and key in packaged:
+            adopted[key] = packaged[key]
+    return adopted
 
 
 # model fields of a checkpoint that finetune copies into its config: plain values too (no interpolation)
