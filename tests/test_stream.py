@@ -306,3 +306,27 @@ def test_each_pack_stages_its_chunks_in_its_own_folder_and_removes_it(stream, tm
         assert Path(chunks).parent == Path(data).parent and not Path(chunks).parent.exists()
     assert "DATA_OPTIMIZER_CACHE_FOLDER" not in os.environ
     assert os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] == "/callers/own"
+
+
+def test_a_pack_cut_off_by_a_full_disk_leaves_the_old_stream_whole(stream, tmp_path, monkeypatch):
+    """LitData's traceback, partial chunks in the output (issue 34 item 11): now one line, the old stream as it was."""
+    import errno
+
+    import litdata
+
+    from mcar.data.stream import pack_stream
+
+    tokens, _, _ = stream
+    copy = copied_stream(stream, tmp_path)
+    before = {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+
+    def full_disk(output_dir, **kw):
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "chunk-0-0.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(litdata, "optimize", full_disk)
+    with pytest.raises(OSError, match=f"no space left on {tmp_path} while packing stream: the old stream is whole"):
+        pack_stream(tokens, str(copy), clip_frames=3, val_episodes=1, workers=1)
+    assert {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream"]  # no partial stream, no lock left

@@ -17,6 +17,7 @@ LitData (not webdataset or mosaicml-streaming): measured in BENCHMARKS.md "Data 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from mcar.data.common import ClipDataModule, check_vocab
-from mcar.data.files import read_json, write_json
+from mcar.data.files import read_json, temp_path, write_json, writing_into
 from mcar.data.shards import ShardError, check_entry, shard_paths
 from mcar.tokenizer.clips import join_clip
 
@@ -83,23 +84,49 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
     train, val = split_by_episode([e["name"] for e in entries], val_episodes)
     frames = {e["name"]: e["frames"] for e in entries}
     workers = workers or max(1, min(len(train), os.cpu_count() or 1))
-    with own_litdata_cache():
+    with packing_into(out) as staging, own_litdata_cache():
         for split, names, split_stride in (("train", train, stride), ("val", val, clip_frames)):
             # inputs largest first: the optimize workers' shares end together
             names = sorted(names, key=lambda n: -frames[n])
             litdata.optimize(fn=partial(episode_clips, tokens_dir=str(tokens_dir), clip_frames=clip_frames,
                                         stride=split_stride),
-                             inputs=names, output_dir=f"{out.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
+                             inputs=names, output_dir=f"{staging.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
                              num_workers=min(workers, len(names)), mode="overwrite", reorder_files=False,
                              start_method="fork")  # fork: callers need no __main__ guard
-    (grid, n_a_), = grids
-    record = {"format": FORMAT, "tokens_dir": str(tokens_dir.resolve()), "tokens_meta": meta,
-              "h": grid[0], "w": grid[1], "n_a": n_a_, "clip_frames": clip_frames, "stride": stride,
-              "train_episodes": len(train), "val_episode_names": val,
-              "train_clips": sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train),
-              "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
-    write_pack_record(out, record)
+        (grid, n_a_), = grids
+        record = {"format": FORMAT, "tokens_dir": str(tokens_dir.resolve()), "tokens_meta": meta,
+                  "h": grid[0], "w": grid[1], "n_a": n_a_, "clip_frames": clip_frames, "stride": stride,
+                  "train_episodes": len(train), "val_episode_names": val,
+                  "train_clips": sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train),
+                  "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
+        write_pack_record(staging, record)
     return record
+
+
+@contextlib.contextmanager
+def packing_into(out: str):
+    """-> where to pack the stream `out`. A local stream is packed beside it under a lock on its name (one pack at a
+    time), then swapped in: a pack that fails (a full disk) leaves the old stream whole and no partial chunks. An
+    object-store URL is written in place."""
+    if is_url(out):
+        yield out
+        return
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with writing_into(target.parent, f"the stream {target.name}", f".{target.name}.mcar-pack.lock"):
+        staging, old = temp_path(target, ".packing"), temp_path(target, ".replaced")
+        try:
+            yield str(staging)
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
+                raise OSError(errno.ENOSPC, f"no space left on {target.parent} while packing {target.name}: the "
+                                            f"old stream is whole, the partial one removed") from None
+            raise
+        if target.exists():
+            target.rename(old)
+        staging.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 LITDATA_CACHE_VARS = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
