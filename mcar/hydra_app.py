@@ -219,3 +219,16 @@ def said_plainly(job):
             return job(cfg)
 
     return run
+
+
+def hydra_job() -> tuple[bool, int, str]:
+    """(is multirun, job number, group name) of the current Hydra job; (False, 0, 'mcar') outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False, 0, "mcar"
+    hc = HydraConfig.get()
+    multi = hc.mode == RunMode.MULTIRUN
+    group = Path(hc.sweep.dir).name if multi else hc.job.name
+    return multi, hc.job.num if multi else 0, group

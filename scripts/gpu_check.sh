@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staged GPU check (mcar/eval/gpu_check.py): each stage in its own process under a timeout, writing <stage>.json into
+# The staged GPU check (mcar/bench/gpu_check.py): each stage in its own process under a timeout, writing <stage>.json into
 # the output folder, then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included). Each
 # stage JSON records the fingerprint of what it measured (model, overrides, tiny or not, torch, device): a stage done
 # by the same run is skipped (run again after a kill or a timeout: it resumes); one measured by another run is moved

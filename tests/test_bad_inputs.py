@@ -48,7 +48,7 @@ def test_convert_names_a_ckpt_without_layers(tmp_path):
 
 
 def test_sampling_past_the_trained_length_is_said(caplog):
-    from mcar.eval.checkpoint import warn_past_trained_length
+    from mcar.checkpoint.load import warn_past_trained_length
 
     with caplog.at_level(logging.WARNING, logger="mcar"):
         warn_past_trained_length(3, {"clip_frames": 3})

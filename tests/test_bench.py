@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mcar.bench import speed
+from mcar.bench.speed import fit_pass_costs
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler
-from mcar.eval import speed
-from mcar.eval.speed import fit_pass_costs
 from mcar.train.module import ADAMW, build_optimizer
 from mcar.train.task import build_module
 from tests.conftest import compose, run_script

@@ -113,15 +113,15 @@ def tiny_checkpoint(tmp_path):
 
 
 def test_load_model_dtype(tmp_path):
+    from mcar.checkpoint.load import load_model, sampling_dtype
     from mcar.core.layout import Layout
     from mcar.core.sampler import ScheduleSampler
-    from mcar.eval.checkpoint import load_model, sampling_dtype
 
     path = tiny_checkpoint(tmp_path)
     fp32, _ = load_model(path, "cpu")  # the default on CPU: unchanged
-    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
     bf16, _ = load_model(path, "cpu", dtype="bfloat16")
-    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     assert bf16.model.rope.inv_freq.dtype == torch.float32  # buffers are not cast: RoPE stays exact
     lay = Layout(3, 4, 2)
     clip = torch.randint(0, 32, (1, lay.n_slots(3)))
@@ -153,9 +153,9 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
         seen.update(device=torch.device(device), dtype=dtype)
         raise Loaded
 
-    import mcar.eval.checkpoint
+    import mcar.checkpoint.load
 
-    for where in (mod, mcar.eval.checkpoint):  # evaluate imports it; generate loads through load_for_sampling
+    for where in (mod, mcar.checkpoint.load):  # evaluate imports it; generate loads through load_for_sampling
         if hasattr(where, "load_model"):
             monkeypatch.setattr(where, "load_model", fake_load_model)
     cfg = compose(entry, [*SMALL_DATA, "ckpt=unused.ckpt", f"device={device}", f"dtype={dtype}",

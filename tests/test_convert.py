@@ -42,7 +42,7 @@ def clip(batch=2):
 def converted(tmp_path, tie=False):
     hf = tiny_llama(tmp_path, tie)
     path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
-    from mcar.eval.checkpoint import load_model  # the loader mcar.generate and mcar.evaluate use
+    from mcar.checkpoint.load import load_model  # the loader mcar.generate and mcar.evaluate use
 
     return hf, path, load_model(path, "cpu")
 
@@ -194,7 +194,7 @@ def test_converted_logits_equal_transformers_bit_for_bit_at_mineworld_geometry(t
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=14, w=24, n_a=11, frames=frames)
-    from mcar.eval.checkpoint import load_model
+    from mcar.checkpoint.load import load_model
 
     model = load_model(path, "cpu")[0].model.eval()
     g = torch.Generator().manual_seed(1)

@@ -122,7 +122,7 @@ def test_a_full_disk_during_a_checkpoint_save_says_so_and_removes_its_temp_file(
     """torch.save on a full disk fails with "inline_container.cc ... unexpected pos" naming no path."""
     import shutil
 
-    from mcar.train.checkpoint_io import AtomicCheckpointIO
+    from mcar.checkpoint.io import AtomicCheckpointIO
 
     def partial_save(obj, f):
         open(f, "wb").write(b"x" * 100)

@@ -71,7 +71,7 @@ def test_memory_is_per_episode_and_a_clip_reads_only_its_frames(tmp_path, monkey
 def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_path, path):
     """mcar bench data: synthetic VPT shards written once (then reused; for the stream path packed once), one JSON
     row with the issue's fields."""
-    from mcar.eval.data_speed import run_data
+    from mcar.bench.data_speed import run_data
 
     from .conftest import compose
 
@@ -98,7 +98,7 @@ def test_a_child_that_ended_is_left_out_of_the_workers_memory():
     import time
     from pathlib import Path
 
-    from mcar.eval.data_speed import worker_pids, workers_memory_mb
+    from mcar.bench.data_speed import worker_pids, workers_memory_mb
 
     child = subprocess.Popen(["true"])
     try:
@@ -131,7 +131,7 @@ def test_mcar_bench_data_prints_one_json_line_at_the_target_batch(tmp_path):
 def test_bench_tokenizer_measures_cpu_and_predicts_a_gpu():
     """mcar bench tokenizer: encoder FLOPs per frame (4x the pixels, 4x the FLOPs: convolutions), CPU encode and
     decode frames/s measured, one GPU's frames/s = utilisation x TF32 peak / FLOPs."""
-    from mcar.eval.tokenize_speed import encoder_flops_per_frame, run_tokenizer
+    from mcar.bench.tokenize_speed import encoder_flops_per_frame, run_tokenizer
     from mcar.tokenizer.vq_model import build_vq
 
     from .conftest import compose

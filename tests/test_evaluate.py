@@ -102,7 +102,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
 
 
 def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
-    from mcar.eval.checkpoint import resolve_ckpt
+    from mcar.checkpoint.load import resolve_ckpt
     from mcar.eval.generation import pick_clips
 
     with pytest.raises(FileNotFoundError, match="ckpt: checkpoint not found: .*nope"):

@@ -171,7 +171,7 @@ FLEX = {"dtype": "float32", "seq_len": 46, "max_rel_err": 1e-7, "argmax_agreemen
 def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mixed_runs(tmp_path):
     """A tiny CPU run's stage JSON never stands in for the 700m run's: the fingerprint (model, overrides, tiny,
     torch, device) tells them apart, and merge refuses a folder holding both, naming the stage files."""
-    from mcar.eval.gpu_check import fingerprint, merge, stage_states
+    from mcar.bench.gpu_check import fingerprint, merge, stage_states
 
     cfg = compose("bench", TINY)
     tiny = fingerprint(cfg, ["bench.gpu.stage=flex", f"bench.gpu.dir={tmp_path}", "model=tiny",
@@ -345,7 +345,7 @@ def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_
 def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_none():
     """As gpu_check.sh --budget runs them: each call spends call_s, starts in order every stage whose estimate fits
     what is left less merge's, then merges; a stage too long for any call alone is reported, not packed."""
-    from mcar.eval.gpu_check import plan_calls
+    from mcar.bench.gpu_check import plan_calls
 
     plan = plan_calls({"a": 100, "b": 300, "c": 150, "too_long": 400, "d": 50, "merge": 30}, budget=400, call_s=10)
     assert plan["calls"] == [{"stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
@@ -360,7 +360,7 @@ def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
     planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
     import zipfile
 
-    from mcar.eval.gpu_check import COMPILE_CACHE, fingerprint, run_gpu, stages
+    from mcar.bench.gpu_check import COMPILE_CACHE, fingerprint, run_gpu, stages
 
     cfg = compose("bench", ["experiment=paper", "model=700m", "bench.gpu.stage=plan", f"bench.gpu.dir={tmp_path}"])
     plan = run_gpu(cfg)
@@ -384,7 +384,7 @@ def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, m
     """save_compile_cache adds this process's artifacts (torch.compiler.save_cache_artifacts, faked here) as the
     stage's member of compile_cache.zip, replacing its older one; load_compile_cache loads every member; a damaged
     file or a torch without the API is a one-line note, never an error."""
-    from mcar.eval.gpu_check import COMPILE_CACHE, cached_stages, load_compile_cache, save_compile_cache
+    from mcar.bench.gpu_check import COMPILE_CACHE, cached_stages, load_compile_cache, save_compile_cache
 
     made, loaded = [], []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: made.pop())
@@ -417,7 +417,7 @@ def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monke
     (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back."""
     import signal
 
-    from mcar.eval import gpu_check
+    from mcar.bench import gpu_check
 
     saved = []
 
@@ -439,7 +439,7 @@ def test_compile_cache_round_trip_lets_a_fresh_machine_compile_from_cache(tmp_pa
     saved; another empty directory (a fresh machine) that loads compile_cache.zip first hits the cache."""
     from torch._dynamo.utils import counters
 
-    from mcar.eval.gpu_check import load_compile_cache, save_compile_cache
+    from mcar.bench.gpu_check import load_compile_cache, save_compile_cache
 
     def compile_on(machine):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / machine))
@@ -460,9 +460,9 @@ def test_a_compiled_sampler_stage_compiles_the_generation_step_alone(monkeypatch
     """A sampler stage with the sampler compiled (CUDA's path; forced on CPU here, dynamo with a counting backend,
     no inductor) compiles only generate's step: the bare forwards (another function, so other whole-model graphs,
     ~1 min each for 700m on an H100 host) are skipped and the JSON says so; bench.bare_forward=true adds them."""
+    from mcar.bench.gpu_check import sampler_check
     from mcar.core import compiling
     from mcar.core import sampler as sampler_module
-    from mcar.eval.gpu_check import sampler_check
 
     graphs, real_compiled = [], compiling.compiled
 

@@ -80,8 +80,8 @@ def test_idm_auto_prefers_your_own_then_the_shipped_one(tmp_path):
 
 
 def test_a_checkpoints_asset_paths_are_relocated_into_this_install():
+    from mcar.checkpoint.config import relocate_assets
     from mcar.hydra_app import asset_path, relocated_asset
-    from mcar.train.jobs import relocate_assets
 
     here = asset_path("vq_crafter_tiles")
     assert relocated_asset("/some/other/clone/mcar/assets/vq_crafter_tiles") == here
@@ -94,7 +94,7 @@ def test_a_checkpoints_asset_paths_are_relocated_into_this_install():
 
 @pytest.mark.skipif(not (SHIPPED / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
 def test_the_shipped_checkpoint_carries_its_data_and_fits_its_held_out_clips():
-    from mcar.eval.checkpoint import check_data_fits, load_model
+    from mcar.checkpoint.load import check_data_fits, load_model
     from mcar.eval.generation import held_out_data
 
     module, hp = load_model(SHIPPED)

@@ -16,9 +16,9 @@ from hydra.errors import HydraException
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mcar.checkpoint.io import load_checkpoint
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
-from mcar.eval.evaluate import load_model
 from mcar.hydra_app import to_dict
 from mcar.train.module import MCARModule, warmup_cosine
 from mcar.train.task import build_module
@@ -127,11 +127,10 @@ def val_losses(config_name: str, overrides: list[str], ckpt: Path, **schedule) -
     data.setup("fit")
     batches = list(data.val_dataloader())
     assert len(batches) == 1
-    module, hp = load_model(ckpt)
-    if schedule:
-        state = module.state_dict()
-        module = MCARModule(**hp | {"schedule": hp["schedule"] | schedule})
-        module.load_state_dict(state)
+    state = load_checkpoint(ckpt)
+    hp = state["hyper_parameters"]
+    module = MCARModule(**hp | {"schedule": hp["schedule"] | (schedule or {})})
+    module.load_state_dict(state["state_dict"])
     with torch.no_grad():
         return {"val/loss": module.forward_loss(batches[0]["tokens"], module.val_mask_factory).item(),
                 "val/loss_diagd": module.forward_loss(batches[0]["tokens"], module.val_diagd_factory).item()}
@@ -150,7 +149,7 @@ def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
     ckpt = torch.load(ckpt_path, weights_only=False)
     assert ckpt["global_step"] == 20 and ckpt["hyper_parameters"]["mask"]["name"] == "diagd"
     assert ckpt["hyper_parameters"]["schedule"]["k"] == 4
-    module, _ = load_model(ckpt_path)
+    module = MCARModule(**ckpt["hyper_parameters"])
     assert module.val_diagd_factory.schedule.k == module.mask_factory.schedule.k == 4
     # the last validation's losses are the final weights' on the val clips: the k=4 DiagD loss, not another k's
     want = val_losses("finetune", overrides, ckpt_path)

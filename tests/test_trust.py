@@ -46,7 +46,7 @@ def refused(fn, hostile):
 
 
 def test_ckpt_of_generate_evaluate_play_is_refused(hostile):
-    from mcar.eval.checkpoint import load_model
+    from mcar.checkpoint.load import load_model
 
     path = hostile("run/last.ckpt")
     assert str(path) in refused(lambda: load_model(path.parent, "cpu"), hostile)
@@ -61,7 +61,7 @@ def test_init_from_of_finetune_is_refused(hostile, tmp_path):
 
 
 def test_ckpt_path_of_train_is_refused_by_us_and_by_lightnings_resume(hostile, tmp_path):
-    from mcar.train.checkpoint_io import AtomicCheckpointIO
+    from mcar.checkpoint.io import AtomicCheckpointIO
     from mcar.train.task import run
 
     path = hostile("ckpt/x/last.ckpt")
@@ -90,7 +90,7 @@ def test_a_sharded_ckpt_path_is_read_as_data_before_torch_unpickles_its_metadata
     .metadata (or meta.pt) holding code before Lightning gets the folder; a genuine one passes."""
     import pickle
 
-    from mcar.train.checkpoint_io import check_sharded_checkpoint
+    from mcar.checkpoint.io import check_sharded_checkpoint
     from mcar.train.task import run
 
     check_sharded_checkpoint(sharded_checkpoint(tmp_path / "genuine"))
@@ -139,8 +139,8 @@ def test_a_vq_folder_with_pickled_code_is_refused(hostile, tmp_path):
 
 
 def test_genuine_files_load_as_weights_only():
+    from mcar.checkpoint.io import load_checkpoint
     from mcar.eval.idm import load_idm
-    from mcar.train.checkpoint_io import load_checkpoint
 
     shipped = REPO / "checkpoints" / "shipped"
     assert "state_dict" in load_checkpoint(shipped / "crafter_tiles_diagd" / "last.ckpt")
@@ -186,13 +186,18 @@ def tiny_checkpoint(path: Path, edit=lambda hp: None) -> Path:
 
 def test_an_arch_that_does_not_fit_the_weights_is_refused_before_anything_is_built(tmp_path, monkeypatch):
     """A 1 kB edit of arch made mcar allocate 51 GB before comparing it with the weights (issue 34 item 8)."""
-    import mcar.train.module
-    from mcar.eval.checkpoint import load_model
+    import mcar.checkpoint.load as load
 
     path = tiny_checkpoint(tmp_path / "big.ckpt", lambda hp: hp["arch"].update(dim=8192, n_layers=64, mlp_dim=32768))
-    monkeypatch.setattr(mcar.train.module.MCARModule, "__init__", lambda *a, **kw: pytest.fail("module built"))
+    real = load.Transformer
+
+    def on_meta_only(cfg):
+        assert torch.empty(0).device.type == "meta", "a model was built before the check"
+        return real(cfg)
+
+    monkeypatch.setattr(load, "Transformer", on_meta_only)
     with pytest.raises(ValueError, match=rf"(?s)checkpoint {path} does not fit this model .*model.tok_embeddings"):
-        load_model(path)
+        load.load_model(path)
 
 
 def writes_file(marker: Path) -> dict:
@@ -250,8 +255,8 @@ def test_a_genuine_checkpoint_still_brings_its_config(tmp_path):
 
 
 def test_the_shipped_checkpoints_config_passes_unchanged():
-    from mcar.train.checkpoint_io import load_checkpoint
-    from mcar.train.jobs import checkpoint_group_config
+    from mcar.checkpoint.config import checkpoint_group_config
+    from mcar.checkpoint.io import load_checkpoint
 
     hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
     for group in ("vq", "schedule"):
@@ -264,8 +269,8 @@ def test_the_shipped_checkpoints_config_passes_unchanged():
 def test_a_checkpoint_never_decides_where_data_is_built_or_how_its_vq_trains():
     """data.root and data.vq_train_overrides come from this install's config of the same name (issue 34 items 6, 7:
     a checkpoint chose where generate built data, and its override strings reached the VQ job's compose())."""
-    from mcar.train.checkpoint_io import load_checkpoint
-    from mcar.train.jobs import checkpoint_group_config
+    from mcar.checkpoint.config import checkpoint_group_config
+    from mcar.checkpoint.io import load_checkpoint
 
     hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
     hostile = hp["data"] | {"root": "/etc/elsewhere", "vq_train": True,
@@ -278,8 +283,8 @@ def test_a_checkpoint_never_decides_where_data_is_built_or_how_its_vq_trains():
 def test_code_keys_a_checkpoint_adds_anywhere_are_refused(where):
     """Nested `_target_` / `_args_` nodes (the crafter data's vq_trainer is instantiated recursively), a data
     config whose name no packaged group has, and groups without code (schedule): each refused by field."""
-    from mcar.train.checkpoint_io import load_checkpoint
-    from mcar.train.jobs import checkpoint_group_config
+    from mcar.checkpoint.config import checkpoint_group_config
+    from mcar.checkpoint.io import load_checkpoint
 
     hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
     group, node, field = {

@@ -15,7 +15,7 @@ only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUD
 A metric whose weights are missing is 'n/a' with the reason in `notes`. Everything logged to W&B is also written
 to the run's output dir: results.{md,csv,json}, per_frame.csv, videos/, mask_<sampler>.png.
 
-The parts: loading (mcar.eval.checkpoint), held-out clips and sampling (mcar.eval.generation), metrics
+The parts: loading (mcar.checkpoint.load), held-out clips and sampling (mcar.eval.generation), metrics
 (mcar.eval.scoring), tables, W&B and videos (mcar.eval.reporting); this module runs them in order.
 """
 from __future__ import annotations
@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.checkpoint.config import adopt_checkpoint_config
+from mcar.checkpoint.load import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
 from mcar.core.devices import resolve_device, set_threads
 from mcar.core.sampler import build_sampler
 from mcar.data.files import write_atomic
 from mcar.eval import metrics as M
-from mcar.eval.checkpoint import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
 from mcar.eval.generation import (
     generate_clips,
     held_out_data,
@@ -46,7 +47,6 @@ from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_
 from mcar.eval.scoring import Scorer, score_rows
 from mcar.hydra_app import to_dict
 from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
-from mcar.train.jobs import adopt_checkpoint_config
 
 log = logging.getLogger("mcar.eval.evaluate")
 

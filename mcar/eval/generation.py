@@ -8,10 +8,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
+from mcar.checkpoint.config import adopt_checkpoint_config
 from mcar.core.devices import sync
 from mcar.core.schedule import ScheduleConfig
 from mcar.data.common import build_datamodule
-from mcar.train.jobs import adopt_checkpoint_config
 
 
 class ShippedHeldOut:
@@ -36,7 +36,7 @@ class ShippedHeldOut:
 def held_out_folder(cfg: DictConfig) -> Path | None:
     """cfg.held_out -> the token folder of shipped held-out clips, or None for the data's own validation episodes.
     auto: <checkpoint's folder>/held_out when it exists (the shipped model's), else None; data: None; a path."""
-    from mcar.eval.checkpoint import resolve_ckpt
+    from mcar.checkpoint.load import resolve_ckpt
 
     value = OmegaConf.select(cfg, "held_out", default="auto")
     if value in (None, "data"):
@@ -117,8 +117,8 @@ def load_vq_for(cfg: DictConfig, device: torch.device | str = "cpu"):
 def load_for_sampling(cfg: DictConfig):
     """A sampling job's (module, hyperparameters, VQ, device): cfg.ckpt on cfg.device in cfg.dtype, checked against
     cfg.data, and the VQ that decodes the data's tokens (mcar.generate, mcar.play)."""
+    from mcar.checkpoint.load import check_data_fits, load_model, sampling_dtype
     from mcar.core.devices import resolve_device
-    from mcar.eval.checkpoint import check_data_fits, load_model, sampling_dtype
 
     device = resolve_device(cfg.device)
     module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))

@@ -26,12 +26,12 @@ from einops import rearrange
 from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
+from mcar.checkpoint.io import load_weights_only
 from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_json
 from mcar.eval.metrics import Unavailable
 from mcar.tokenizer.clips import split_clip
-from mcar.train.checkpoint_io import load_weights_only
 
 log = logging.getLogger("mcar.eval.idm")
 

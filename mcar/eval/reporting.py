@@ -14,10 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.data.files import write_atomic, writing_into
 from mcar.eval import metrics as M
 from mcar.eval.idm import PR_COLUMNS
+from mcar.hydra_app import hydra_job
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.pictures import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
 from mcar.tokenizer.video import write_mp4
-from mcar.train.jobs import hydra_job
 
 log = logging.getLogger("mcar.eval.evaluate")
 COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "unchanged", "action_f1", "action_acc",

@@ -1,9 +1,9 @@
 """`mcar bench sampler|train|memory|gpu|data|tokenizer [hydra overrides]`: speed and memory on random weights
 (conf/bench.yaml).
 
-sampler, train: mcar/eval/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/eval/gpu_check.py;
-data (the input pipeline at VPT scale): mcar/eval/data_speed.py; tokenizer (VQ-encoding cost):
-mcar/eval/tokenize_speed.py.
+sampler, train: mcar/bench/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/bench/gpu_check.py;
+data (the input pipeline at VPT scale): mcar/bench/data_speed.py; tokenizer (VQ-encoding cost):
+mcar/bench/tokenize_speed.py.
 The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mcar.eval.data_speed import run_data
-from mcar.eval.gpu_check import run_gpu, run_memory
-from mcar.eval.speed import run_sampler, run_train
-from mcar.eval.tokenize_speed import run_tokenizer
+from mcar.bench.data_speed import run_data
+from mcar.bench.gpu_check import run_gpu, run_memory
+from mcar.bench.speed import run_sampler, run_train
+from mcar.bench.tokenize_speed import run_tokenizer
 from mcar.hydra_app import hydra_tool
 
 MODES = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu, "data": run_data,

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from mcar.checkpoint.io import AtomicCheckpointIO, load_weights_only
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.schedule import ScheduleConfig
 from mcar.hydra_app import CONF_DIR, compose_tool
-from mcar.train.checkpoint_io import AtomicCheckpointIO, load_weights_only
 
 log = logging.getLogger("mcar.convert")
 MINEWORLD_LAYOUT = dict(h=14, w=24, n_a=11)  # 336 image tokens then 11 action tokens per frame, 347 slots

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.checkpoint.load import warn_past_trained_length
 from mcar.core.devices import set_threads
 from mcar.core.sampler import build_sampler
-from mcar.eval.checkpoint import warn_past_trained_length
 from mcar.eval.generation import load_for_sampling, sampler_label
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from mcar.checkpoint.io import load_checkpoint
 from mcar.data.files import write_json
 from mcar.hydra_app import compose_tool
-from mcar.train.checkpoint_io import load_checkpoint
 
 DEFAULTS = ["model=tiny", "data=synthetic", "logger=csv", "log_every_n_steps=1", "trainer.val_check_interval=1000",
             "val_dashboard.n_clips=0"]

@@ -203,7 +203,7 @@ def table_md(rows: list[dict]) -> list[str]:
 
 def facts(cfg: DictConfig) -> dict:
     """Model size, data size, steps and machine, for the RESULTS section."""
-    from mcar.train.checkpoint_io import load_checkpoint
+    from mcar.checkpoint.io import load_checkpoint
 
     state = load_checkpoint(Path(cfg.checkpoint.dir) / "last.ckpt")
     arch = cfg.model.arch

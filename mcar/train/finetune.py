@@ -6,8 +6,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from mcar.train.checkpoint_io import load_checkpoint
-from mcar.train.jobs import adopt_checkpoint_config, command_line_overrides
+from mcar.checkpoint.config import adopt_checkpoint_config, command_line_overrides
+from mcar.checkpoint.io import load_checkpoint
 
 log = logging.getLogger("mcar")
 

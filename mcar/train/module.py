@@ -167,7 +167,7 @@ class MCARModule(L.LightningModule):
         schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
         `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused).
         data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
-        that load the checkpoint start from them (mcar.train.jobs.adopt_checkpoint_config)."""
+        that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = legacy_optim(optim, lr_schedule)

@@ -12,19 +12,19 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.core.devices import set_threads
-from mcar.core.layout import Layout
-from mcar.core.sampler import build_sampler
-from mcar.data.common import build_datamodule
-from mcar.hydra_app import to_dict
-from mcar.train.callbacks import Checkpoints, build_callbacks
-from mcar.train.checkpoint_io import (
+from mcar.checkpoint.io import (
     AtomicCheckpointIO,
     check_sharded_checkpoint,
     check_state_shapes,
     is_sharded_checkpoint,
     load_checkpoint,
 )
+from mcar.core.devices import set_threads
+from mcar.core.layout import Layout
+from mcar.core.sampler import build_sampler
+from mcar.data.common import build_datamodule
+from mcar.hydra_app import to_dict
+from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.jobs import (
     check_run_name,
     checkpoint_dir,

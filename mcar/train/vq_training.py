@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from mcar.checkpoint.io import AtomicCheckpointIO, load_checkpoint
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
 from mcar.tokenizer import quality
@@ -40,7 +41,6 @@ from mcar.tokenizer.vq_model import (
     to_uint8,
     use_l2_quantizer,
 )
-from mcar.train.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- data

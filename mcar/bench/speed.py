@@ -7,7 +7,7 @@ same passes (same inputs, same cache, no gathering or sampling) to measure the s
 graphs of their own).
 bench.compare=true runs NTP and the configured DiagD in one process and adds speedup and pass_ratio.
 train: forward + backward + optimiser steps (conf/optim) on random clips under the configured mask; tokens/s,
-ms/step, peak memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/eval/gpu_check.py.
+ms/step, peak memory and (GPU) MFU, and the data loader's time per step. memory and gpu: see mcar/bench/gpu_check.py.
 
 """
 from __future__ import annotations

@@ -1,17 +1,19 @@
-"""Loading a trained world model for sampling: the checkpoint file, the sampling dtype, the module, and the check
-that the data config fits it."""
+"""Loading a trained world model for sampling: the checkpoint file, the sampling dtype, a plain Transformer built
+from the checkpoint's arch and weights (no LightningModule: gpt-fast's way), and the check that the data config
+fits it."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
+from mcar.checkpoint.io import check_state_shapes, load_checkpoint
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
-from mcar.train.checkpoint_io import check_state_shapes, load_checkpoint
 
 log = logging.getLogger("mcar")
 
@@ -43,30 +45,34 @@ def sampling_dtype(dtype: str | torch.dtype | None, device: str | torch.device) 
     return SAMPLING_DTYPES[dtype]
 
 
+@dataclass
+class SamplingModel:
+    """What a sampling job needs of a checkpoint: the model and the clip layout it was trained on."""
+
+    model: Transformer
+    layout: Layout
+
+
 def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None):
-    """A Lightning checkpoint of train.py / finetune.py -> (MCARModule in eval mode, its hyper-parameters).
+    """A checkpoint of train.py / finetune.py -> (SamplingModel in eval mode, its hyper-parameters).
 
     Parameters are cast to `dtype` (see `sampling_dtype`; default bfloat16 on CUDA, float32 on CPU), buffers are
     not: RoPE's frequencies stay float32, as in mixed-precision training. The samplers' KV cache follows the
     weights' dtype."""
-    from mcar.train.module import MCARModule
-
     path = resolve_ckpt(None if ckpt is None else str(ckpt))
     state = load_checkpoint(path)
     hp = dict(state.get("hyper_parameters") or {})
     if "arch" not in hp or "layout" not in hp:
         raise ValueError(f"{path} has no mcar hyper_parameters (arch, layout): not a train.py checkpoint")
-    hp["compile"] = False
     check_arch_fits_weights(hp["arch"], state["state_dict"], path)
-    module = MCARModule(**hp)
-    check_state_shapes(module, state["state_dict"], str(path))
-    module.load_state_dict(state["state_dict"])
-    module = module.to(device).eval()
+    model = Transformer(ModelConfig(**hp["arch"]))
+    model.load_state_dict({k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")})
+    model = model.to(device).eval()
     dtype = sampling_dtype(dtype, device)
     with torch.no_grad():
-        for p in module.parameters():
+        for p in model.parameters():
             p.data = p.data.to(dtype)
-    return module, hp
+    return SamplingModel(model, Layout(**hp["layout"])), hp
 
 
 def check_arch_fits_weights(arch: dict, state_dict: dict, path: Path) -> None:

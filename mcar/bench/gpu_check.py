@@ -45,13 +45,13 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.bench.speed import run_sampler
 from mcar.core.devices import resolve_device, sync
 from mcar.core.flops import mfu, peak_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
-from mcar.eval.speed import run_sampler
 from mcar.hydra_app import to_dict
 
 

@@ -118,7 +118,7 @@ def data_module(path: str, folder: Path, clip_frames: int, batch_size: int, work
 
 
 def run_data(cfg: DictConfig) -> dict:
-    from mcar.eval.speed import timed
+    from mcar.bench.speed import timed
 
     d = cfg.bench.data
     frames, clip_frames = int(d.frames), int(d.clip_frames)
