@@ -20,8 +20,8 @@ def test_two_generators_on_one_folder_leave_whole_episodes(tmp_path):
     and leave mp4s that decode 0 frames, counted as finished)."""
     from mcar.tokenizer.video import mp4_frame_count
 
-    cmd = [sys.executable, "-m", "mcar.data.crafter_gen", "--out", str(tmp_path / "eps"), "--episodes", "3",
-           "--frames", "12", "--size", "32", "48"]
+    cmd = [sys.executable, "-m", "mcar.cli", "crafter_gen", f"out={tmp_path / 'eps'}", "episodes=3", "frames=12",
+           "size=[32,48]"]
     env = {**script_env(), "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
