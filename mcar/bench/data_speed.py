@@ -9,7 +9,7 @@ first batch: index or stream metadata, shard checks, loader and workers up), rss
 rss_mb_per_worker / uss_mb_per_worker (each loader worker's resident and private memory, the largest),
 data_ms_per_step (the main process's median wait for the next batch of bench.data.batch_size clips of
 bench.data.clip_frames frames, 8 x 16 by default, over bench.data.steps steps, after warm-up steps).
-Targets (issue 5/5): start-up <= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at
+Targets: start-up <= 5 s and <= 300 MB per worker at 10M frames, <= 1 ms of data per step at
 8 x 16 frames."""
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def psnr_pooled(gen: torch.Tensor, gt: torch.Tensor, dim=None) -> torch.Tensor:
     nothing of the others."""
     # dim indexes (B, T); the MSE is also over each frame's (3, H, W)
     over = (0, 1) if dim is None else tuple(d % 2 for d in ((dim,) if isinstance(dim, int) else dim))
-    return psnr(gen.double(), gt.double(), data_range=1.0, dim=(*over, 2, 3, 4))  # float64, as before
+    # in float64: a frame equal to its target gives inf, never a rounding error's finite value
+    return psnr(gen.double(), gt.double(), data_range=1.0, dim=(*over, 2, 3, 4))
 
 
 def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
