@@ -34,20 +34,27 @@ def test_a_live_owner_is_refused_and_a_killed_ones_lock_is_free(tmp_path):
     assert not lock.exists()
 
 
-_FORKING_OWNER = """
+_FORKING_OWNER = r"""
 import multiprocessing, os, sys, time
 from mcar.data.files import FolderLock
 assert FolderLock(sys.argv[1], ".mcar-run.lock").acquire(blocking=False, run_name="parent")
+
+
+def work():  # runs after the fork hooks: the child has dropped its copy of the lock by now
+    os.write(1, b"running\n")  # one write: the parent writes to the same pipe
+    time.sleep(120)
+
+
 if sys.argv[2] == "os.fork":
     child = os.fork()
     if child == 0:
-        time.sleep(120)
+        work()
         os._exit(0)
 else:  # a DataLoader worker's way
-    proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    proc = multiprocessing.get_context("fork").Process(target=work, daemon=True)
     proc.start()
     child = proc.pid
-print(child, flush=True)
+os.write(1, f"child {child}\n".encode())
 time.sleep(120)
 """
 
@@ -58,7 +65,9 @@ def test_a_killed_runs_lock_is_free_at_once_while_its_forked_children_live(tmp_p
     long as the run's loader workers lived, and the resume was refused (issue 37)."""
     owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, str(tmp_path), fork], stdout=subprocess.PIPE,
                              text=True, cwd=REPO, env=script_env())
-    child = int(owner.stdout.readline())
+    lines = sorted(owner.stdout.readline().split() for _ in range(2))  # the child's line and its pid, either order
+    assert lines[0][0] == "child" and lines[1] == ["running"], lines
+    child = int(lines[0][1])
     try:
         owner.kill()
         owner.wait()
