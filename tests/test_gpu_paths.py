@@ -88,6 +88,7 @@ def whole_buffer_loops(code: str, buf: torch.Tensor) -> int:
     return sum(b in (R, R * D, H * R * D, B * H * R * D) for b in loop_bounds(code))
 
 
+@pytest.mark.slow
 def test_compiled_cache_write_is_reinplaced_with_the_eager_tokens():
     """A DiagD pass compiled by inductor (static shapes, CPU) writes its keys and values into the cache buffer in
     place: no generated loop touches the whole buffer. A write through a second view of the buffer after the

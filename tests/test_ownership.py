@@ -154,6 +154,7 @@ def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
     check_fresh_checkpoint_dir(tmp_path / "new", "seed2")  # absent or empty: fine
 
 
+@pytest.mark.slow
 def test_running_the_same_command_twice_gives_the_second_run_its_own_name(tmp_path):
     """Two fresh runs, one run_name: the second becomes <run_name>-2, beside the first (it used to share the dirs
     and write -v1 checkpoints, then it was refused: a dead end for a user who only ran the command again)."""
@@ -172,6 +173,7 @@ def test_running_the_same_command_twice_gives_the_second_run_its_own_name(tmp_pa
     assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("step*.ckpt"))[-1] == "step0000003.ckpt"
 
 
+@pytest.mark.slow
 def test_our_errors_end_with_their_message_not_a_traceback(tmp_path):
     env = {k: v for k, v in script_env().items() if k != "HYDRA_FULL_ERROR"}
     cmd = [sys.executable, str(REPO / "train.py"), *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
@@ -185,6 +187,7 @@ def test_our_errors_end_with_their_message_not_a_traceback(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- silent surprises
+@pytest.mark.slow
 def test_surprises_are_messages(tmp_path):
     """Issue 15 item 6: each of these used to pass silently or with torch's own text."""
     common = [*SMALL_DATA, "logger=none", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]

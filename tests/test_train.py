@@ -174,6 +174,7 @@ def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path):
         assert float(val[-1][f"val_gen/{name}_token_acc"]) == pytest.approx(acc, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     # a missing init_from names the path
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
