@@ -14,12 +14,6 @@ SMALL_DATA = ["data=synthetic", "data.h=3", "data.w=4", "data.n_a=2", "data.clip
               "data.codebook_size=32", "data.action_vocab_size=8", "data.train_clips=32", "data.val_clips=2"]
 
 
-def pytest_collection_modifyitems(items):
-    """The slow tests first: on two workers they start early and the short ones fill in around them, instead of a
-    2-minute test starting last and running alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
