@@ -67,10 +67,10 @@ def test_evaluate_multirun_writes_the_results_table(trained):
                "sampler=ntp,diagd", "references=[ground_truth,noise]", "n_clips=2", "batch_size=2",
                f"fvd.i3d={tmp}/i3d.pt", f"lpips={tmp}/lpips.pt", f"trust_code=[{tmp}/i3d.pt,{tmp}/lpips.pt]",
                f"idm={idm}")
-    from mcar.eval.reporting import COLUMNS
+    from mcar.eval.metric_registry import csv_keys
 
     table = list(csv.DictReader(open(tmp / "multi" / "results.csv")))
-    assert list(table[0].keys()) == COLUMNS
+    assert list(table[0].keys()) == csv_keys()
     rows = {r["sampler"]: r for r in table}
     assert sorted(rows) == ["diagd k=2", "ground_truth", "noise", "ntp"]  # references once, not once per job
     for name in ("ntp", "diagd k=2"):
@@ -167,6 +167,60 @@ def test_score_reference_rows_and_action_f1_exactly():
 
 
 
+def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
+    """A metric is one entry of metric_registry: with a token metric added there, scoring computes it per clip with
+    its bootstrap interval, and results.json, results.csv, results.md and the terminal table carry it. token_acc
+    of the reference rows: ground_truth 1, copy_last the real share of tokens that stay, noise about 1/codebook."""
+    from mcar.core.layout import Layout
+    from mcar.core.sampler import ScheduleSampler
+    from mcar.eval import metric_registry as R
+    from mcar.eval import metrics as M
+    from mcar.eval.generation import reference_clips
+    from mcar.eval.reporting import terminal_table, write_results_json, write_table
+    from mcar.eval.scoring import Scorer, score_rows
+    from mcar.tokenizer.clips import join_clip
+
+    layout, cb, T, P = Layout(2, 3, 1), 4, 5, 1
+    g = torch.Generator().manual_seed(0)
+    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.zeros(T, 1, dtype=torch.long),
+                                cb) for _ in range(6)])
+    last_same = lambda gen, real, layout, cb, P: (gen[:, -2] == real[:, -2]).double()  # last image token
+    new = R.Column("last_token_same", "LAST", digits=3, better="higher", pool=R.mean_of, tokens=last_same,
+                   terminal=True, means="the last image token is the real one")
+    monkeypatch.setattr(R, "COLUMNS", (*R.COLUMNS, new))
+    missing = M.Unavailable("no weights")
+    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=missing,
+                    nets={"i3d": missing, "lpips": missing, "idm": missing}, names={}, seed=3)
+    gen_slots = ScheduleSampler(layout, T, P, k=2).schedule().gen_slots
+    outputs = {kind: (reference_clips(kind, gt, gen_slots, cb, seed=0), {}) for kind in ("ground_truth", "copy_last",
+                                                                                          "noise")}
+    rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common={"model": "m", "clips": len(gt)})
+    by = {r["sampler"]: r for r in rows}
+    assert by["ground_truth"]["token_acc"] == 1.0 and by["ground_truth"]["last_token_same"] == 1.0
+    images = gt.view(6, T, -1)[:, :, :6]  # frame_len 7: 6 image tokens, 1 action
+    assert by["copy_last"]["token_acc"] == pytest.approx(float((images[:, P:] == images[:, P - 1:P]).double().mean()))
+    assert 0 < by["noise"]["token_acc"] < 0.5
+    for r in rows:
+        for key in ("token_acc", "last_token_same", "unchanged"):
+            assert r[f"{key}_lo"] <= r[key] <= r[f"{key}_hi"], (r["sampler"], key)
+
+    write_results_json(tmp_path, rows, curves, list(range(6)), {}, extras)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    keys = list(saved["rows"][0])
+    assert keys.index("last_token_same") + 2 == keys.index("last_token_same_hi")  # in the registry's order
+    assert saved["rows"][1]["last_token_same"] == by["copy_last"]["last_token_same"]
+    assert saved["intervals"]["resamples"] == R.CI_RESAMPLES
+    write_table(rows, tmp_path)
+    assert "last_token_same_lo" in (tmp_path / "results.csv").read_text().splitlines()[0]
+    assert "| LAST |" in (tmp_path / "results.md").read_text()
+    shown = terminal_table(rows).splitlines()
+    assert shown[0].split() == ["sampler", "token_acc", "PSNR", "action_f1", "FPS", "LAST"]
+    noise = next(line for line in shown if line.startswith("noise"))
+    lo, hi = by["noise"]["token_acc_lo"], by["noise"]["token_acc_hi"]
+    assert f"{by['noise']['token_acc']:.3f} [{lo:.3f}, {hi:.3f}]" in noise and "n/a" in noise
+    assert shown[-1].startswith("token_acc ↑: share of generated image tokens") and "LAST ↑: the last" in shown[-1]
+
+
 @pytest.mark.parametrize("P", [1, 2])
 def test_copy_last_reference_repeats_the_last_prompt_frame(P):
     """copy_last: every generated frame's image is the last prompt frame's, exactly; the prompt frames and every
@@ -201,7 +255,7 @@ def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
     from mcar.core.layout import Layout
     from mcar.core.sampler import ScheduleSampler
     from mcar.eval.generation import reference_clips
-    from mcar.eval.scoring import unchanged_fraction
+    from mcar.eval.metrics import unchanged_per_clip
     from mcar.tokenizer.clips import join_clip
 
     layout, cb, T = Layout(2, 3, 2), 4, 5  # 4 codes: many tokens repeat by chance
@@ -215,10 +269,10 @@ def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
             for j in range(ftok):
                 same += clip[t * flen + j] == clip[(t - 1) * flen + j]
                 total += 1
-    assert unchanged_fraction(clips, layout, cb, P) == pytest.approx(same / total)
+    assert float(unchanged_per_clip(clips, layout, cb, P).mean()) == pytest.approx(same / total)
     assert 0 < same < total
     still = reference_clips("copy_last", clips, ScheduleSampler(layout, T, P, k=2).schedule().gen_slots, cb)
-    assert unchanged_fraction(still, layout, cb, P) == 1.0
+    assert unchanged_per_clip(still, layout, cb, P).tolist() == [1.0] * 3
 
 
 @pytest.mark.slow
@@ -227,7 +281,7 @@ def test_generate_writes_mp4_and_gif_next_to_ground_truth(trained):
 
     out = trained / "gen"
     cfg = compose("generate", [*SMALL_DATA, f"ckpt={trained}/ckpt/{RUN}/last.ckpt", "sampler=diagd", "schedule.k=2",
-                               "prompt=1", f"paths.output_dir={out}"])
+                               "prompt=1", "frames=3", f"paths.output_dir={out}"])
     res = generate(cfg)
     assert res["mp4"].stat().st_size > 0 and res["gif"].stat().st_size > 0 and res["passes"] == (3 - 1 - 1) * 8 + 8
     saved = torch.load(out / "clip1_diagd.pt")

@@ -1,4 +1,5 @@
-"""Metric math: the Fréchet distance against scipy, PSNR/SSIM extremes, unavailable weights, action scores."""
+"""Metric math: the Fréchet distance against an eigenvalue reference, PSNR/SSIM extremes, unavailable weights, action
+scores."""
 import math
 
 import numpy as np
@@ -10,24 +11,24 @@ from mcar.eval import metrics as M
 from mcar.eval.idm import InverseDynamics, action_scores, check_idm_fits, frame_pairs
 
 
-def scipy_frechet(f1: np.ndarray, f2: np.ndarray) -> float:
-    """The reference computation of the FID/FVD papers' code: scipy.linalg.sqrtm of C1 C2."""
-    from scipy import linalg
-
+def reference_frechet(f1: np.ndarray, f2: np.ndarray) -> float:
+    """The FID/FVD papers' formula through numpy alone: tr sqrtm(C1 C2) is the sum of the square roots of the
+    eigenvalues of the non-symmetric product C1 C2 (real and >= 0: it is similar to a PSD matrix), where ours takes
+    two symmetric eigendecompositions."""
     mu1, mu2 = f1.mean(0), f2.mean(0)
     s1, s2 = np.cov(f1, rowvar=False), np.cov(f2, rowvar=False)
-    covmean = linalg.sqrtm(s1 @ s2).real
-    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvals(s1 @ s2).real, 0, None)).sum()
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2) - 2 * tr_covmean)
 
 
 @pytest.mark.parametrize("n,d,shift", [(64, 8, 0.0), (64, 8, 0.5), (200, 16, 2.0), (10, 24, 1.0)])
-def test_frechet_distance_matches_scipy_sqrtm(n, d, shift):
+def test_frechet_distance_matches_the_eigenvalue_reference(n, d, shift):
     g = torch.Generator().manual_seed(n + d)
     f1 = torch.randn(n, d, generator=g, dtype=torch.float64)
     mix = torch.randn(d, d, generator=g, dtype=torch.float64) * 0.5
     f2 = torch.randn(n, d, generator=g, dtype=torch.float64) @ mix + shift
     ours = M.frechet_distance_of_features(f1, f2)
-    ref = scipy_frechet(f1.numpy(), f2.numpy())
+    ref = reference_frechet(f1.numpy(), f2.numpy())
     assert ours == pytest.approx(ref, rel=1e-6, abs=1e-6)  # n=10 < d=24: singular covariances too
 
 
@@ -151,3 +152,20 @@ def test_pooled_psnr_stays_finite_when_one_frame_is_exact():
     per_frame_index = M.psnr_pooled(gen, gt, dim=0)
     assert torch.isinf(per_frame_index[:2]).all() and math.isfinite(float(per_frame_index[2]))
     assert math.isinf(float(M.psnr_pooled(gt, gt)))
+
+
+def test_bootstrap_interval_of_known_data():
+    """Percentile bootstrap over clips: seeded (same seed, same interval), a point where every clip agrees, about
+    mean +- 1.96 standard errors for 100 coin flips, wider at a higher level; the PSNR pool keeps inf."""
+    from mcar.eval.metric_registry import mean_of, psnr_of_mean_mse
+
+    assert M.bootstrap_ci(torch.full((7,), 0.25), mean_of) == (0.25, 0.25)
+    flips = torch.tensor([0.0, 1.0] * 50)  # mean 0.5, standard error 0.05
+    lo, hi = M.bootstrap_ci(flips, mean_of, seed=1)
+    assert (lo, hi) == M.bootstrap_ci(flips, mean_of, seed=1) and (lo, hi) != M.bootstrap_ci(flips, mean_of, seed=2)
+    assert lo == pytest.approx(0.5 - 1.96 * 0.05, abs=0.02) and hi == pytest.approx(0.5 + 1.96 * 0.05, abs=0.02)
+    lo99, hi99 = M.bootstrap_ci(flips, mean_of, seed=1, level=0.99)
+    assert lo99 <= lo < 0.5 < hi <= hi99
+    assert M.bootstrap_ci(torch.zeros(4), psnr_of_mean_mse) == (math.inf, math.inf)  # every clip exact
+    lo, hi = M.bootstrap_ci(torch.tensor([0.0, 0.01]), psnr_of_mean_mse)  # a quarter of resamples: exact only
+    assert lo == pytest.approx(20) and hi == math.inf  # inf, never nan

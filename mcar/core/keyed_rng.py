@@ -55,5 +55,10 @@ class SlotNoise:
 
     @classmethod
     def of(cls, key: int, batch: int, n_slots: int, n_values: int, device) -> "SlotNoise":
-        rows = mix32(torch.tensor(key, device=device) ^ torch.arange(batch, device=device))[:, None]
-        return cls(mix32(rows ^ torch.arange(n_slots, device=device)), value_codes(n_values, device))
+        return cls(mix32(row_keys(key, batch, device) ^ torch.arange(n_slots, device=device)),
+                   value_codes(n_values, device))
+
+
+def row_keys(key: int, batch: int, device) -> torch.Tensor:
+    """(batch, 1) int64: the key of each batch row; output (b, slot) draws with key mix32(row_keys[b] ^ slot)."""
+    return mix32(torch.tensor(key, device=device) ^ torch.arange(batch, device=device))[:, None]

@@ -12,8 +12,12 @@ stays eager. Sampling is keyed (`mcar.core.keyed_rng`): eager and static paths d
 A teacher-forced mode takes the clip's tokens instead of sampling and returns the logits of every generated
 token: the parity test and the DiagD validation loss use it.
 
+Past `context` frames (`context=`, null: never) generate() runs a `Rollout`: the same schedule on a rolling KV
+cache of the last frames (mcar.core.rolling, docs/diagd.md section 7), any number of frames at a constant cost per
+frame; a `Rollout` is also the session a caller steps one frame at a time, actions arriving as it goes.
+
 Reading order: `forward_rows` (one pass), `sample_slots` (its outputs -> tokens under a `SamplingRule`),
-`ScheduleSampler.generate` (prefill, then every pass), `teacher_forced`.
+`ScheduleSampler.generate` (prefill, then every pass), `teacher_forced`, `Rollout`.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ import torch.nn.functional as F
 
 from mcar.core.buckets import MAX_PREFIX_CLASSES, StaticPlan, bucket_plans
 from mcar.core.compiling import compiled
-from mcar.core.keyed_rng import SlotNoise, keyed_exponential, seed_key
+from mcar.core.keyed_rng import SlotNoise, keyed_exponential, mix32, row_keys, seed_key, value_codes
 from mcar.core.layout import Layout, check_clip
+from mcar.core.rolling import RollingPass, RollingSchedule
 from mcar.core.schedule import Schedule, ScheduleConfig
 
 
@@ -82,12 +87,17 @@ def sample_slots(logits: torch.Tensor, slots: torch.Tensor, noise: SlotNoise, ru
     """(B, O, V) logits of the outputs predicting `slots` (O,) -> (B, O) image token ids. The noise of output
     (b, o) is keyed by (seed, b, slots[o]): the same whichever pass or padding produced it. Image slots take image
     codes only (a slice, not a mask: ids below codebook_size keep theirs)."""
+    return sample_keyed(logits, noise.keys[:, slots], noise.codes, rule)
+
+
+def sample_keyed(logits: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, rule: SamplingRule) -> torch.Tensor:
+    """`sample_slots` with the noise keys (B, O) of its outputs given."""
     if rule.codebook_size is not None:
         logits = logits[..., :rule.codebook_size]
     if rule.temperature is None:
         return logits.argmax(-1)
     probs = filtered_probs(logits, rule.temperature, rule.top_k, rule.top_p)
-    race = keyed_exponential(noise.keys[:, slots], probs.shape[-1], noise.codes)
+    race = keyed_exponential(keys, probs.shape[-1], codes)
     return (probs / race).argmax(-1)
 
 
@@ -101,6 +111,13 @@ def _sample_pass(model, tokens, p, noise: SlotNoise, rule: SamplingRule) -> torc
     """One pass, sampled: -> (B, O) token ids for `p.out_slots` (the caller writes them: CUDA graphs do not
     take a mutated input other than the cache buffers)."""
     return sample_slots(forward_rows(model, tokens, p), p.out_slots, noise, rule)
+
+
+def _sample_rolling_pass(model, tokens, p: RollingPass, rows: torch.Tensor, codes: torch.Tensor,
+                         rule: SamplingRule) -> torch.Tensor:
+    """One pass of a `Rollout`, sampled: its noise keyed by the open-ended clip's slot (`p.out_abs`), so a frame
+    draws the same noise whichever ring columns it lands in."""
+    return sample_keyed(forward_rows(model, tokens, p), mix32(rows ^ p.out_abs), codes, rule)
 
 
 @dataclass
@@ -119,7 +136,7 @@ class ScheduleSampler:
                  schedule: ScheduleConfig | dict | None = None, name: str = "diagd", temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  static: bool = False, compile: bool | str = False, static_widths: int = 3,
-                 codebook_size: int | None = None, **schedule_fields):
+                 codebook_size: int | None = None, context: int | None = None, **schedule_fields):
         if temperature < 0:
             raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
         if top_k is not None and top_k < 1:
@@ -144,9 +161,13 @@ class ScheduleSampler:
         self._schedules: dict[int, Schedule] = {}
         self._static: dict = {}  # (prompt_frames, device) -> StaticPlan
         self._compiled: dict = {}  # plain step function -> its torch.compile wrapper
+        self._rolling: dict = {}  # (static, device) -> RollingSchedule
         sched = self.schedule(self.prompt_frames)  # validate now, at config time
         if self.full:
             sched.check_full()
+        self.context = context  # frames the model sees at once past which generate() rolls; None: never
+        if self.rolls():
+            self.rolling_schedule("cpu")  # validate now
 
     @classmethod
     def ntp(cls, layout: Layout, frames: int, prompt_frames: int | None = None, *,
@@ -164,6 +185,23 @@ class ScheduleSampler:
         """Whether generate() on `device` runs the bucketed static shapes (compiling implies them)."""
         return bool(self.static) or self.compiles(device)
 
+    def rolls(self, frames: int | None = None) -> bool:
+        """Whether generate() on clips of `frames` frames (default: the sampler's) runs a rolling `Rollout`."""
+        return self.context is not None and (frames or self.frames) > self.context
+
+    def rolling_schedule(self, device) -> RollingSchedule:
+        """The sampler's schedule on a rolling cache of `context` frames (static shapes where generate() uses them)."""
+        static = self.is_static(device)
+        key = (static, str(device))
+        if key not in self._rolling:
+            self._rolling[key] = RollingSchedule(self.layout, self.config, self.context, self.full, device,
+                                                 self.static_widths if static else None)
+        return self._rolling[key]
+
+    def rollout(self, model, prompt: torch.Tensor, setup_cache: bool = True) -> "Rollout":
+        """A `Rollout` from `prompt` (B, P*frame_len): the prompt frames and their actions."""
+        return Rollout(self, model, prompt, setup_cache)
+
     def schedule(self, prompt_frames: int | None = None) -> Schedule:
         P = self.prompt_frames if prompt_frames is None else prompt_frames
         if P not in self._schedules:
@@ -178,6 +216,12 @@ class ScheduleSampler:
         sched = self.schedule(prompt_frames)
         t0 = time.perf_counter()
         n_values = min(self.codebook_size or math.inf, model.cfg.vocab_size)  # what sample_slots draws from
+        if self.rolls():
+            if prompt_frames not in (None, self.prompt_frames):
+                raise ValueError(f"a rolling rollout runs its schedule's prompt_frames={self.prompt_frames}, "
+                                 f"not {prompt_frames}")
+            tokens, passes = self._generate_rolling(model, clip, setup_cache)
+            return self._done(tokens, passes, sched, t0)
         # one key per (batch row, slot), the dummy column N included
         noise = SlotNoise.of(seed_key(self.seed), clip.shape[0], clip.shape[1] + 1, n_values, clip.device)
         rule = SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, clip.device)
@@ -190,9 +234,24 @@ class ScheduleSampler:
                 logits = forward_rows(model, tokens, p)
                 if p.n_out:
                     tokens[:, p.out_slots] = sample_slots(logits, p.out_slots, noise, rule)
+        return self._done(tokens, passes, sched, t0)
+
+    @staticmethod
+    def _done(tokens, passes: int, sched: Schedule, t0: float) -> tuple[torch.Tensor, SampleStats]:
         if tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
         return tokens, SampleStats(passes, tokens.shape[0] * len(sched.gen_slots), time.perf_counter() - t0)
+
+    def _generate_rolling(self, model, clip, setup_cache):
+        """Every frame through one `Rollout`, its actions the clip's."""
+        check_clip(clip, self.layout, self.frames)
+        L, hw, P = self.layout.frame_len, self.layout.frame_tokens, self.prompt_frames
+        run = self.rollout(model, clip[:, :P * L], setup_cache)
+        done = [run.advance(clip[:, (u - 1) * L + hw:u * L]) for u in range(P, self.frames)] + run.finish()
+        tokens = clip.clone()
+        for u, frame in enumerate([f for f in done if f is not None], start=P):
+            tokens[:, u * L:u * L + hw] = frame
+        return tokens, run.passes
 
     def static_plan(self, sched: Schedule, device) -> StaticPlan:
         key = (sched.prompt_frames, str(device))
@@ -243,12 +302,11 @@ class ScheduleSampler:
     def _open(self, model, clip: torch.Tensor, sched: Schedule, setup_cache: bool):
         """Check the clip, open the cache, then yield the schedule's pass plans in order (the caller runs each)."""
         check_clip(clip, self.layout, self.frames)
-        self._open_cache(model, clip.shape[0], sched, setup_cache, clip.device)
+        self._open_cache(model, clip.shape[0], sched.n_slots + 1, setup_cache, clip.device)  # + 1: proxies' scratch
         yield from sched.plan(self.full, clip.device)
 
     @staticmethod
-    def _open_cache(model, B: int, sched: Schedule, setup_cache: bool, device) -> None:
-        n_cache = sched.n_slots + 1  # + 1 scratch slot for proxies
+    def _open_cache(model, B: int, n_cache: int, setup_cache: bool, device) -> None:
         cache = model.layers[0].attention.cache
         shaped = cache is not None and cache.k.shape[0] == B and cache.k.shape[2] == n_cache
         if setup_cache:
@@ -260,6 +318,82 @@ class ScheduleSampler:
         elif not shaped:
             raise ValueError(f"setup_cache=False needs a cache set up for batch {B} and {n_cache} slots")
         model.reset_cache()  # one memset per sequence: unwritten slots hold 0, whatever ran before
+
+
+class Rollout:
+    """A world that goes on: B clips generated frame after frame on a rolling KV cache (mcar.core.rolling), the
+    sampler's schedule and sampling; one `advance` per frame, actions given as they come.
+
+    `advance(actions)` takes the action after the newest started frame (B, n_a) and runs the d passes that start
+    the next frame; it returns the image tokens (B, h*w) of the frame those passes completed, or None while the
+    first `in_flight - 1` advances fill the diagonal (in_flight = 1 when d = s_spa, the default: every advance
+    returns the frame its action leads to). `finish()` completes the frames still in flight. The tokens depend on
+    (seed, batch row, slot in the open-ended clip) only: eager and static paths agree. The KV cache is the
+    model's: one rollout per model at a time (sessions are its batch rows); another generate or rollout on the
+    model takes the cache, and this one then refuses to advance."""
+
+    def __init__(self, sampler: ScheduleSampler, model, prompt: torch.Tensor, setup_cache: bool = True):
+        device = prompt.device
+        plan = sampler.rolling_schedule(device)
+        L, P = sampler.layout.frame_len, plan.prompt_frames
+        if prompt.dim() != 2 or prompt.shape[1] != P * L:
+            raise ValueError(f"prompt has shape {tuple(prompt.shape)}, a rollout wants (B, {P} prompt frames x {L})")
+        self.sampler, self.model, self.plan = sampler, model, plan
+        B = prompt.shape[0]
+        self.tokens = prompt.new_zeros(B, plan.n_token_cols)  # the ring's token columns, the dummy, any pinned
+        self.tokens[:, :P * L] = prompt  # frame f < P < ring sits at column f*L
+        if plan.pinned is not None:
+            self.tokens[:, plan.pinned:plan.pinned + L] = prompt[:, :L]
+        n_values = min(sampler.codebook_size or math.inf, model.cfg.vocab_size)
+        self.rows, self.codes = row_keys(seed_key(sampler.seed), B, device), value_codes(n_values, device)
+        self.rule = SamplingRule.of(sampler.temperature, sampler.top_k, sampler.top_p, sampler.codebook_size, device)
+        sampler._open_cache(model, B, plan.n_cols + 1, setup_cache, device)
+        model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
+        self._cache = model.layers[0].attention.cache  # the buffers are taken over in place when someone else opens
+        self._cache_version = self._cache.k_buf._version
+        self.step = sampler.step_fn(_sample_rolling_pass, device)
+        self.advances, self.passes = 0, 0
+        self._last_actions: torch.Tensor | None = None
+
+    @property
+    def frames_done(self) -> int:
+        """Frames complete so far, the prompt's included."""
+        return self.plan.prompt_frames + max(self.advances - self.plan.in_flight + 1, 0)
+
+    @torch.no_grad()
+    def advance(self, actions: torch.Tensor) -> torch.Tensor | None:
+        plan, a, lay = self.plan, self.advances, self.sampler.layout
+        cache = self.model.layers[0].attention.cache
+        if cache is not self._cache or cache.k_buf._version != self._cache_version:
+            raise RuntimeError("this rollout's KV cache was reopened by another generate or rollout on the model: "
+                               "start a new rollout (one per model at a time; batch sessions as its rows)")
+        u = plan.prompt_frames + a  # the frame this advance starts
+        start = plan.column(u - 1) + lay.frame_tokens
+        self.tokens[:, start:start + lay.n_a] = actions.reshape(self.tokens.shape[0], lay.n_a)
+        self._last_actions = actions
+        args = (self.rows, self.codes, self.rule)
+        if a == 0:  # the prefill, eager
+            p = plan.prefill
+            self.tokens[:, p.out_slots] = _sample_rolling_pass(self.model, self.tokens, p, *args)
+            self.passes += 1
+        passes = plan.passes(a)
+        for p in passes:
+            self.tokens[:, p.out_slots] = self.step(self.model, self.tokens, p, *args)
+        self.passes += len(passes)
+        self.advances += 1
+        self._cache_version = cache.k_buf._version
+        done = u - plan.in_flight + 1
+        if done < plan.prompt_frames:
+            return None
+        c = plan.column(done)
+        return self.tokens[:, c:c + lay.frame_tokens].clone()
+
+    def finish(self) -> list[torch.Tensor]:
+        """The frames still in flight, completed by `in_flight - 1` more advances on the last action (the frames
+        those start are never shown, and no row of an earlier frame sees them)."""
+        if self._last_actions is None:
+            return []
+        return [self.advance(self._last_actions) for _ in range(self.plan.in_flight - 1)]
 
 
 SAMPLERS = ("ntp", "diagd")

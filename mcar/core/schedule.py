@@ -78,6 +78,7 @@ class PassPlan:
     out_index: torch.Tensor  # (n_out,) long: index of that slot in `Schedule.gen_slots`
     n_out: int
     n_vis: int  # 1 + the last cache slot any input of the pass sees (0: none); the scratch slot N never is
+    index: int  # the pass number s
 
 
 class Schedule:
@@ -182,14 +183,23 @@ class Schedule:
                          full)
 
     # ---- per pass, for the samplers -------------------------------------------------------------------
-    def plan(self, full: bool = False, device=None) -> list[PassPlan]:
-        """One PassPlan per non-empty pass (a pass is empty only when k > w), cached per (full, device)."""
-        key = (full, str(device))
+    def owner(self) -> torch.Tensor:
+        """(S,) long: the frame each row works for (docs/diagd.md section 7): an image token's or a proxy's target
+        frame; an action a[t-1,.] the frame t it starts."""
+        L, hw = self.layout.frame_len, self.layout.frame_tokens
+        real = self.seq_pos // L + (self.seq_pos % L >= hw).long()
+        return torch.where(self.seq_is_proxy, self.seq_target // L, real)
+
+    def plan(self, full: bool = False, device=None, window: int | None = None) -> list[PassPlan]:
+        """One PassPlan per non-empty pass (a pass is empty only when k > w), cached per (full, device, window).
+        window: a row working for frame u sees only frames >= u - window + 1 (the rolling cache's rule, section 7);
+        None: the whole clip."""
+        key = (full, str(device), window)
         if key not in self._plans:
-            self._plans[key] = list(self._build_plan(full, device))
+            self._plans[key] = list(self._build_plan(full, device, window))
         return self._plans[key]
 
-    def _build_plan(self, full, device):
+    def _build_plan(self, full, device, window):
         N, F = self.n_slots, self.seq_feed_pass
         counts = torch.bincount(F, minlength=self.passes + 1)[: self.passes]
         # grouped by pass; within a pass in layout order, a proxy right after its predecessor's slot: the order
@@ -197,6 +207,9 @@ class Schedule:
         order = (F * 2 * N + 2 * self.seq_pos + self.seq_is_proxy.long()).argsort()
         rows = order[: int(counts.sum())]  # (R,) the rows the sampler feeds
         visible = self.table(full).dense()[rows]  # (R, S): the one rule, evaluated once
+        if window is not None:
+            frame = self.seq_pos // self.layout.frame_len  # (S,) the frame whose slot a key row is
+            visible &= frame[None, :] > self.owner()[rows, None] - window
         written = self.feed_pass[None, :] < F[rows, None]  # (R, N) cache slots written by earlier passes
         cache = visible[:, self.row_of_slot] & written  # (R, N): cache column c holds slot c
         reach = torch.where(cache, torch.arange(1, N + 1), 0).amax(1)  # (R,) 1 + last cache column seen
@@ -219,5 +232,5 @@ class Schedule:
                 src=src[a:b], coords=coords[a:b], cache_pos=cache_pos[a:b],
                 mask=torch.cat([cache[a:b, :n_vis], own[a:b, a:b]], dim=1)[None],  # (1, Sq, n_vis+Sq)
                 out_rows=out_rows.to(device), out_slots=out_slots.to(device),
-                out_index=gen_index[out_slots].to(device), n_out=len(out_rows), n_vis=n_vis,
+                out_index=gen_index[out_slots].to(device), n_out=len(out_rows), n_vis=n_vis, index=int(F[rows[a]]),
             )

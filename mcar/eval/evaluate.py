@@ -5,22 +5,25 @@ generate the rest, compare with the ground truth. One results row per sampler se
     mcar evaluate -m ckpt=... 'sampler=ntp,diagd' n_clips=16     # rows gather in <sweep dir>/results.*
     mcar evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
 
-Columns: FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generated vs ground-truth frames (both
-decoded by the VQ, so the VQ's own loss is not counted), the action-following macro F1 of the inverse-dynamics
-model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth pairs, its
-ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per clip,
-i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
-schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation
-only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU (dtype=auto).
-A metric whose weights are missing is 'n/a' with the reason in `notes`. Everything logged to W&B is also written
-to the run's output dir: results.{md,csv,json}, per_frame.csv, videos/, mask_<sampler>.png.
+Columns (one entry each in mcar/eval/metric_registry.py): token_acc (the share of generated image tokens equal
+to the real ones), FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generated vs ground-truth
+frames (both decoded by the VQ, so the VQ's own loss is not counted), the action-following macro F1 of the
+inverse-dynamics model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth
+pairs, its ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes
+per clip, i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the
+sampler's own schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around
+generation only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU
+(dtype=auto).
+A metric whose weights are missing is 'n/a' with the reason in `notes`. A metric with per-clip values (token_acc,
+PSNR, SSIM, LPIPS, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo, <key>_hi;
+1000 resamples seeded by `seed`). The terminal shows a narrow table; everything logged to W&B is also written to
+the run's output dir: results.{md,csv,json} (every column), per_frame.csv, videos/, mask_<sampler>.png.
 
 The parts: loading (mcar.checkpoint.load), held-out clips and sampling (mcar.eval.generation), metrics
 (mcar.eval.scoring), tables, W&B and videos (mcar.eval.reporting); this module runs them in order.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -31,7 +34,6 @@ from mcar.checkpoint.config import adopt_checkpoint_config
 from mcar.checkpoint.load import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
 from mcar.core.devices import resolve_device, set_threads
 from mcar.core.sampler import build_sampler
-from mcar.data.files import write_atomic
 from mcar.eval import metrics as M
 from mcar.eval.generation import (
     generate_clips,
@@ -43,7 +45,15 @@ from mcar.eval.generation import (
     teacher_forced_loss,
 )
 from mcar.eval.idm import action_names, check_idm_fits, load_idm, resolve_idm
-from mcar.eval.reporting import gather_sweep, log_wandb, write_per_frame, write_table, write_videos
+from mcar.eval.reporting import (
+    gather_sweep,
+    log_wandb,
+    terminal_table,
+    write_per_frame,
+    write_results_json,
+    write_table,
+    write_videos,
+)
 from mcar.eval.scoring import Scorer, score_rows
 from mcar.hydra_app import to_dict
 from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
@@ -95,7 +105,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         outputs[kind] = (reference_clips(kind, gt, sampler.schedule().gen_slots.to(device), cb, cfg.seed), {})
 
     common = {"model": model_name, "clips": len(ids), "frames": frames, "prompt_frames": P}
-    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names)
+    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names, seed=cfg.seed)
     rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common=common)
     media = write_videos(cfg, gt, outputs, layout, cb, vq, out)
     mask = write_png(mask_image(schedule_table(sampler)), out / f"mask_{sampler.name}.png")
@@ -103,11 +113,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
     write_table(rows, out)
     per_frame = write_per_frame(curves, P, out)
-    write_atomic(out / "results.json", json.dumps(
-        {"rows": [{k: (str(v) if isinstance(v, M.Unavailable) else v) for k, v in r.items()} for r in rows],
-         "per_frame": curves, "clip_ids": ids, "speed": {k: v[1] for k, v in outputs.items()}, "extra": extras},
-        indent=2, default=str))
+    write_results_json(out, rows, curves, ids, {k: v[1] for k, v in outputs.items()}, extras)
     gather_sweep(rows)
     log_wandb(cfg, rows, per_frame, media)
-    log.info("results (%s):\n%s", out, (out / "results.md").read_text())
+    log.info("%s:\n%s\nevery column: %s (and .csv, .json)", model_name, terminal_table(rows), out / "results.md")
     return rows

@@ -4,7 +4,7 @@ local weight files.
 Frames are float in [0, 1], videos (B, T, 3, H, W). Networks we cannot ship (I3D for FVD, LPIPS) come from local
 TorchScript files given by config; when a file is absent or fails, the metric is `Unavailable(reason)`, never a
 made-up number. The Fréchet distance itself is ours (float64, symmetric eigendecompositions) and is tested
-against scipy.linalg.sqrtm.
+against the eigenvalues of the non-symmetric product C1 C2.
 
     FVD   i3d_torchscript.pt of StyleGAN-V / universome/fvd-comparison: called as
           i3d(videos (B, 3, T, H, W) in [-1, 1], rescale=False, resize=True, return_features=True) -> (B, 400)
@@ -21,6 +21,8 @@ import torch
 from einops import rearrange
 from torchmetrics.functional.image import structural_similarity_index_measure
 
+from mcar.core.layout import Layout
+from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.quality import psnr
 
 
@@ -62,6 +64,11 @@ def psnr_pooled(gen: torch.Tensor, gt: torch.Tensor, dim=None) -> torch.Tensor:
     return psnr(gen.double(), gt.double(), data_range=1.0, dim=(*over, 2, 3, 4))
 
 
+def mse_per_clip(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3, H, W) x2 -> (B,) float64 mean squared error of each clip: pooled over clips, the row's PSNR."""
+    return (gen.double() - gt.double()).square().flatten(1).mean(1)
+
+
 def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
     """(B, T, 3, H, W) x2 in [0, 1] -> (B, T) SSIM (1 = identical)."""
     g, t = _flat(gen, gt)
@@ -71,6 +78,29 @@ def ssim_per_frame(gen: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
 def mean_over_clips(per_clip: torch.Tensor) -> list[float]:
     """(B, T) -> per frame index mean over clips (inf stays inf: identical frames)."""
     return per_clip.double().mean(0).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ tokens
+def unchanged_per_clip(clips: torch.Tensor, layout: Layout, codebook_size: int, prompt_frames: int) -> torch.Tensor:
+    """(B, N) -> (B,) float64: per clip, the share of generated image tokens equal to the token at the same place
+    one frame earlier: how still the video is (copy_last: 1; the ground truth: how much the world really changes).
+    Reads PSNR: a row that changes little scores near copy_last whether or not it follows the actions."""
+    images = split_clip(clips, layout, codebook_size)[0]  # (B, T, h, w)
+    P = max(1, prompt_frames)
+    return (images[:, P:] == images[:, P - 1:-1]).double().flatten(1).mean(1)
+
+
+# ------------------------------------------------------------------------------------------------ intervals
+def bootstrap_ci(per_clip: torch.Tensor, pool, seed: int = 0, resamples: int = 1000,
+                 level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap over clips: `resamples` draws of len(per_clip) clips with replacement (seeded), `pool`
+    ((R, n) per-clip values -> (R,) statistics, the row value's own formula) on each -> the central `level`
+    interval (low, high). The order statistics are taken as they are (no interpolation: inf stays inf)."""
+    values = per_clip.double().cpu()
+    g = torch.Generator().manual_seed(seed)
+    draws = pool(values[torch.randint(len(values), (resamples, len(values)), generator=g)]).sort().values
+    tail = (1 - level) / 2
+    return float(draws[math.floor(tail * (resamples - 1))]), float(draws[math.ceil((1 - tail) * (resamples - 1))])
 
 
 # ------------------------------------------------------------------------------------------------ Fréchet

@@ -1,9 +1,10 @@
-"""What evaluation writes: the results table (csv + md), per-frame curves, side-by-side videos, the W&B run, and
-one table for a whole sweep."""
+"""What evaluation writes: the results table (csv + md + json; its columns: metric_registry), the narrow table the
+terminal shows, per-frame curves, side-by-side videos, the W&B run, and one table for a whole sweep."""
 from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import math
 from pathlib import Path
@@ -12,58 +13,63 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mcar.data.files import write_atomic, writing_into
+from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
-from mcar.eval.idm import PR_COLUMNS
 from mcar.hydra_app import hydra_job
-from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.pictures import action_labels, data_action_space, decode_frames, side_by_side, to_u8, write_gif
-from mcar.tokenizer.video import write_mp4
+from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
 
 log = logging.getLogger("mcar.eval.evaluate")
-COLUMNS = ["model", "sampler", "fvd", "psnr", "ssim", "lpips", "unchanged", "action_f1", "action_acc",
-           "action_f1_gt", *PR_COLUMNS, "loss_tf", "fps", "tp", "step", "clips", "frames", "prompt_frames", "notes"]
-INT_COLUMNS = ("step", "clips", "frames", "prompt_frames")
 
 
 # ------------------------------------------------------------------------------------------------ tables
 def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
-    """rows -> <stem>.csv and <stem>.md (the paper-style table; 'n/a' for unavailable metrics)."""
+    """rows -> <stem>.csv (every column, each interval's bounds beside it) and <stem>.md (the paper-style table,
+    'n/a' for unavailable metrics, [low, high] after a value with a bootstrap interval)."""
     out.mkdir(parents=True, exist_ok=True)
+    keys = R.csv_keys()
     table = io.StringIO(newline="")
-    w = csv.DictWriter(table, COLUMNS, extrasaction="ignore")
+    w = csv.DictWriter(table, keys, extrasaction="ignore")
     w.writeheader()
-    w.writerows([{k: _csv_cell(r.get(k)) for k in COLUMNS} for r in rows])
+    w.writerows([{k: _csv_cell(r.get(k)) for k in keys} for r in rows])
     write_atomic(out / f"{stem}.csv", table.getvalue())  # a kill or a full disk leaves the last whole table
     head = md_columns()
-    lines = ["| " + " | ".join(c.upper() if c in ("fvd", "psnr", "ssim", "lpips", "fps", "tp", "step") else c
-                               for c in head) + " |", "|" + " --- |" * len(head)]
+    lines = ["| " + " | ".join(c if c.endswith(" P/R") else R.column(c).header for c in head) + " |",
+             "|" + " --- |" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(md_cell(r, c) for c in head) + " |")
     where: dict[str, list[str]] = {}  # note -> the rows it applies to
     for r in rows:
         for n in filter(None, str(r.get("notes") or "").split("; ")):
             where.setdefault(n, []).append(str(r["sampler"]))
+    lines += ["", R.ci_note() + "."]
     if where:
         lines += ["", "notes:"] + [f"- {n}" + ("" if len(w) == len(rows) else f" ({', '.join(w)})")
                                    for n, w in where.items()]
     write_atomic(out / f"{stem}.md", "\n".join(lines) + "\n")
 
 
-DIGITS = {"unchanged": 3, "ssim": 3, "lpips": 3, "action_f1": 3, "action_acc": 3, "action_f1_gt": 3, "loss_tf": 3,
-          "tp": 0}
-
-
 def md_columns() -> list[str]:
-    """The results.md header: COLUMNS without notes, each prec_<a> / rec_<a> pair read as one '<a> P/R' column."""
-    return [f"{c[5:]} P/R" if c.startswith("prec_") else c for c in COLUMNS
-            if c != "notes" and not c.startswith("rec_")]
+    """The results.md header: the columns without notes, each prec_<a> / rec_<a> pair read as one '<a> P/R'."""
+    return [f"{c.key[5:]} P/R" if c.key.startswith("prec_") else c.key for c in R.COLUMNS
+            if c.key != "notes" and not c.key.startswith("rec_")]
 
 
 def md_cell(r: dict, c: str) -> str:
     if c.endswith(" P/R"):  # precision/recall of one action, e.g. 0.92/0.85
         a = c[:-4]
-        return f"{M.fmt(r.get(f'prec_{a}'), 2)}/{M.fmt(r.get(f'rec_{a}'), 2)}"
-    return M.fmt(r.get(c), DIGITS.get(c, 2))
+        return f"{R.cell(r, f'prec_{a}')}/{R.cell(r, f'rec_{a}')}"
+    return R.cell(r, c)
+
+
+def terminal_table(rows: list[dict]) -> str:
+    """The narrow table the terminal shows (the registry's `terminal` columns, values padded into aligned
+    columns) and a one-line glossary; the full table is in results.md."""
+    keys = [c.key for c in R.COLUMNS if c.terminal]
+    grid = [[R.column(k).header for k in keys]] + [[R.cell(r, k) for k in keys] for r in rows]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(keys))]
+    lines = ["  ".join(x.ljust(n) for x, n in zip(line, widths)).rstrip() for line in grid]
+    lines.insert(1, "  ".join("-" * n for n in widths))
+    return "\n".join(lines + [R.glossary(k for k in keys if k != "sampler") + ". " + R.ci_note() + "."])
 
 
 def _csv_cell(v):
@@ -78,20 +84,41 @@ def read_table(path: Path) -> list[dict]:
     rows = list(csv.DictReader(open(path)))
     for r in rows:
         for k, v in r.items():
-            if k not in ("model", "sampler", "notes"):
-                r[k] = None if v in ("", None) else int(float(v)) if k in INT_COLUMNS else float(v)
+            kind = R.kind_of(k)
+            if kind != "text":
+                r[k] = None if v in ("", None) else int(float(v)) if kind == "int" else float(v)
     return rows
 
 
+def write_results_json(out: Path, rows: list[dict], curves: dict, clip_ids: list[int], speed: dict,
+                       extras: dict) -> None:
+    """results.json: every row with the registry's keys in order (an unavailable metric as its reason), the
+    per-frame curves, the clips scored, each row's speed, the per-action extras and how the intervals were made."""
+    keys = R.csv_keys()
+    ordered = [{**{k: r.get(k) for k in keys if k in r}, **{k: v for k, v in r.items() if k not in keys}}
+               for r in rows]
+    write_atomic(out / "results.json", json.dumps(
+        {"rows": [{k: (str(v) if isinstance(v, M.Unavailable) else v) for k, v in r.items()} for r in ordered],
+         "per_frame": curves, "clip_ids": clip_ids, "speed": speed, "extra": extras,
+         "intervals": {"method": "percentile bootstrap over clips", "level": R.CI_LEVEL,
+                       "resamples": R.CI_RESAMPLES}},
+        indent=2, default=str))
+
+
+def per_frame_header() -> list[str]:
+    return ["row", "frame", *(c.key for c in R.COLUMNS if c.per_frame)]
+
+
 def write_per_frame(curves: dict[str, dict], P: int, out: Path) -> list[list]:
-    """{row label: {metric: [T-P values]}} -> per_frame.csv rows [label, frame, psnr, ssim, lpips]."""
+    """{row label: {metric: [T-P values]}} -> per_frame.csv rows [label, frame, <each per-frame column>]."""
+    keys = per_frame_header()[2:]
     table = []
     for label, c in curves.items():
-        for i, v in enumerate(c.get("psnr", [])):
-            table.append([label, P + i, v, c["ssim"][i], c["lpips"][i] if "lpips" in c else None])
+        for i in range(max((len(v) for v in c.values()), default=0)):
+            table.append([label, P + i, *(c[k][i] if k in c else None for k in keys)])
     with open(out / "per_frame.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["row", "frame", "psnr", "ssim", "lpips"])
+        w.writerow(per_frame_header())
         w.writerows(table)
     return table
 
@@ -109,10 +136,10 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
 
     run = hydra.utils.instantiate(cfg.logger).experiment
     run.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
-    run.log({"eval/results": wandb.Table(columns=COLUMNS, data=[[_finite(r.get(c)) if c not in ("model", "sampler",
-                                                                                               "notes") else r.get(c)
-                                                               for c in COLUMNS] for r in rows])})
-    frames_table = wandb.Table(columns=["row", "frame", "psnr", "ssim", "lpips"],
+    keys = R.csv_keys()
+    run.log({"eval/results": wandb.Table(columns=keys, data=[[r.get(k) if R.kind_of(k) == "text" else _finite(r.get(k))
+                                                              for k in keys] for r in rows])})
+    frames_table = wandb.Table(columns=per_frame_header(),
                                data=[[_finite(x) for x in r] for r in per_frame])
     run.log({"eval/per_frame": frames_table,
              "eval/psnr_per_frame": wandb.plot.line(frames_table, "frame", "psnr", stroke="row",
@@ -123,9 +150,9 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
         else:
             run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
     for r in rows:
-        for c in ("fvd", "psnr", "unchanged", "ssim", "lpips", "action_f1", "loss_tf", "fps", "tp", "step"):
-            if _finite(r.get(c)) is not None:
-                run.summary[f"{r['sampler']}/{c}"] = r[c]
+        for c in R.COLUMNS:
+            if c.summary and _finite(r.get(c.key)) is not None:
+                run.summary[f"{r['sampler']}/{c.key}"] = r[c.key]
 
 
 # ------------------------------------------------------------------------------------------------ media
@@ -136,19 +163,13 @@ def write_videos(cfg, gt, outputs, layout, cb, vq, out: Path) -> dict:
     media = {}
     space = data_action_space(cfg.data)
     for i in range(min(cfg.videos, len(gt))):
-        ids, acts = split_clip(gt[i:i + 1].cpu(), layout, cb)
+        clips = {"ground truth": gt[i]} | {label: c[i] for label, (c, _) in outputs.items() if label != "ground_truth"}
         try:
-            cols = {"ground truth": to_u8(decode_frames(vq, ids)[0])}
-            for label, (clips, _) in outputs.items():
-                if label == "ground_truth":
-                    continue
-                cols[label] = to_u8(decode_frames(vq, split_clip(clips[i:i + 1].cpu(), layout, cb)[0])[0])
+            video = comparison_frames(clips, layout, cb, vq, space)
         except ValueError as e:
             log.warning("no videos: %s", e)
             return {}
-        video = side_by_side(cols, action_labels(acts[0], space))
-        write_mp4(video, out / "videos" / f"clip{i}.mp4", cfg.fps)
-        media[f"eval/video_clip{i}"] = write_gif(video, out / "videos" / f"clip{i}.gif", cfg.fps)
+        media[f"eval/video_clip{i}"] = write_video(video, out / "videos" / f"clip{i}", cfg.fps)[1]
     return media
 
 

@@ -2,7 +2,8 @@
 by the VQ) and the inverse-dynamics model's action-following scores (on tokens: the IDM looks them up in its saved
 copy of the VQ codebook): macro F1, accuracy, and precision / recall of each movement action (`prec_move_left`, ...,
 from the IDM's predictions on generated pairs against the conditioning actions; on the ground_truth reference row,
-the IDM on ground-truth pairs: the ceiling)."""
+the IDM on ground-truth pairs: the ceiling), and a bootstrap interval over clips for each metric with per-clip
+values. The columns themselves: metric_registry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mcar.core.layout import Layout
+from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
 from mcar.eval.idm import MOVES, PR_COLUMNS, action_pr, action_scores, frame_pairs
 from mcar.tokenizer.clips import split_clip
@@ -27,6 +29,7 @@ class Scorer:
     vq: object
     nets: dict
     names: dict
+    seed: int = 0  # of the bootstrap intervals
 
 
 def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
@@ -40,24 +43,15 @@ def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
         return (M.Unavailable(str(e)),) * 2
 
 
-def unchanged_fraction(clips: torch.Tensor, layout: Layout, codebook_size: int, prompt_frames: int) -> float:
-    """Fraction of the generated image tokens equal to the token at the same place one frame earlier: how still
-    the video is (copy_last: 1; the ground truth: how much the world really changes). Reads PSNR: a row that
-    changes little scores near copy_last whether or not it follows the actions."""
-    images = split_clip(clips, layout, codebook_size)[0]  # (n, T, h, w)
-    P = max(1, prompt_frames)
-    return float((images[:, P:] == images[:, P - 1:-1]).double().mean())
-
-
 def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
     """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action, per_action_gt}) for
-    generated vs gt. Row keys: unchanged (`unchanged_fraction`), psnr, ssim, lpips, fvd, action_f1, action_acc,
-    action_f1_gt, prec_<move>, rec_<move>
-    (`MOVES`; None where undefined: the action never predicted / never taken, or not in the data's actions),
-    notes."""
+    generated vs gt. Row keys: the columns of metric_registry (token_acc, unchanged, psnr, ssim, lpips, fvd,
+    action_f1, action_acc, action_f1_gt, prec_<move>, rec_<move>: None where undefined, the action never predicted
+    / never taken, or not in the data's actions), notes, and <key>_lo / <key>_hi, the bootstrap interval over
+    clips of each column with per-clip values (the row value is the same pool of the same values)."""
     layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
     row, curves, extra = {}, {}, {}
-    row["unchanged"] = unchanged_fraction(gen.cpu(), layout, cb, P)
+    per_clip = {c.key: c.tokens(gen.cpu(), gt.cpu(), layout, cb, P) for c in R.COLUMNS if c.tokens is not None}
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
     if isinstance(pix_gen, M.Unavailable):
         for k in ("psnr", "ssim", "lpips", "fvd"):
@@ -66,11 +60,12 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
         ssim = M.ssim_per_frame(g, t)  # PSNR from the MSE pooled over clips (and frames): see M.psnr_pooled
         curves["psnr"], curves["ssim"] = M.psnr_pooled(g, t, dim=0).tolist(), M.mean_over_clips(ssim)
-        row["psnr"], row["ssim"] = float(M.psnr_pooled(g, t)), float(ssim.double().mean())
+        per_clip["psnr"], per_clip["ssim"] = M.mse_per_clip(g, t), ssim.double().mean(1)
         lp = M.lpips_per_frame(nets["lpips"], g, t)
-        row["lpips"] = lp if isinstance(lp, M.Unavailable) else float(lp.mean())
-        if not isinstance(lp, M.Unavailable):
-            curves["lpips"] = M.mean_over_clips(lp)
+        if isinstance(lp, M.Unavailable):
+            row["lpips"] = lp
+        else:
+            per_clip["lpips"], curves["lpips"] = lp.double().mean(1), M.mean_over_clips(lp)
         row["fvd"] = M.fvd(nets["i3d"], pix_gen, pix_gt)  # whole clips, as MineWorld
     idm = nets["idm"]
     if isinstance(idm, M.Unavailable):
@@ -82,9 +77,15 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         s = action_scores(pred, act, scorer.names)
         a, b, _ = frame_pairs(gt.cpu(), layout, cb, first=P - 1)
         s_gt = action_scores(idm.predict(a, b), act, scorer.names)
-        row.update(action_f1=s["macro_f1"], action_acc=s["accuracy"], action_f1_gt=s_gt["macro_f1"])
+        row.update(action_f1=s["macro_f1"], action_f1_gt=s_gt["macro_f1"])
+        per_clip["action_acc"] = (pred.reshape(len(act), -1) == act.reshape(len(act), -1)).all(1).double().view(
+            len(gen), -1).mean(1)  # pairs are clip-major
         row.update(action_pr(pred, act, scorer.names, MOVES))
         extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
+    for key, values in per_clip.items():
+        pool = R.column(key).pool
+        row[key] = float(pool(values.double().cpu()))
+        row[f"{key}_lo"], row[f"{key}_hi"] = M.bootstrap_ci(values, pool, scorer.seed, R.CI_RESAMPLES, R.CI_LEVEL)
     by_reason: dict[str, list[str]] = {}
     for k, v in row.items():
         if isinstance(v, M.Unavailable):

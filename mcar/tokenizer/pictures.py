@@ -1,4 +1,5 @@
-"""Pictures for people: token clips -> decoded frames, side-by-side videos with the action under each frame,
+"""Pictures for people: token clips -> decoded frames, side-by-side videos with the action under each frame (the
+one comparison video of generate, evaluate and the training dashboard: `comparison_frames` + `write_video`),
 gif / png writers (mp4: mcar.tokenizer.video), and the attention mask of a schedule as an image. Pure functions,
 no W&B here."""
 from __future__ import annotations
@@ -10,6 +11,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from mcar.core.layout import Layout
+from mcar.tokenizer.clips import split_clip
+from mcar.tokenizer.video import write_mp4
 
 
 # ------------------------------------------------------------------------------------------------ tokens -> pixels
@@ -42,30 +45,24 @@ def to_u8(frames: torch.Tensor) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ action text
 def data_action_space(data) -> str | None:
-    """The action space of a data config (crafter, vpt, mineworld), None for synthetic data: labels show ids."""
+    """The action space of a data config (a name in mcar.tokenizer.actions.ACTION_SPACES), None for synthetic data:
+    labels show ids."""
+    from mcar.tokenizer.actions import ACTION_SPACES
+
     space = data.get("actions") or data.get("name")
-    return space if space in ("crafter", "vpt", "mineworld") else None
+    return space if space in ACTION_SPACES else None
 
 
 def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
     """(T, n_a) local action ids -> one short label per frame."""
     from mcar.tokenizer.actions import action_space
 
+    labeller = action_space(space) if space else None
     out = []
     for ids in actions.tolist():
         try:
-            if space == "crafter":
-                out.append(action_space("crafter").decode(ids)["action"])
-                continue
-            if space in ("vpt", "mineworld"):
-                a = action_space(space).decode(ids)
-                keys = [k for k, v in a.items() if k not in ("camera", "hotbar") and v]
-                cam = a["camera"]
-                if abs(cam[0]) > 0.5 or abs(cam[1]) > 0.5:
-                    keys.append(f"cam{cam[0]:+.0f},{cam[1]:+.0f}")
-                if a["hotbar"]:
-                    keys.append(f"hb{a['hotbar']}")
-                out.append(" ".join(keys) or "noop")
+            if labeller is not None:
+                out.append(labeller.label(ids))
                 continue
         except ValueError:
             pass
@@ -104,7 +101,28 @@ def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4
     return np.stack(frames)
 
 
+def comparison_frames(clips: dict[str, torch.Tensor], layout: Layout, codebook_size: int, vq,
+                      action_space: str | None) -> np.ndarray:
+    """{title: (N,) token clip} -> (T, H', W', 3) uint8: the clips VQ-decoded side by side (image slots holding an
+    action id shown as code 0), the first clip's actions under each frame. A ValueError when the VQ cannot
+    decode them."""
+    columns, actions = {}, None
+    for title, clip in clips.items():
+        clip = invalid_image_tokens(clip[None].cpu(), layout, codebook_size)[0]
+        ids, acts = split_clip(clip, layout, codebook_size)
+        actions = acts[0] if actions is None else actions
+        columns[title] = to_u8(decode_frames(vq, ids)[0])
+    return side_by_side(columns, action_labels(actions, action_space))
+
+
 # ------------------------------------------------------------------------------------------------ writers
+def write_video(frames: np.ndarray, base: str | Path, fps: float = 4) -> tuple[Path, Path]:
+    """(T, H, W, 3) uint8 -> <base>.mp4 (for files) and <base>.gif (for W&B and browsers): both paths."""
+    base = Path(base)
+    return write_mp4(frames, base.with_name(base.name + ".mp4"), fps), write_gif(frames, base.with_name(
+        base.name + ".gif"), fps)
+
+
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
     mcar generate ckpt=checkpoints/<run>/last.ckpt sampler=diagd schedule.k=2 prompt=3
     mcar generate ckpt=... prompt=crafter_s1_e00011:40 frames=16      # episode[:first frame]
+    mcar generate ckpt=... frames=128                                   # any length: a rolling KV cache
     mcar generate ckpt=... prompt_image=frame.png 'actions=[move_left,move_left,do,noop]'
 
 prompt: a held-out clip id (0 .. number of validation clips - 1), or an episode name of the data's token
@@ -9,6 +10,10 @@ folder with an optional first frame. prompt_image + actions: a first frame (any 
 VQ turns into the data's h x w tokens: x16, 224x384) and one action per generated frame (Crafter action names,
 or local action ids; n_a ids per frame as a list when n_a > 1); there is no ground truth then. Writes
 <output dir>/<prompt>_<sampler>.{mp4,gif,pt}.
+
+frames: any number. Past `sampler.context` frames (null: the checkpoint's clip_frames) the model sees the last
+`context` frames on a rolling KV cache (docs/diagd.md section 7): the same passes per frame however long the clip.
+A held-out prompt limits frames to its episodes' length; prompt_image + actions has no limit.
 """
 from __future__ import annotations
 
@@ -24,17 +29,7 @@ from mcar.core.sampler import build_sampler
 from mcar.eval.generation import load_for_sampling, sampler_label
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
-from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.pictures import (
-    action_labels,
-    data_action_space,
-    decode_frames,
-    invalid_image_tokens,
-    side_by_side,
-    to_u8,
-    write_gif,
-)
-from mcar.tokenizer.video import write_mp4
+from mcar.tokenizer.pictures import comparison_frames, data_action_space, invalid_image_tokens, write_video
 
 log = logging.getLogger("mcar.generate")
 
@@ -45,8 +40,9 @@ def generate(cfg: DictConfig) -> dict:
     module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
-    warn_past_trained_length(frames, hp)
     scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
+    scfg["context"] = scfg.get("context") or int(hp["clip_frames"])
+    warn_past_trained_length(min(frames, scfg["context"]), hp)  # a rolling window sees `context` frames at once
     if cfg.prompt_image:
         schedule["prompt_frames"] = 1
     sampler = build_sampler(scfg, layout, frames, cb, schedule=schedule)
@@ -54,22 +50,23 @@ def generate(cfg: DictConfig) -> dict:
     tokens, stats = sampler.generate(module.model, clip[None].to(device))
     tokens = tokens.cpu()
     label = sampler_label(sampler)
-    shown, n_bad = invalid_image_tokens(tokens, layout, cb)
+    n_bad = invalid_image_tokens(tokens, layout, cb)[1]
     if n_bad:
         log.warning("%d generated image tokens were action ids: shown as code 0", n_bad)
-    ids, acts = split_clip(shown, layout, cb)
-    cols = {label: to_u8(decode_frames(vq, ids)[0])}
-    if has_gt:
-        cols = {"ground truth": to_u8(decode_frames(vq, split_clip(clip[None], layout, cb)[0])[0]), **cols}
-    video = side_by_side(cols, action_labels(acts[0], data_action_space(cfg.data)))
+    clips = ({"ground truth": clip} if has_gt else {}) | {label: tokens[0]}
+    video = comparison_frames(clips, layout, cb, vq, data_action_space(cfg.data))
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
-    mp4, gif = write_mp4(video, base.with_suffix(".mp4"), cfg.fps), write_gif(video, base.with_suffix(".gif"), cfg.fps)
+    mp4, gif = write_video(video, base, cfg.fps)
     torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": scfg, "schedule": schedule,
                 "passes": stats.passes, "seconds": stats.seconds}, base.with_suffix(".pt"))
-    log.info("%s: %d frames (%d prompt) with %s in %d passes, %.2fs -> %s and %s", stem, frames,
-             sampler.prompt_frames, label, stats.passes, stats.seconds, mp4, gif)
-    return {"mp4": mp4, "gif": gif, "passes": stats.passes}
+    generated = frames - sampler.prompt_frames
+    log.info("%s: %d frames (%d prompt) with %s in %d passes (%.1f per frame), %.2fs (%.2f frames/s)%s -> %s and %s",
+             stem, frames, sampler.prompt_frames, label, stats.passes, stats.passes / generated, stats.seconds,
+             generated / max(stats.seconds, 1e-9),
+             f", a rolling window of {sampler.context} frames" if sampler.rolls() else "", mp4, gif)
+    log.info("longer: frames=N (held-out prompts: up to their episodes' length; prompt_image=... actions=[...]: any)")
+    return {"mp4": mp4, "gif": gif, "passes": stats.passes, "passes_per_frame": stats.passes / generated}
 
 
 @hydra_tool("generate")

@@ -28,11 +28,13 @@ from omegaconf import DictConfig
 
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_atomic
+from mcar.eval import metric_registry as R
 from mcar.eval.metrics import fmt
 from mcar.hydra_app import register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
-METRICS = [("fvd", -1), ("psnr", 1), ("ssim", 1), ("action_f1", 1), ("loss_tf", -1)]  # (column, better sign)
+GAP_METRICS = ["fvd", "psnr", "ssim", "token_acc", "action_f1", "loss_tf"]  # the gap each fine-tuning closes
+TABLE_COLUMNS = ["fvd", "token_acc", "psnr", "ssim", "unchanged", "action_f1", "loss_tf", "fps", "tp", "step"]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -170,31 +172,27 @@ def read_references(out: Path, sampler: str, kinds) -> list[dict]:
     return [by_label[k] for k in kinds]
 
 
-def number(v):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
     """{metric: fraction of the pre-trained NTP-DiagD gap the tuned DiagD row closes} (None: no gap/metric).
     1 = tuned DiagD as good as pre-trained NTP; 0 = no better than untuned DiagD; < 0 = worse."""
     out = {}
-    for m, _ in METRICS:
-        a, b, c = number(pre_ntp.get(m)), number(pre_diagd.get(m)), number(tuned.get(m))
+    for m in GAP_METRICS:
+        a, b, c = R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m)), R.number(tuned.get(m))
         out[m] = None if None in (a, b, c) or a == b else (c - b) / (a - b)
     return out
 
 
 def table_md(rows: list[dict]) -> list[str]:
-    cols = [("setting", None), ("sampler", None), ("FVD", "fvd"), ("PSNR", "psnr"), ("SSIM", "ssim"),
-            ("UNCH", "unchanged"), ("action F1 (GT)", "action_f1"), ("LOSS_TF", "loss_tf"), ("FPS", "fps"),
-            ("TP", "tp"), ("STEP", "step")]
-    digits = {"unchanged": 3, "ssim": 3, "action_f1": 3, "loss_tf": 3, "tp": 0}
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + " --- |" * len(cols)]
+    """The RESULTS.md table: setting, sampler, then TABLE_COLUMNS as results.md writes them (headers, digits and
+    bootstrap intervals from the metric registry); action F1 carries the IDM's ceiling in brackets."""
+    head = ["setting", "sampler"] + [("action F1 (GT)" if k == "action_f1" else R.column(k).header)
+                                     for k in TABLE_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [r["setting"], r["sampler"]]
-        for _, key in cols[2:]:
-            v = fmt(number(r.get(key)), digits.get(key, 2))
-            if key == "action_f1" and number(r.get("action_f1_gt")) is not None:
+        for key in TABLE_COLUMNS:
+            v = R.cell(r, key)
+            if key == "action_f1" and R.number(r.get("action_f1_gt")) is not None:
                 v += f" ({r['action_f1_gt']:.3f})"
             cells.append(v)
         lines.append("| " + " | ".join(cells) + " |")
@@ -271,20 +269,15 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
              f"{info['finetune_steps']} steps from that checkpoint. Evaluation: `{' '.join(t.evaluate)}` on held-out "
              f"clips, 1 prompt frame + every action given.", "",
              *table_md(rows), "",
-             "FVD: n/a unless `fvd.i3d=` points at local I3D weights. UNCH: the fraction of generated image tokens "
-             "equal to the token at the same place one frame earlier (how still the video is; copy_last: 1). "
-             "Reference rows: ground_truth (the held-out clips themselves), copy_last (the last prompt frame "
-             "repeated: nothing moves), noise (random tokens). Action F1: the IDM's macro F1 on generated "
-             "frames (on ground-truth frames in brackets, its ceiling). LOSS_TF: teacher-forced cross-entropy of the "
-             "generated image tokens on the sampler's own schedule (NTP: the causal loss; DiagD: the loss its "
-             "fine-tuning mask trains). FPS / TP: generated frames / image tokens per second; STEP: forward passes "
-             "per clip.", "",
+             R.glossary(TABLE_COLUMNS) + " (in brackets after action F1: the IDM on the real frames). "
+             + R.ci_note() + ". Reference rows: ground_truth (the held-out clips themselves), copy_last (the last "
+             "prompt frame repeated: nothing moves), noise (random tokens).", "",
              f"Fraction of the pre-trained NTP ({t.gap.ntp}) - DiagD ({t.gap.diagd}) gap each fine-tuning closes "
              f"(1 = as good as NTP, 0 = no change, < 0 = worse; the paper's fine-tuning closes 0.43 of its FVD "
              f"gap):", "",
-             "| fine-tuning | " + " | ".join(m for m, _ in METRICS) + " |", "|" + " --- |" * (len(METRICS) + 1)]
-    lines += [f"| {label} | " + " | ".join(fmt(g[m]) for m, _ in METRICS) + " |" for label, g in gaps.items()]
-    gap_row = {m: (number(pre_ntp.get(m)), number(pre_diagd.get(m))) for m, _ in METRICS}
+             "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+    lines += [f"| {label} | " + " | ".join(fmt(g[m]) for m in GAP_METRICS) + " |" for label, g in gaps.items()]
+    gap_row = {m: (R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m))) for m in GAP_METRICS}
     lines += ["", "Pre-trained NTP vs DiagD values behind the fractions: " + "; ".join(
         f"{m} {fmt(a, 3)} vs {fmt(b, 3)}" for m, (a, b) in gap_row.items() if a is not None), "",
         f"<!-- table3:{t.name} end -->"]
@@ -310,5 +303,8 @@ def update_section(path: Path, name: str, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return
     dry = "--dry-run" in args
     run_pipeline([a for a in args if a != "--dry-run"], dry_run=dry)
