@@ -47,6 +47,19 @@ def test_convert_names_a_ckpt_without_layers(tmp_path):
         convert_mineworld(tmp_path / "x.ckpt", tmp_path / "out", heads=1)
 
 
+def test_a_checkpoint_with_separate_gate_and_up_weights_is_named_in_one_line():
+    """feed_forward.w1 / w3 (gate / up apart) against the fused w13: one line naming the tensor and the fix."""
+    from mcar.checkpoint.io import check_state_shapes
+    from mcar.core.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, mlp_dim=32))
+    state = model.state_dict()
+    state["layers.0.feed_forward.w1.weight"], state["layers.0.feed_forward.w3.weight"] = \
+        state.pop("layers.0.feed_forward.w13.weight").chunk(2)
+    with pytest.raises(ValueError, match=r"^checkpoint old\.ckpt: layers\.0\.feed_forward\.w1\.weight: separate gate "
+                                         r"\(w1\) and up \(w3\) .* concatenate [^\n]*re-save$"):
+        check_state_shapes(model, state, "old.ckpt")
+
 def test_sampling_past_the_trained_length_is_said(caplog):
     from mcar.checkpoint.load import warn_past_trained_length
 

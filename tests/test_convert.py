@@ -61,6 +61,25 @@ def test_converted_logits_equal_transformers(tmp_path, tie):
     assert want.abs().max() > 1  # logits that say something (not all ~0)
 
 
+def test_gate_and_up_are_fused_into_w13_as_llama_computes_its_mlp(tmp_path):
+    """w13 = [gate_proj; up_proj]: each converted FeedForward equals transformers' LlamaMLP on the same input (a
+    swapped or interleaved layout gives silu(up) * gate: far off)."""
+    from mcar.core.model import FeedForward
+    from mcar.tools.convert import model_config, to_mcar
+
+    hf = tiny_llama(tmp_path)
+    llama = hf.state_dict()  # the keys LlamaForCausalLM saves: model.layers.<i>.mlp.gate_proj.weight, ...
+    cfg, _ = model_config(llama, hf.config.to_dict(), None, None)
+    weights = to_mcar(llama, cfg)
+    x = torch.randn(3, 5, cfg.dim, generator=torch.Generator().manual_seed(2))
+    for i, layer in enumerate(hf.model.layers):
+        ffn = FeedForward(cfg)
+        ffn.load_state_dict({k.removeprefix(f"layers.{i}.feed_forward."): v for k, v in weights.items()
+                             if k.startswith(f"layers.{i}.feed_forward.")})
+        with torch.no_grad():
+            want, got = layer.mlp(x), ffn(x)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
 def test_ntp_and_diagd_k_equal_w_sample_the_same_tokens(tmp_path):
     """On the converted model, DiagD with k = w (no proxies, one image token per pass) is NTP: same tokens,
     greedy and seeded."""
@@ -81,7 +100,8 @@ def test_mineworld_ckpt_wrapper_and_cli(tmp_path, capsys):
     state = {f"transformer.{k}": v for k, v in hf.state_dict().items()}
     state["tokenizer.model.quantize.embedding.weight"] = torch.zeros(4, 2)
     torch.save({"state_dict": state}, tmp_path / "mineworld.ckpt")
-    main(["mineworld", str(tmp_path / "mineworld.ckpt"), f"out={tmp_path / 'cli'}", "heads=8", f"frames={FRAMES}",
+    main(["format=mineworld", f"src={tmp_path / 'mineworld.ckpt'}", f"out={tmp_path / 'cli'}", "heads=8",
+          f"frames={FRAMES}",
           "h=3", "w=4", "n_a=2"])
     path = capsys.readouterr().out.strip().splitlines()[-1]
     ckpt = torch.load(path, weights_only=False)
@@ -142,7 +162,7 @@ def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_pa
     assert hp["arch"]["rope"] == "1d" and hp["arch"]["n_kv_heads"] == 2 and hp["schedule"]["proxy"] == "prompt"
     assert tuned["global_step"] == 2
     cfg = compose("generate", [*SMALL_DATA, f"ckpt={path}", "sampler=diagd", "schedule.proxy=prompt", "prompt=1",
-                               f"paths.output_dir={tmp_path / 'gen'}"])
+                               f"frames={FRAMES}", f"paths.output_dir={tmp_path / 'gen'}"])
     res = generate(cfg)
     assert res["passes"] == (FRAMES - 2) * 8 + 8  # DiagD k=2 on 3x4 frames: s_spa = 2*2 + 4
 
@@ -215,7 +235,7 @@ def test_convert_refusals_end_the_command_with_one_line(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "last.ckpt").write_bytes(b"a trained run")
     with pytest.raises(SystemExit) as stop:
-        mcar(["convert", "mineworld", str(tmp_path / "nowhere"), f"out={tmp_path / 'run'}"])
+        mcar(["convert", "format=mineworld", f"src={tmp_path / 'nowhere'}", f"out={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "Traceback" not in err
     assert err.splitlines()[0].startswith(f"Error: out={tmp_path / 'run'} already holds checkpoints (last.ckpt)")

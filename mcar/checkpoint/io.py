@@ -122,6 +122,10 @@ def check_state_shapes(module: torch.nn.Module, state: dict, source: str) -> Non
              for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
+    if split := next((k for k in unexpected if k.endswith("feed_forward.w1.weight")), None):
+        raise ValueError(f"checkpoint {source}: {split}: separate gate (w1) and up (w3) weights; the model holds "
+                         f"them as one feed_forward.w13 = [w1; w3]: concatenate each layer's pair (torch.cat, dim 0) "
+                         f"and re-save")
     if wrong or missing or unexpected:
         lines = wrong + [f"{k}: missing in checkpoint" for k in missing] + \
                 [f"{k}: not in this model" for k in unexpected]

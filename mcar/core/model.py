@@ -222,14 +222,16 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(gate) * up). `w13` holds [gate; up] (LLaMA's gate_proj over up_proj), one GEMM for both."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.mlp_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.mlp_dim, bias=False)
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.mlp_dim, bias=False)
         self.w2 = nn.Linear(cfg.mlp_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):

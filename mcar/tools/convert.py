@@ -1,6 +1,6 @@
 """Convert public checkpoints into mcar checkpoints:
 
-    mcar convert mineworld <checkpoint> out=checkpoints/<name> [model=mineworld_700m] [frames=16]
+    mcar convert format=mineworld src=<checkpoint> out=checkpoints/<name> [model=mineworld_700m] [frames=16]
 
 `mineworld`: MineWorld's LLaMA (transformers' LlamaForCausalLM layout: GQA, 1D RoPE, untied head) from
 - a Hugging Face folder (config.json + model.safetensors, sharded safetensors or pytorch_model.bin),
@@ -34,12 +34,15 @@ from mcar.hydra_app import CONF_DIR, compose_tool
 log = logging.getLogger("mcar.convert")
 MINEWORLD_LAYOUT = dict(h=14, w=24, n_a=11)  # 336 image tokens then 11 action tokens per frame, 347 slots
 MINEWORLD_16F_POSITIONS = 16 * 347  # max_position_embeddings of its *_16f configs (5,552)
-# LLaMA (transformers) name -> mcar name; q/k/v are concatenated into wqkv
+# LLaMA (transformers) name -> mcar name; q/k/v are concatenated into wqkv, gate/up into w13 (FUSED)
 RENAMES = [(r"^model\.embed_tokens\.", "tok_embeddings."), (r"^model\.norm\.", "norm."), (r"^lm_head\.", "output."),
-           (r"\.self_attn\.o_proj\.", ".attention.wo."), (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
-           (r"\.mlp\.up_proj\.", ".feed_forward.w3."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+           (r"\.self_attn\.o_proj\.", ".attention.wo."), (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
            (r"\.input_layernorm\.", ".attention_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
            (r"^model\.layers\.", "layers.")]
+# mcar weight <- the LLaMA weights stacked along its output rows, in this order
+FUSED = {"attention.wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+         "feed_forward.w13": ("mlp", ("gate_proj", "up_proj"))}
+FUSED_PART = {(group, part): fused for fused, (group, parts) in FUSED.items() for part in parts}
 
 
 def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
@@ -147,15 +150,19 @@ def model_config(llama: dict, config: dict | None, preset: str | None,
 
 
 def to_mcar(llama: dict, cfg: ModelConfig, tie: bool = False) -> dict[str, torch.Tensor]:
-    """LLaMA names -> mcar's (wqkv = [q; k; v]); q/k need no permutation: both rotate (x[:D/2], x[D/2:])."""
+    """LLaMA names -> mcar's (wqkv = [q; k; v], w13 = [gate; up], see FUSED); q/k need no permutation: both
+    rotate (x[:D/2], x[D/2:])."""
     out = {}
     for key, value in llama.items():
-        m = re.match(r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.weight", key)
-        if m:
-            if m.group(2) == "q":
-                i = m.group(1)
-                parts = [llama[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
-                out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(parts, 0)
+        m = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)\.weight$", key)
+        if m and (m[2], m[3]) in FUSED_PART:
+            fused = FUSED_PART[m[2], m[3]]
+            group, parts = FUSED[fused]
+            if m[3] == parts[0]:
+                names = [f"model.layers.{m[1]}.{group}.{part}.weight" for part in parts]
+                if absent := [n for n in names if n not in llama]:
+                    raise ValueError(f"LLaMA weights without {absent[0]}: not a whole LlamaForCausalLM checkpoint")
+                out[f"layers.{m[1]}.{fused}.weight"] = torch.cat([llama[n] for n in names], 0)
             continue
         if key.endswith(".bias") or "rotary_emb" in key:
             if key.endswith(".bias"):
@@ -215,8 +222,8 @@ def convert_mineworld(src: str | Path, out: str | Path, preset: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`mcar convert mineworld <checkpoint> out=...` (conf/convert.yaml)."""
-    c = compose_tool("convert", argv, positional=("format", "src"))
+    """`mcar convert format=mineworld src=<checkpoint> out=...` (conf/convert.yaml)."""
+    c = compose_tool("convert", argv)
     if c.format != "mineworld":
         sys.exit(f"format={c.format!r}: mcar convert knows `mineworld` only\n\n{__doc__}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
