@@ -4,6 +4,7 @@ import statistics
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,9 +13,11 @@ from mcar.bench.speed import fit_pass_costs
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.sampler import ScheduleSampler
-from mcar.train.module import ADAMW, build_optimizer
+from mcar.train.module import build_optimizer
 from mcar.train.task import build_module
-from tests.conftest import compose, run_script
+from tests.conftest import REPO, compose, run_in_process, run_script
+
+ADAMW = yaml.safe_load((REPO / "mcar" / "conf" / "optim" / "adamw.yaml").read_text())  # the configured AdamW
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
         "data.action_vocab_size=8", "bench.repeats=1", "bench.warmup=0"]
@@ -28,14 +31,18 @@ PASS_COST_FIELDS = {"prefill_ms", "prefill_rows", "fixed_ms", "ms_per_row", "us_
                     "mean_ms"}
 
 
-def last_json(tmp_path, *overrides) -> tuple[dict, dict]:
-    p = run_script("-m mcar.cli bench", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
-    printed = json.loads(p.stdout.strip().splitlines()[-1])
+def last_json(tmp_path, capsys, *overrides) -> tuple[dict, dict]:
+    """`mcar bench` in this process (test_bench_train runs the command): its printed and its saved JSON."""
+    from mcar.cli import main as mcar
+
+    capsys.readouterr()
+    run_in_process(mcar, "bench", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     return printed, json.loads(next(tmp_path.glob("bench_*.json")).read_text())
 
 
-def test_bench_sampler_compare(tmp_path):
-    out, saved = last_json(tmp_path, "sampler", "sampler=diagd", "schedule.k=2", "bench.compare=true",
+def test_bench_sampler_compare(tmp_path, capsys):
+    out, saved = last_json(tmp_path, capsys, "sampler", "sampler=diagd", "schedule.k=2", "bench.compare=true",
                            "bench.batch_size=2", "bench.pass_costs=true")
     assert out == saved and SAMPLER_FIELDS <= out.keys() and SAMPLER_FIELDS <= out["ntp"].keys()
     h, w, T, P, k = 3, 4, 3, 1, 2
@@ -63,8 +70,8 @@ def test_bench_sampler_compare(tmp_path):
         assert r["cache_cols_per_pass"] == r["visible_cols_per_pass"]
 
 
-def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
-    out, _ = last_json(tmp_path, "sampler", "sampler=diagd", "schedule.k=2", "sampler.static=true",
+def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path, capsys):
+    out, _ = last_json(tmp_path, capsys, "sampler", "sampler=diagd", "schedule.k=2", "sampler.static=true",
                        "bench.batch_size=2", "bench.bandwidth=1e10")
     assert out["static"] and not out["compile"] and out["buckets"] >= 2
     assert out["padded_rows_per_pass"] >= out["rows_per_pass"]
@@ -82,7 +89,10 @@ def test_bench_sampler_static_reports_buckets_and_bytes(tmp_path):
 
 
 def test_bench_train(tmp_path):
-    out, _ = last_json(tmp_path, "train", "mask=diagd")
+    """The command as a user runs it: the last line it prints is the JSON it saves."""
+    p = run_script("-m mcar.cli bench", "train", "mask=diagd", *TINY, f"hydra.run.dir={tmp_path}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == json.loads(next(tmp_path.glob("bench_*.json")).read_text())
     assert out["mask"] == "diagd" and out["seq_len"] == 3 * 14 + 2 * 2  # + (h-1) proxy rows per generated frame
     assert out["ms_per_step"] > 0 and out["tokens_per_s"] > 0 and out["peak_memory_mb"] > 0
     assert out["mfu"] is None  # no peak FLOP/s known for a CPU
@@ -163,3 +173,15 @@ def test_fit_pass_costs_recovers_a_linear_cost(fixed, per_row, per_col, passes, 
     for r, _ in passes:
         assert out["ms_by_rows"][str(r)] == pytest.approx(
             statistics.median(m for (w, _), m in zip(passes, ms[1:]) if w == r), abs=1e-3)
+
+
+def test_bench_defaults_are_cpu_sized_and_each_run_shows_progress(capsys):
+    """The README's `mcar bench sampler ... bench.compare=true` ran 16-frame NTP on CPU for minutes, silently: the
+    default clip is CPU-sized, the paper's length comes with experiment=paper, and every timed run prints a line."""
+    assert compose("bench").data.clip_frames == 4
+    assert compose("bench", ["experiment=paper"]).data.clip_frames == 16
+    seconds, result = speed.timed(lambda: 7, torch.device("cpu"), warmup=1, repeats=2, label="sampler diagd")
+    assert result == 7 and seconds >= 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" took ")[0] for line in lines] == [
+        "bench sampler diagd: warm-up 1/1", "bench sampler diagd: run 1/2", "bench sampler diagd: run 2/2"]

@@ -1,59 +1,54 @@
-"""`mcar convert mineworld`: a randomly initialised, reduced LlamaForCausalLM with MineWorld's config
-shape (GQA, 1D RoPE, untied head, image codes then action ids) is saved, converted and compared on the same clip."""
+"""`mcar convert mineworld`: a random, reduced LLaMA checkpoint with MineWorld's config shape (GQA, 1D RoPE, untied
+head, image codes then action ids) is converted and compared on the same clip with what transformers computed on it
+(tests/fixtures/llama_reference.pt, written by scripts/llama_reference.py: see tests/llama_reference.py)."""
 import json
 
 import pytest
 import torch
 
-from mcar.core.layout import Layout
 from mcar.core.masks import CausalMask
 from mcar.core.sampler import ScheduleSampler
 from mcar.tools.convert import convert_mineworld, main
+from tests.llama_reference import (
+    CODES,
+    FRAMES,
+    GEOMETRY_FRAMES,
+    GEOMETRY_LAYOUT,
+    GEOMETRY_ROWS,
+    LAYOUT,
+    clip,
+    geometry_config,
+    mlp_input,
+    reference,
+    tiny_config,
+    write_llama,
+)
 
-transformers = pytest.importorskip("transformers",
-                                   reason="the parity test needs transformers: pip install -e '.[convert]'")
-
-LAYOUT, FRAMES, CODES = Layout(3, 4, 2), 3, 32  # 14 slots per frame: 12 image tokens then 2 actions
+HF = "hf"  # the folder a test writes its random LLaMA checkpoint to
 
 
 def tiny_llama(tmp_path, tie=False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=CODES + 8, hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
-        num_hidden_layers=2, max_position_embeddings=LAYOUT.n_slots(FRAMES), rope_theta=1000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tie, initializer_range=0.2, attention_bias=False, mlp_bias=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms away from 1, so a swapped norm weight shows
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    hf.save_pretrained(tmp_path / "hf")
-    return hf
-
-
-def clip(batch=2):
-    g = torch.Generator().manual_seed(1)
-    c = torch.randint(0, CODES, (batch, LAYOUT.n_slots(FRAMES)), generator=g)
-    act = ~LAYOUT.is_image(FRAMES)
-    c[:, act] = CODES + torch.randint(0, 6, (batch, int(act.sum())), generator=g)
-    return c
+    """The Hugging Face folder of a random LLaMA with MineWorld's config shape; its config dict."""
+    config = tiny_config(tie)
+    write_llama(tmp_path / HF, config)
+    return config
 
 
 def converted(tmp_path, tie=False):
-    hf = tiny_llama(tmp_path, tie)
-    path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+    tiny_llama(tmp_path, tie)
+    path = convert_mineworld(tmp_path / HF, tmp_path / "out", h=3, w=4, n_a=2)
     from mcar.checkpoint.load import load_model  # the loader mcar.generate and mcar.evaluate use
 
-    return hf, path, load_model(path, "cpu")
+    return path, load_model(path, "cpu")
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_converted_logits_equal_transformers(tmp_path, tie):
-    hf, path, (module, hp) = converted(tmp_path, tie)
+    path, (module, hp) = converted(tmp_path, tie)
     model, x = module.model.eval(), clip()
     assert hp["arch"]["rope"] == "1d" and hp["arch"]["n_kv_heads"] == 2 and hp["clip_frames"] == FRAMES
+    want = reference()[f"tiny_logits_tie_{tie}"]
     with torch.no_grad():
-        want = hf(input_ids=x, position_ids=torch.arange(x.shape[1])[None].expand_as(x)).logits
         batch = CausalMask(LAYOUT, FRAMES)(x)
         got = model(batch.tokens, batch.coords, batch.mask)
     err = ((got - want).abs().max() / want.abs().max()).item()
@@ -64,26 +59,28 @@ def test_converted_logits_equal_transformers(tmp_path, tie):
 def test_gate_and_up_are_fused_into_w13_as_llama_computes_its_mlp(tmp_path):
     """w13 = [gate_proj; up_proj]: each converted FeedForward equals transformers' LlamaMLP on the same input (a
     swapped or interleaved layout gives silu(up) * gate: far off)."""
+    from safetensors.torch import load_file
+
     from mcar.core.model import FeedForward
     from mcar.tools.convert import model_config, to_mcar
 
-    hf = tiny_llama(tmp_path)
-    llama = hf.state_dict()  # the keys LlamaForCausalLM saves: model.layers.<i>.mlp.gate_proj.weight, ...
-    cfg, _ = model_config(llama, hf.config.to_dict(), None, None)
+    config = tiny_llama(tmp_path)
+    llama = load_file(str(tmp_path / HF / "model.safetensors"))  # model.layers.<i>.mlp.gate_proj.weight, ...
+    cfg, _ = model_config(llama, config, None, None)
     weights = to_mcar(llama, cfg)
-    x = torch.randn(3, 5, cfg.dim, generator=torch.Generator().manual_seed(2))
-    for i, layer in enumerate(hf.model.layers):
+    x, want = mlp_input(cfg.dim), reference()["tiny_mlp"]
+    for i in range(config["num_hidden_layers"]):
         ffn = FeedForward(cfg)
         ffn.load_state_dict({k.removeprefix(f"layers.{i}.feed_forward."): v for k, v in weights.items()
                              if k.startswith(f"layers.{i}.feed_forward.")})
         with torch.no_grad():
-            want, got = layer.mlp(x), ffn(x)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(ffn(x), want[i], rtol=1e-6, atol=1e-6)
+
 
 def test_ntp_and_diagd_k_equal_w_sample_the_same_tokens(tmp_path):
     """On the converted model, DiagD with k = w (no proxies, one image token per pass) is NTP: same tokens,
     greedy and seeded."""
-    _, _, (module, _) = converted(tmp_path)
+    _, (module, _) = converted(tmp_path)
     model = module.model.eval()
     for rule in (dict(temperature=0), dict(temperature=1.0, seed=3)):
         ntp = ScheduleSampler.ntp(LAYOUT, FRAMES, 1, codebook_size=CODES, **rule)
@@ -96,8 +93,10 @@ def test_ntp_and_diagd_k_equal_w_sample_the_same_tokens(tmp_path):
 def test_mineworld_ckpt_wrapper_and_cli(tmp_path, capsys):
     """MineWorld's own .ckpt: {"state_dict": {"transformer.<llama keys>", "tokenizer.<VQ keys>"}}, no config.json:
     the shape comes from heads=; the VQ keys are left out."""
-    hf = tiny_llama(tmp_path)
-    state = {f"transformer.{k}": v for k, v in hf.state_dict().items()}
+    from safetensors.torch import load_file
+
+    tiny_llama(tmp_path)
+    state = {f"transformer.{k}": v for k, v in load_file(str(tmp_path / HF / "model.safetensors")).items()}
     state["tokenizer.model.quantize.embedding.weight"] = torch.zeros(4, 2)
     torch.save({"state_dict": state}, tmp_path / "mineworld.ckpt")
     main(["format=mineworld", f"src={tmp_path / 'mineworld.ckpt'}", f"out={tmp_path / 'cli'}", "heads=8",
@@ -113,19 +112,19 @@ def test_mineworld_ckpt_wrapper_and_cli(tmp_path, capsys):
 
 def test_unsupported_configs_are_refused(tmp_path):
     tiny_llama(tmp_path)
-    cfg_path = tmp_path / "hf" / "config.json"
+    cfg_path = tmp_path / HF / "config.json"
     cfg = json.loads(cfg_path.read_text())
     for scaled in ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
                    {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "yarn", "factor": 2.0}}):
         cfg_path.write_text(json.dumps(cfg | scaled))
         with pytest.raises(ValueError, match="rope_scaling"):
-            convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+            convert_mineworld(tmp_path / HF, tmp_path / "out", h=3, w=4, n_a=2)
     cfg_path.write_text(json.dumps(cfg | {"num_attention_heads": 4}))
     with pytest.raises(ValueError, match="head_dim=8 is not hidden_size / num_attention_heads = 16"):
-        convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+        convert_mineworld(tmp_path / HF, tmp_path / "out", h=3, w=4, n_a=2)
     cfg_path.write_text(json.dumps(cfg | {"num_attention_heads": 4, "head_dim": None}))
     with pytest.raises(ValueError, match="k_proj.weight has shape"):
-        convert_mineworld(tmp_path / "hf", tmp_path / "out", h=3, w=4, n_a=2)
+        convert_mineworld(tmp_path / HF, tmp_path / "out", h=3, w=4, n_a=2)
     assert not (tmp_path / "out" / "last.ckpt").exists()  # nothing written for a refused conversion
 
 
@@ -154,7 +153,7 @@ def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_pa
     from tests.conftest import SMALL_DATA, compose, job_overrides, run_script
 
     tiny_llama(tmp_path)
-    path = convert_mineworld(tmp_path / "hf", tmp_path / "conv", h=3, w=4, n_a=2)
+    path = convert_mineworld(tmp_path / HF, tmp_path / "conv", h=3, w=4, n_a=2)
     run_script("finetune.py", *SMALL_DATA, "mask=diagd", "schedule.proxy=prompt", "steps=2", f"init_from={path}",
                "run_name=ft-mineworld", "logger=none", "val_dashboard.n_clips=0", *job_overrides(tmp_path))
     tuned = torch.load(tmp_path / "ckpt" / "ft-mineworld" / "last.ckpt", weights_only=False)
@@ -167,32 +166,29 @@ def test_converted_checkpoint_finetunes_with_the_diagd_mask_and_generates(tmp_pa
     assert res["passes"] == (FRAMES - 2) * 8 + 8  # DiagD k=2 on 3x4 frames: s_spa = 2*2 + 4
 
 
-def test_1d_rope_tables_equal_transformers_bit_for_bit_at_mineworld_head_dim():
-    """head_dim 64 (every MineWorld size) over 5,552 slots (16 frames of 347): our cos/sin equal LLaMA's exactly
-    (float32 inverse frequencies; float64-then-rounded ones differed in 10 of 32 and drifted the logits)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
+def test_1d_rope_tables_equal_transformers_at_mineworld_head_dim():
+    """head_dim 64 (every MineWorld size) over 5,552 slots (16 frames of 347): our inverse frequencies equal LLaMA's
+    bit for bit (float32; float64-then-rounded ones differed in 10 of 32 and drifted the logits), and so do the
+    tables up to the last slot (the drift grows with the position: ~3e-4 at the end)."""
     from mcar.core.rope import RoPE1D
 
-    slots = 16 * 347
-    config = LlamaConfig(hidden_size=2048, num_attention_heads=32, max_position_embeddings=slots, rope_theta=10000.0)
-    theirs = LlamaRotaryEmbedding(config)
-    pos = torch.arange(slots)[None]
-    cos_t, sin_t = theirs(torch.zeros(1, dtype=torch.float32), pos)  # (1, S, 64): (cos | cos)
+    ref, slots = reference(), GEOMETRY_LAYOUT.n_slots(GEOMETRY_FRAMES)
     ours = RoPE1D(64, 10000.0)
     coords = torch.zeros(1, slots, 4, dtype=torch.long)
-    coords[..., 3] = pos
+    coords[..., 3] = torch.arange(slots)
     cos, sin = ours(coords)
-    assert torch.equal(ours.inv_freq, theirs.inv_freq)
-    assert torch.equal(torch.cat([cos, cos], -1), cos_t) and torch.equal(torch.cat([sin, sin], -1), sin_t)
+    assert torch.equal(ours.inv_freq, ref["rope_inv_freq"])
+    torch.testing.assert_close(cos[0, ::16], ref["rope_cos"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[0, ::16], ref["rope_sin"], rtol=0, atol=1e-6)
 
 
 def test_a_ckpt_that_records_its_length_converts_at_that_length(tmp_path):
     """A MineWorld .ckpt keeps its transformer config in its hyper-parameters: a 32-frame one used to convert at the
     preset's 16 frames unless frames= was given."""
-    hf = tiny_llama(tmp_path)
-    state = {f"transformer.{k}": v for k, v in hf.state_dict().items()}
+    from safetensors.torch import load_file
+
+    tiny_llama(tmp_path)
+    state = {f"transformer.{k}": v for k, v in load_file(str(tmp_path / HF / "model.safetensors")).items()}
     frame_len = LAYOUT.frame_len
     torch.save({"state_dict": state, "hyper_parameters": {"model": {"config": {"max_position_embeddings":
                                                                                 4 * frame_len}}}},
@@ -201,31 +197,22 @@ def test_a_ckpt_that_records_its_length_converts_at_that_length(tmp_path):
     assert torch.load(path, weights_only=True)["hyper_parameters"]["clip_frames"] == 4
 
 
-def test_converted_logits_equal_transformers_bit_for_bit_at_mineworld_geometry(tmp_path):
-    """A one-layer LLaMA with MineWorld's head_dim (64) and geometry (16 frames of 14 x 24 + 11 = 5,552 slots):
-    every logit of the converted model equals transformers' exactly (float64 RoPE frequencies drifted them)."""
-    layout, frames = Layout(14, 24, 11), 16
-    slots = layout.n_slots(frames)
-    cfg = transformers.LlamaConfig(
-        vocab_size=CODES + 8, hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
-        num_hidden_layers=1, max_position_embeddings=slots, rope_theta=10000.0, rms_norm_eps=1e-5,
-        initializer_range=0.2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    path = convert_mineworld(tmp_path / "hf", tmp_path / "out", h=14, w=24, n_a=11, frames=frames)
+def test_converted_logits_equal_transformers_at_mineworld_geometry(tmp_path):
+    """A one-layer LLaMA with MineWorld's head_dim (64) and geometry (16 frames of 14 x 24 + 11 = 5,552 slots): the
+    converted model's logits equal transformers' to float32 round-off at every kept slot, the last ones included
+    (float64 RoPE frequencies drifted them ~1e-4)."""
+    path = convert_mineworld(write_llama(tmp_path / HF, geometry_config()), tmp_path / "out", h=14, w=24, n_a=11,
+                             frames=GEOMETRY_FRAMES)
     from mcar.checkpoint.load import load_model
 
     model = load_model(path, "cpu")[0].model.eval()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, CODES, (1, slots), generator=g)
-    act = ~layout.is_image(frames)
-    x[:, act] = CODES + torch.randint(0, 6, (1, int(act.sum())), generator=g)
+    x = clip(GEOMETRY_LAYOUT, GEOMETRY_FRAMES, batch=1)
     with torch.no_grad():
-        want = hf(input_ids=x, position_ids=torch.arange(slots)[None]).logits
-        batch = CausalMask(layout, frames)(x)
-        got = model(batch.tokens, batch.coords, batch.mask)
-    assert torch.equal(got, want), (got - want).abs().amax(-1)[0].nonzero()[:5].flatten().tolist()
+        batch = CausalMask(GEOMETRY_LAYOUT, GEOMETRY_FRAMES)(x)
+        got = model(batch.tokens, batch.coords, batch.mask)[0, GEOMETRY_ROWS]
+    want = reference()["geometry_logits"]
+    err = (got - want).abs().amax(-1) / want.abs().max()
+    assert (err < 2e-6).all(), (err > 2e-6).nonzero()[:5].flatten().tolist()
 
 
 def test_convert_refusals_end_the_command_with_one_line(tmp_path, capsys):

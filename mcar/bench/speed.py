@@ -16,6 +16,7 @@ import functools
 import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -31,17 +32,21 @@ from mcar.core.sampler import build_sampler, forward_rows
 from mcar.hydra_app import to_dict
 
 
-def timed(fn, device: torch.device, warmup: int, repeats: int):
-    """(median seconds of fn() over `repeats` runs after `warmup` untimed ones, the last run's result)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
+def timed(fn, device: torch.device, warmup: int, repeats: int, label: str | None = None):
+    """(median seconds of fn() over `repeats` runs after `warmup` untimed ones, the last run's result). With a label,
+    each run prints a progress line to stderr (a CPU run of a long clip takes minutes)."""
+    times, result = [], None
+    for i in range(warmup + repeats):
         sync(device)
         t0 = time.perf_counter()
         result = fn()
         sync(device)
-        times.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(seconds)
+        if label:
+            run = f"warm-up {i + 1}/{warmup}" if i < warmup else f"run {i + 1 - warmup}/{repeats}"
+            print(f"bench {label}: {run} took {seconds:.1f} s", file=sys.stderr, flush=True)
     return statistics.median(times), result
 
 
@@ -93,9 +98,10 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
     bare = bare_forward_timing(sampler, device, OmegaConf.select(cfg, "bench.bare_forward", default="auto"))
     sampler.generate(model, clip, prompt_frames)  # sets the cache up; later runs reuse it (zeroed in place)
     seconds, (_, stats) = timed(lambda: sampler.generate(model, clip, prompt_frames, setup_cache=False), device,
-                                b.warmup, b.repeats)
+                                b.warmup, b.repeats, label=f"sampler {sampler.name}")
     calls = pass_calls(model, sampler, sched, clip, plans)  # builds no graph: a compiled forward compiles when run
-    bare_seconds = timed(bare_forwards(model, calls), device, b.warmup, b.repeats)[0] if bare == "timed" else None
+    bare_seconds = (timed(bare_forwards(model, calls), device, b.warmup, b.repeats,
+                          label=f"{sampler.name} bare forwards")[0] if bare == "timed" else None)
     costs = pass_costs(model, calls, device, b.repeats) if b.pass_costs else None
     B, frames, n = clip.shape[0], sampler.frames - prompt_frames, len(plans)
     rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
@@ -263,7 +269,7 @@ def run_train(cfg: DictConfig) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, _ = timed(step, device, b.warmup, b.repeats)
+    seconds, _ = timed(step, device, b.warmup, b.repeats, label=f"train {factory.name}")
     S = batch.tokens.shape[1]
     tokens = clip.numel()  # clip tokens per step (proxy rows are extra inputs, not extra data)
     density = factory.table().dense().float().mean().item()
