@@ -1,5 +1,5 @@
 """How every mcar tool meets Hydra: the packaged configs (`pkg://mcar.conf`), the OmegaConf resolvers they use,
-registered explicitly by each entry point, and the old `--flag value` spelling of the tools that had argparse.
+registered explicitly by each entry point.
 
 `hydra_tool(name)` makes a tool's `main(argv=None)` from its job function (conf/<name>.yaml, Hydra's run dirs,
 multirun and `--cfg`); `compose_tool(name, argv)` composes conf/<name>.yaml without run dirs, for the small tools
@@ -8,19 +8,24 @@ multirun and `--cfg`); `compose_tool(name, argv)` composes conf/<name>.yaml with
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mcar.core.precision import trainer_precision
 
 CONFIG_PATH = "pkg://mcar.conf"
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs, as files
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)  # a composition that failed: a bad override
 
 
 def asset_path(name: str) -> str:
@@ -64,53 +69,88 @@ def to_dict(cfg: DictConfig | dict | None) -> dict:
     return dict(cfg)
 
 
-def legacy_flags(argv: list[str], positional: tuple[str, ...] = ()) -> list[str]:
-    """Old argparse spellings -> Hydra overrides: `--min-frames 8` -> `min_frames=8`, `--size 224 384` ->
-    `size=[224,384]`, a bare `--keep-null` -> `keep_null=true`, and bare words -> the named `positional` keys.
-    Hydra overrides (`key=value`) pass through, so both spellings mix in one command."""
-    out, words, i = [], list(positional), 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and len(arg) > 2 and "=" not in arg:
-            values = []
-            while i + 1 < len(argv) and not argv[i + 1].startswith("--") and "=" not in argv[i + 1]:
-                values.append(argv[i + 1])
-                i += 1
-            key = arg[2:].replace("-", "_")
-            out.append(f"{key}=" + ("true" if not values else values[0] if len(values) == 1
-                                    else "[" + ",".join(values) + "]"))
-        elif arg.startswith("--") and "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            out.append(f"{key.replace('-', '_')}={value}")
-        elif "=" not in arg and words:
-            out.append(f"{words.pop(0)}={arg}")
-        else:
-            out.append(arg)
-        i += 1
-    return out
+def usage_exit(config_name: str) -> None:
+    """`mcar <tool> --help` for the tools that compose their config themselves: where the keys are; exits 0."""
+    print(f"usage: mcar {config_name} key=value ... (the keys and their defaults: {CONF_DIR / config_name}.yaml)")
+    raise SystemExit(0)
 
 
-def compose_tool(config_name: str, argv: list[str] | None = None, positional: tuple[str, ...] = ()) -> DictConfig:
-    """conf/<config_name>.yaml with the command line's overrides (Hydra syntax, or the old `--flags`)."""
+def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
+    """conf/<config_name>.yaml with the command line's Hydra overrides (`key=value`, `group=option`)."""
     from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
-    args = legacy_flags(sys.argv[1:] if argv is None else list(argv), positional)
-    if any(a in ("-h", "help=true") for a in args):
-        raise SystemExit(f"usage: mcar {config_name} key=value ... (the keys and their defaults: "
-                         f"{Path(__file__).parent / 'conf' / (config_name + '.yaml')})")
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in args):
+        usage_exit(config_name)
     register_resolvers()
     try:
         with initialize_config_module(version_base="1.3", config_module="mcar.conf"):
             cfg = compose(config_name, overrides=args)
-    except (HydraException, OmegaConfBaseException) as e:  # an unknown key or group: say which, no traceback
-        raise SystemExit(f"mcar {config_name}: {e}") from e
+    except COMPOSE_ERRORS as e:
+        raise SystemExit(override_error(config_name, args, e)) from None
     missing = sorted(k for k in cfg if OmegaConf.is_missing(cfg, k))
     if missing:
         raise SystemExit(f"mcar {config_name}: give {', '.join(k + '=...' for k in missing)} "
                          f"(conf/{config_name}.yaml has no default for {'them' if len(missing) > 1 else 'it'})")
     return cfg
+
+
+def override_error(config_name: str, args: list[str], e: BaseException) -> str:
+    """A failed composition -> one line naming the override and the fix: an unknown key gets the keys of that
+    name or spelling the config has (`trainer.max_step` -> trainer.max_steps, `optim.warmup_steps` ->
+    lr_schedule.warmup_steps), an unknown group option the options (`model=70m` -> 700m)."""
+    text = str(e)
+    option = re.search(r"Could not find '([\w./-]+)/([^'/]+)'", text)
+    if option:
+        group, name = option.groups()
+        options = list(getattr(e, "options", None) or sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+        guess = f"did you mean {group}={close[0]}? " if close else ""
+        return f"mcar {config_name}: {group}={name}: conf/{group}/ has no {name}.yaml; {guess}(options: " \
+               f"{', '.join(options)})"
+    key = re.search(r"Could not override '([^']+)'", text)
+    if key:
+        key = key.group(1)
+        given = next((a for a in args if a.split("=", 1)[0] == key), key)
+        close = similar_keys(key, config_keys(config_name, args))
+        if close:
+            return f"mcar {config_name}: {given}: conf/{config_name}.yaml has no key {key}; did you mean " \
+                   f"{' or '.join(close)}?"
+        return f"mcar {config_name}: {given}: conf/{config_name}.yaml has no key {key} and none like it " \
+               f"(`mcar {config_name} --cfg job` prints them all; +{given} would add it)"
+    word = re.search(r"Error parsing override '([^'=]+)'\s+missing EQUAL", text)
+    if word:
+        return f"mcar {config_name}: {word.group(1)}: an override is key=value (the keys: conf/{config_name}.yaml)"
+    return f"mcar {config_name}: " + " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def config_keys(config_name: str, args: list[str]) -> list[str]:
+    """Every dotted key of conf/<config_name>.yaml composed with the group choices of `args` (not hydra's)."""
+    from hydra import compose, initialize_config_module
+
+    groups = [a for a in args if "=" in a and not a.startswith(("-", "+", "~")) and "," not in a
+              and (CONF_DIR / a.split("=", 1)[0].split("@")[0]).is_dir()]
+    try:
+        with initialize_config_module(version_base="1.3", config_module="mcar.conf"):
+            cfg = OmegaConf.to_container(compose(config_name, overrides=groups), resolve=False)
+    except COMPOSE_ERRORS:
+        return []
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            yield prefix + str(k)
+            if isinstance(v, dict):
+                yield from walk(v, f"{prefix}{k}.")
+
+    return list(walk(cfg, ""))
+
+
+def similar_keys(key: str, keys: list[str]) -> list[str]:
+    """Keys spelt like `key`, then keys of the same last name elsewhere (a key that moved group); at most 3."""
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.8)
+    moved = [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k != key]
+    return list(dict.fromkeys(close + moved))[:3]
 
 
 CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-HJK]")  # tqdm's nested bars move the cursor up and clear lines
@@ -165,7 +205,9 @@ def hydra_tool(config_name: str, words=None):
     import hydra
 
     def wrap(job):
-        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(said_plainly(job))
+        user = {"full_error": None}  # the user's HYDRA_FULL_ERROR, which the job runs under
+        app = hydra.main(version_base="1.3", config_path=CONFIG_PATH,
+                         config_name=config_name)(said_plainly(job, lambda: user["full_error"]))
 
         @functools.wraps(job)
         def main(argv: list[str] | None = None):
@@ -173,11 +215,18 @@ def hydra_tool(config_name: str, words=None):
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
+            user["full_error"] = os.environ.get("HYDRA_FULL_ERROR")
+            os.environ["HYDRA_FULL_ERROR"] = "1"  # a failed composition reaches us (said in one line, below)
             try:
                 with readable_progress():
                     return app()
+            except COMPOSE_ERRORS as e:  # the job's own errors went through Hydra's handler (said_plainly)
+                if user["full_error"] == "1":
+                    raise
+                raise SystemExit(override_error(config_name, args, e)) from None
             finally:
                 sys.argv = saved
+                restore_env("HYDRA_FULL_ERROR", user["full_error"])
 
         main.job = job  # the undecorated job, for callers that compose the config themselves
         return main
@@ -210,15 +259,43 @@ def plain_errors():
         raise SystemExit(1) from None
 
 
-def said_plainly(job):
-    """`job` under plain_errors (inside @hydra.main, before Hydra's own handler sees the error)."""
+def restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def said_plainly(job, user_full_error=lambda: None):
+    """`job` under plain_errors (inside @hydra.main, before Hydra's own handler sees the error), with the user's
+    HYDRA_FULL_ERROR; a job that fails before writing anything leaves no run folder (remove_unused_run_dir)."""
 
     @functools.wraps(job)
     def run(cfg):
-        with plain_errors():
-            return job(cfg)
+        restore_env("HYDRA_FULL_ERROR", user_full_error())
+        try:
+            with plain_errors():
+                return job(cfg)
+        except BaseException:
+            remove_unused_run_dir()
+            raise
 
     return run
+
+
+def remove_unused_run_dir() -> None:
+    """Hydra's fresh run folder (outputs/<task>/<time>/) of a failed job, when it holds nothing but Hydra's own
+    log of the job, is removed: a command refused before its work leaves no folder that looks like a run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    if out.is_dir() and out.resolve() != Path.cwd().resolve() and \
+            {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log"}:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def hydra_job() -> tuple[bool, int, str]:

@@ -87,3 +87,39 @@ def test_mineworld_and_vpt_carry_the_same_actions():
                 [65, 33, 54, 66, 0, 66, 66, 66, 66, 66, 67]):
         with pytest.raises(ValueError):
             mw.decode(bad)
+
+
+def test_a_new_action_space_is_one_class_the_tools_ask():
+    """Labels under frames, actions by name in prompts and play, the IDM's names: each asks the data's action space
+    (its `names`, `label`, `encode_name`), none tests for a space by name, so a new data source adds its class to
+    ACTION_SPACES and nothing else."""
+    import torch
+
+    from mcar.eval.idm import action_names
+    from mcar.eval.prompts import parse_action
+    from mcar.tokenizer import actions
+    from mcar.tokenizer.actions import ActionSpace
+    from mcar.tokenizer.pictures import action_labels, data_action_space
+    from mcar.tools.play import named_actions
+
+    class Doom(ActionSpace):
+        n_a, vocab_size, names, moves = 1, 3, ("stand", "turn", "fire"), ("turn",)
+
+    spaces = {**actions.ACTION_SPACES, "doom": Doom}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(actions, "ACTION_SPACES", spaces)
+        data = {"name": "doom_maps", "actions": "doom"}
+        assert data_action_space(data) == "doom"
+        assert action_labels(torch.tensor([[2], [0], [7]]), "doom") == ["fire", "stand", "a=7"]
+        assert action_names(data, 3) == {0: "stand", 1: "turn", 2: "fire"}
+        assert parse_action("fire", "doom", 1) == [2] and parse_action(1, "doom", 1) == [1]
+        assert named_actions("doom") == {"stand": [0], "turn": [1], "fire": [2]}
+        with pytest.raises(ValueError, match="unknown action 'jump'; the actions: stand, turn, fire"):
+            parse_action("jump", "doom", 1)
+    # the shipped spaces: Crafter names its 17 actions; VPT's label pressed keys and take ids, not names
+    assert named_actions("crafter")["do"] == [5] and action_space("crafter").label([1]) == "move_left"
+    assert action_labels(torch.tensor([[0]]), "crafter") == ["noop"]
+    vpt = action_space("vpt")
+    assert vpt.names is None and vpt.label(vpt.encode({"forward": 1, "camera": (0, 30)})) == "forward cam+0,+28"
+    with pytest.raises(ValueError, match="no action names: give actions as 11 ids"):
+        vpt.encode_name("forward")

@@ -1,6 +1,8 @@
-"""The one command line: `mcar <tool>` dispatches to mcar/tools/<tool>.py, the old `--flag` spellings become Hydra
-overrides, and a built wheel (conf/ inside the package) runs a tool from a fresh venv, away from the repository."""
+"""The one command line: `mcar <tool>` dispatches to mcar/tools/<tool>.py, a mistyped override gets a did-you-mean,
+`mcar <tool> --help` exits 0, and a built wheel (conf/ inside the package) runs a tool from a fresh venv, away from
+the repository."""
 import json
+import os
 import shutil
 import site
 import subprocess
@@ -11,10 +13,21 @@ from pathlib import Path
 import pytest
 
 from mcar import cli
-from mcar.hydra_app import compose_tool, legacy_flags
-from tests.conftest import REPO, script_env
+from mcar.hydra_app import compose_tool
+from tests.conftest import REPO, SMALL_DATA, run_in_process, script_env
 
 TOOLS_DIR = REPO / "mcar" / "tools"
+
+
+def train_as_users_run_it(*overrides: str):
+    """mcar train in this process (run_in_process), without HYDRA_FULL_ERROR: errors are said as users see them."""
+    from mcar.tools import train
+
+    def main(args):
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        return train.main(args)
+
+    return run_in_process(main, *overrides)
 
 
 def test_every_tool_module_is_listed_by_the_cli_and_has_a_config():
@@ -32,24 +45,50 @@ def test_cli_help_lists_every_tool_and_an_unknown_tool_is_refused(capsys):
         cli.main(["trian"])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--out", "d", "--episodes", "3"], ["out=d", "episodes=3"]),
-    (["--size", "224", "384", "--keep-null"], ["size=[224,384]", "keep_null=true"]),
-    (["--min-frames=8", "batch=4"], ["min_frames=8", "batch=4"]),
-    (["eps", "--out", "o"], ["episodes=eps", "out=o"]),
-])
-def test_legacy_flags_become_overrides(argv, expected):
-    assert legacy_flags(argv, positional=("episodes",)) == expected
-
-
-def test_compose_tool_reads_both_spellings_and_names_a_missing_or_unknown_key():
-    old = compose_tool("crafter_gen", ["--out", "d", "--size", "224", "384", "--lossless"])
-    new = compose_tool("crafter_gen", ["out=d", "size=[224,384]", "lossless=true"])
-    assert old == new and list(old.size) == [224, 384] and old.lossless is True
+def test_compose_tool_names_a_missing_key_and_the_key_meant():
+    cfg = compose_tool("crafter_gen", ["out=d", "size=[224,384]", "lossless=true"])
+    assert list(cfg.size) == [224, 384] and cfg.lossless is True
     with pytest.raises(SystemExit, match="size=..."):
         compose_tool("crafter_gen", ["out=d"])
-    with pytest.raises(SystemExit, match="episdes"):
+    with pytest.raises(SystemExit, match=r"^mcar crafter_gen: episdes=3: .* no key episdes; did you mean episodes\?$"):
         compose_tool("crafter_gen", ["out=d", "size=[2,2]", "episdes=3"])
+
+
+@pytest.mark.parametrize("override, said", [
+    ("trainer.max_step=5", "did you mean trainer.max_steps?"),
+    ("optim.warmup_steps=5", "lr_schedule.warmup_steps"),  # a key that lives in another group now
+    ("model=70m", "did you mean model=700m? (options: 1.2b, 300m, 700m, "),
+])
+def test_a_mistyped_override_gets_one_line_with_the_key_or_option_meant(override, said, tmp_path, monkeypatch):
+    """Hydra said `To append to your config use +trainer.max_step=5` (wrong advice for a typo) over five lines;
+    the failed composition is said in one line, before any run folder is made."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        train_as_users_run_it(*SMALL_DATA, override)
+    message = str(stop.value.code)
+    assert said in message and "\n" not in message and "+" not in message.replace("1.2b", "")
+    assert message.startswith(f"mcar train: {override}: ") and not (tmp_path / "outputs").exists()
+
+
+def test_a_command_refused_before_training_leaves_no_run_folder(tmp_path, monkeypatch):
+    """Refused in the job (trainer.max_steps=0), and refused after the run took its folders (a trainer that cannot
+    be built): neither outputs/train/<time>/ nor checkpoints/<run>/ stays behind."""
+    monkeypatch.chdir(tmp_path)
+    for bad in ("trainer.max_steps=0", "trainer.accelerator=abacus"):
+        with pytest.raises(SystemExit):
+            train_as_users_run_it(*SMALL_DATA, "logger=none", f"paths.checkpoint_root={tmp_path}/ckpt", bad)
+        assert list((tmp_path / "outputs" / "train").iterdir()) == [], bad
+        assert not (tmp_path / "ckpt").exists() or list((tmp_path / "ckpt").iterdir()) == [], bad
+
+
+@pytest.mark.parametrize("tool", ["convert", "crafter_gen", "tokenize", "vq_eval", "vq_patches", "soak", "table3"])
+def test_every_tools_help_exits_0(tool, capsys):
+    """The tools that read their own command line (the others are Hydra apps: Hydra's --help exits 0)."""
+    try:
+        cli.main([tool, "--help"])
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+    assert f"mcar {tool}" in capsys.readouterr().out
 
 
 def test_a_built_wheel_runs_a_tool_from_a_fresh_venv(tmp_path):

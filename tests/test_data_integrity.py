@@ -47,7 +47,8 @@ def test_a_cut_off_episode_is_made_again(tmp_path):
 
 
 def shards(folder, episodes: dict[str, int], h=3, w=4, n_a=2):
-    from mcar.data.tokenize import _save_npy, build_index
+    from mcar.data.index import build_index
+    from mcar.data.tokenize import _save_npy
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -62,8 +63,8 @@ def shards(folder, episodes: dict[str, int], h=3, w=4, n_a=2):
 def test_a_stale_index_is_found_and_rebuilt(tmp_path):
     """A kill between the last shard and the index rebuild left a 4-episode index over 6 shards: trusted, it trained
     every later run on the wrong split."""
+    from mcar.data.index import stale_index
     from mcar.data.token_clips import TokenDataModule
-    from mcar.data.tokenize import stale_index
 
     folder = tmp_path / "tokens"
     shards(folder, {f"e{i}": 6 for i in range(4)})

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mcar.core.layout import Layout
+from mcar.data.index import build_index
 from mcar.data.token_clips import TokenClips
-from mcar.data.tokenize import build_index
 
 LAYOUT, CODES, ACTIONS = Layout(2, 3, 1), 16, 4
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mcar.data.episodes import read_episode_actions
-from mcar.data.tokenize import merged_index, tokenize_dir
+from mcar.data.index import merged_index
+from mcar.data.tokenize import tokenize_dir
 from mcar.data.vpt_actions import parse_vpt
 from mcar.tokenizer.actions import VPT_OFFSETS
 from mcar.tokenizer.video import write_mp4

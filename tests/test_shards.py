@@ -8,8 +8,8 @@ import pytest
 from mcar.core.layout import Layout
 from mcar.data import shards as S
 from mcar.data.files import write_json
+from mcar.data.index import build_index
 from mcar.data.token_clips import TokenClips
-from mcar.data.tokenize import build_index
 
 LAYOUT, CODES, ACTIONS = Layout(3, 4, 2), 32, 8
 
@@ -140,6 +140,21 @@ def test_a_same_size_shard_swapped_after_indexing_is_caught_at_the_clip_that_rea
         clips.clip(1)
 
 
+def test_a_stream_item_with_an_id_out_of_range_is_named_by_the_same_check():
+    """StreamClips and TokenClips.clip share mcar.data.shards.ids_out_of_range: the array, field and first frame."""
+    from mcar.data.stream import StreamClips
+
+    toks, acts = np.zeros((3, 3, 4), np.int64), np.zeros((3, 2), np.int64)
+    assert S.ids_out_of_range(toks, acts, CODES, ACTIONS) is None
+    acts[2, 1] = ACTIONS + 1
+    assert S.ids_out_of_range(toks, acts, CODES, ACTIONS) == (1, "data.action_vocab_size", ACTIONS, ACTIONS + 1, 2)
+    assert S.ids_out_of_range(toks, acts, CODES, None) is None  # no action vocabulary: not checked
+    to_clip = StreamClips(3, 4, 2, 3, CODES, "s3://b/val", ACTIONS)
+    with pytest.raises(S.ShardError, match=r"s3://b/val: item of episode e holds action id 9 at frame 2 of the clip, "
+                                           r"out of range for data\.action_vocab_size=8"):
+        to_clip({"frames": toks, "actions": acts, "episode": "e"})
+
+
 def test_an_entry_lying_about_its_frames_does_not_survive_the_rebuild(tmp_path):
     write(tmp_path, "e")
     index = build_index(tmp_path, {})
@@ -155,7 +170,7 @@ def test_an_entry_lying_about_its_frames_does_not_survive_the_rebuild(tmp_path):
     ([], 'no "episodes" list'),
 ])
 def test_a_malformed_index_names_its_file_and_field(tmp_path, index, problem):
-    from mcar.data.token_clips import read_index
+    from mcar.data.index import read_index
 
     write_json(tmp_path / "index.json", index)
     with pytest.raises(S.ShardError, match=f"{tmp_path}/index.json is not an index of token shards \\({problem}\\)"):

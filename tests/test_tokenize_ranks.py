@@ -7,7 +7,8 @@ import pytest
 
 import mcar.data.shards as shards
 import mcar.data.tokenize as tok
-from mcar.data.tokenize import merged_index, stale_index, tokenize_dir
+from mcar.data.index import merged_index, stale_index
+from mcar.data.tokenize import tokenize_dir
 from tests.test_data_vpt import SIZE, good_records, tiny_vq, write_vpt
 
 LENGTHS = {"e0": 6, "e1": 12, "e2": 4, "e3": 9, "e4": 7, "short": 1}  # short: 1 usable frame, skipped

@@ -5,14 +5,13 @@ import sys
 
 import pytest
 import torch
-import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 
 from mcar.train.callbacks import Checkpoints, SeenClips, build_callbacks
-from mcar.train.module import MCARModule, legacy_optim
+from mcar.train.module import MCARModule
 from mcar.train.task import build_module, build_trainer
 
-from .conftest import REPO, SMALL_DATA, compose, run_script
+from .conftest import SMALL_DATA, compose
 
 
 def optimizer_and_lrs(overrides: list[str], steps: int) -> tuple[torch.optim.Optimizer, list[float]]:
@@ -35,7 +34,7 @@ def test_the_optimizer_is_the_configured_adamw_with_decay_on_2d_weights_only():
     assert type(opt) is torch.optim.AdamW
     decay, no_decay = opt.param_groups
     for group, wd in ((decay, 0.1), (no_decay, 0.0)):
-        assert (group["initial_lr"], group["betas"], group["weight_decay"], group["eps"]) == (3e-4, (0.9, 0.95), wd,
+        assert (group["initial_lr"], group["betas"], group["weight_decay"], group["eps"]) == (1e-3, (0.9, 0.95), wd,
                                                                                                1e-8)
         assert group["fused"] is True  # no trainer attached: not fp16
     named = dict(module.model.named_parameters())
@@ -71,7 +70,7 @@ def test_fp16_gets_a_non_fused_adamw(monkeypatch):
 def test_warmup_cosine_schedule_from_the_config():
     # warm-up from the model config (model.warmup_steps), cosine to min_lr_ratio=0.1 at trainer.max_steps
     _, lrs = optimizer_and_lrs(["model.warmup_steps=4", "trainer.max_steps=10"], 12)
-    lr = 3e-4
+    lr = 1e-3  # tiny's model.lr
     assert lrs[0] == pytest.approx(lr / 4, rel=1e-12)  # step 0: (0 + 1) / warmup
     assert lrs[3] == pytest.approx(lr, rel=1e-12)  # the end of the warm-up: the full rate
     assert lrs[4] == pytest.approx(lr, rel=1e-12)  # the cosine starts at 1
@@ -86,7 +85,8 @@ def test_warmup_cosine_schedule_from_the_config():
 
 def test_constant_schedule_is_flat():
     _, lrs = optimizer_and_lrs(["lr_schedule=constant", "trainer.max_steps=5"], 6)
-    assert lrs == [3e-4] * 7
+    assert lrs == [1e-3] * 7
+    assert compose("train", [*SMALL_DATA, "model=small"]).optim.lr == 3e-4  # no model.lr: the paper's
     _, lrs = optimizer_and_lrs(["lr_schedule=constant", "lr_schedule.warmup_steps=2", "optim.lr=1e-3"], 3)
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3], rel=1e-12)
 
@@ -108,50 +108,12 @@ def test_module_arguments_come_from_the_module_node():
     assert hp["arch"] == {"vocab_size": 32 + 8, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": None,
                           "mlp_dim": 512}
     assert hp["mask"]["name"] == "diagd" and hp["schedule"]["k"] == 4
-    assert hp["lr_schedule"] == {"_target_": "mcar.train.module.warmup_cosine", "_partial_": True,
+    assert hp["lr_schedule"] == {"_target_": "mcar.core.lr_schedule.warmup_cosine", "_partial_": True,
                                  "warmup_steps": 200, "min_lr_ratio": 0.1}
     # plain values only: the checkpoint's hyperparameters rebuild the module (mcar.eval.evaluate.load_model)
     assert all(type(v) in (dict, list, int, float, str, bool, type(None)) for v in hp.values())
     again = MCARModule(**hp)
     assert again.val_diagd_factory.schedule.k == 4 and again.mask_factory.schedule.k == 4
-
-
-def test_old_checkpoint_hyperparameters_give_the_same_optimizer_and_schedule():
-    """Checkpoints written before conf/optim and conf/lr_schedule hold a plain AdamW dict with the schedule's
-    warmup_steps / min_lr_ratio in it."""
-    hp = dict(build_module(compose("train", [*SMALL_DATA, "trainer.max_steps=10"])).hparams)
-    del hp["lr_schedule"]
-    hp["optim"] = {"lr": 2e-4, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-8, "warmup_steps": 2,
-                   "min_lr_ratio": 0.5}
-    conf = MCARModule(**hp).configure_optimizers()
-    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
-    assert [(g["initial_lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [
-        (2e-4, (0.9, 0.95), 0.1), (2e-4, (0.9, 0.95), 0.0)]
-    lrs = []
-    for _ in range(11):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert lrs[0] == pytest.approx(1e-4) and lrs[1] == pytest.approx(2e-4) and lrs[10] == pytest.approx(1e-4)
-    # unit-test modules built with optim={}: the AdamW defaults of conf/optim/adamw.yaml, a constant rate
-    hp["optim"] = {}
-    opt = MCARModule(**hp).configure_optimizers()["optimizer"]
-    yml = adamw_yaml()
-    assert [opt.param_groups[0][k] for k in ("lr", "betas", "weight_decay", "eps")] == [
-        yml["lr"], tuple(yml["betas"]), yml["weight_decay"], yml["eps"]]
-
-
-def adamw_yaml() -> dict:
-    """conf/optim/adamw.yaml read with plain PyYAML from the source tree (not the code's loader)."""
-    return yaml.safe_load((REPO / "mcar" / "conf" / "optim" / "adamw.yaml").read_text())
-
-
-def test_old_checkpoint_defaults_are_the_adamw_yaml():
-    """An `optim` without `_target_` (old checkpoints) is conf/optim/adamw.yaml with its values over it: the
-    yaml is the one place of the defaults, so editing it changes what old checkpoints get."""
-    yml = adamw_yaml()
-    assert legacy_optim({}, None)[0] == yml
-    assert legacy_optim({"lr": 1e-3, "warmup_steps": 5}, None)[0] == yml | {"lr": 1e-3}
 
 
 def callbacks_of(overrides: list[str], tmp_path, extra=()) -> list[Callback]:
@@ -226,16 +188,46 @@ def test_a_callback_entry_without_target_is_refused():
         build_callbacks(cfg.callbacks)
 
 
-@pytest.mark.parametrize("script,old,new", [("train.py", "optim.warmup_steps=5", "lr_schedule.warmup_steps=5"),
-                                            ("finetune.py", "optim.min_lr_ratio=0", "lr_schedule.min_lr_ratio=0")])
-def test_renamed_overrides_name_their_new_key(script, old, new):
-    p = run_script(script, old, check=False)
-    assert p.returncode == 1
-    assert p.stderr == f"{old.split('=')[0]} is now {new.split('=')[0]} (conf/lr_schedule/): pass {new}\n"
-
-
 def test_trainer_precision_follows_the_precision_policy(monkeypatch):
     """conf's `${mcar_precision:}` asks mcar.core.precision: bf16-mixed where CUDA is, 32-true elsewhere."""
     assert compose("train", SMALL_DATA).trainer.precision == "32-true"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compose("train", SMALL_DATA).trainer.precision == "bf16-mixed"
+
+
+def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float):
+    """A <run>/last.ckpt holding only the hyperparameters finetune's default init_from reads, written at `when`."""
+    import os
+
+    path = root / run / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    torch.save({"hyper_parameters": {"data": {"name": data}, "model_name": model,
+                                     "arch": {"vocab_size": 40, "dim": dim, "n_layers": 4, "n_heads": 4,
+                                              "n_kv_heads": None, "mlp_dim": 512}}}, path)
+    os.utime(path, (when, when))
+    return path
+
+
+def test_finetune_without_init_from_takes_the_newest_checkpoint_of_its_data_and_model(tmp_path):
+    from mcar.train.finetune import newest_pretrained
+
+    root = tmp_path / "ckpt"
+    cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}"])  # synthetic, tiny (dim 128)
+    fake_pretrained(root, "old", "synthetic", "tiny", 128, 1000)
+    newest = fake_pretrained(root, "new", "synthetic", "tiny", 128, 2000)
+    fake_pretrained(root, "other-data", "crafter", "tiny", 128, 3000)
+    fake_pretrained(root, "other-model", "synthetic", "small", 128, 3000)
+    fake_pretrained(root, "other-dims", "synthetic", "tiny", 64, 3000)
+    fake_pretrained(root, "finetune-x", "synthetic", "tiny", 128, 4000)  # a fine-tuning run is never a start
+    assert newest_pretrained(cfg) == newest
+    # the same second: ambiguous, refused with the candidates, one per line with data, model and time
+    fake_pretrained(root, "twin", "synthetic", "tiny", 128, 2000)
+    with pytest.raises(ValueError, match="both the newest pre-trained checkpoint of data=synthetic model=tiny") as e:
+        newest_pretrained(cfg)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 6 and all(" data=" in line and " model=" in line for line in lines)
+    assert "other-model/last.ckpt  data=synthetic model=small (dim 128, 4 layers)" in lines[0] + lines[1]
+    # none of this data and model: refused, listing what there is
+    cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}", "model=small"])
+    with pytest.raises(FileNotFoundError, match="no pre-trained checkpoint of data=synthetic model=small"):
+        newest_pretrained(cfg)

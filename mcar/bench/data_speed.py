@@ -36,7 +36,7 @@ def synthetic_shards(folder: Path, frames: int, episode_frames: int, seed: int =
             **{k: VPT[k] for k in ("codebook_size", "n_a", "action_vocab_size")}}
     index = folder / "index.json"
     if index.is_file():
-        from mcar.data.token_clips import read_index
+        from mcar.data.index import read_index
 
         if read_index(folder).get("meta") == meta:
             return folder

@@ -74,6 +74,18 @@ def first_frame(arr: np.ndarray, bad: np.ndarray) -> int:
     return int(np.argwhere(bad.reshape(len(arr), -1).any(1))[0][0])
 
 
+def ids_out_of_range(toks: np.ndarray, acts: np.ndarray, codebook_size: int,
+                     action_vocab_size: int | None) -> tuple[int, str, int, int, int] | None:
+    """The first vocabulary a clip's ids overflow, as (0 for image ids or 1 for action ids, its config field, its
+    size, the largest id, the first frame holding an id out of range); None when every id fits (the check each
+    clip read gets: TokenClips from shards, StreamClips from a stream)."""
+    for which, arr, vocab, field in ((0, toks, codebook_size, "data.codebook_size"),
+                                     (1, acts, action_vocab_size, "data.action_vocab_size")):
+        if vocab is not None and arr.size and int(arr.max()) >= vocab:
+            return which, field, vocab, int(arr.max()), first_frame(arr, arr >= vocab)
+    return None
+
+
 def check_entry(folder: str | Path, entry: dict, grid: tuple[int, int], n_a: int, codebook_size: int,
                 action_vocab_size: int | None) -> None:
     """An index entry against the data config (data.h, data.w, data.n_a, the vocabularies), reading no data

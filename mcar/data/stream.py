@@ -29,7 +29,8 @@ import torch
 
 from mcar.data.common import ClipDataModule, check_vocab
 from mcar.data.files import read_json, temp_path, write_json, writing_into
-from mcar.data.shards import ShardError, check_entry, shard_paths
+from mcar.data.index import current_index, split_by_episode
+from mcar.data.shards import ShardError, check_entry, ids_out_of_range, shard_paths
 from mcar.tokenizer.clips import join_clip
 
 FORMAT = "mcar-stream-1"
@@ -65,9 +66,6 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
                 val_episodes: int = 2, chunk_bytes: str = "64MB", workers: int | None = None) -> dict:
     """An indexed tokens folder (mcar tokenize) -> the stream at `out` (a folder or an object-store URL that
     LitData writes to). Episodes shorter than a clip are left out. -> what pack.json records."""
-    from mcar.data.token_clips import split_by_episode
-    from mcar.data.tokenize import current_index
-
     litdata = _litdata()
     tokens_dir, stride = Path(tokens_dir), stride or clip_frames
     if stride < 1 or clip_frames < 2:
@@ -200,12 +198,12 @@ class StreamClips:
             raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds frames {toks.shape} and "
                              f"actions {acts.shape}, but data.clip_frames, data.h, data.w, data.n_a = "
                              f"{self.clip_frames}, {self.h}, {self.w}, {self.n_a}: pack the stream again for them")
-        if toks.size and int(toks.max()) >= self.codebook_size or (
-                self.action_vocab_size is not None and acts.size and int(acts.max()) >= self.action_vocab_size):
-            raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds image ids up to "
-                             f"{int(toks.max())} and action ids up to {int(acts.max()) if acts.size else None}, but "
-                             f"data.codebook_size={self.codebook_size} and data.action_vocab_size="
-                             f"{self.action_vocab_size}: the stream was packed from other data")
+        bad = ids_out_of_range(toks, acts, self.codebook_size, self.action_vocab_size)
+        if bad:
+            which, field, vocab, top, frame = bad
+            raise ShardError(f"{self.source}: item of episode {item.get('episode')} holds {('image', 'action')[which]} "
+                             f"id {top} at frame {frame} of the clip, out of range for {field}={vocab}: the stream "
+                             f"was packed from other data")
         return join_clip(toks, acts, self.codebook_size)
 
 

@@ -13,38 +13,17 @@ import torch
 
 from mcar.core.layout import Layout
 from mcar.data.common import ClipDataModule, check_vocab
-from mcar.data.files import read_json
+from mcar.data.index import read_index, refresh_index, split_by_episode
 from mcar.data.shards import (
     REMEDY,
     ShardError,
     check_entry,
     current_entry,
-    index_problem,
+    ids_out_of_range,
     open_shard,
     shard_paths,
 )
 from mcar.tokenizer.clips import join_clip
-
-
-def read_index(folder: str | Path) -> dict:
-    f = Path(folder) / "index.json"
-    if not f.exists():
-        raise FileNotFoundError(f"{f} not found: run the tokenisation job first (mcar tokenize)")
-    index = read_json(f, "delete it: the next run rebuilds it from the shards")
-    problem = index_problem(index)
-    if problem:
-        raise ShardError(f"{f} is not an index of token shards ({problem}): delete it, the next run rebuilds it "
-                         f"from the shards")
-    return index
-
-
-def split_by_episode(names: list[str], val_episodes: int) -> tuple[list[str], list[str]]:
-    """The last `val_episodes` episodes (sorted by name) are validation, the rest training."""
-    names = sorted(names)
-    if len(names) <= val_episodes or val_episodes < 1:
-        raise ValueError(f"data.val_episodes={val_episodes} needs more episodes than that and at least 1 "
-                         f"(found {len(names)} usable episodes)")
-    return names[:-val_episodes], names[-val_episodes:]
 
 
 class TokenClips:
@@ -97,13 +76,12 @@ class TokenClips:
     def clip(self, i: int) -> torch.Tensor:
         e, t = self.locate(i)
         toks, acts = self.frames_of(e, t, self.frames)
-        for arr, vocab, path, field in ((toks, self.codebook_size, 0, "data.codebook_size"),
-                                        (acts, self.action_vocab_size, 1, "data.action_vocab_size")):
-            if vocab is not None and arr.size and int(arr.max()) >= vocab:  # the index's ranges were wrong
-                bad = int(np.argwhere((arr >= vocab).reshape(len(arr), -1).any(1))[0][0])
-                raise ShardError(f"{shard_paths(self.folder, self.episode_names[e])[path]}: id {int(arr.max())} at "
-                                 f"frame {t + bad} is out of range for {field}={vocab}, though index.json said "
-                                 f"otherwise; {REMEDY}")
+        bad = ids_out_of_range(toks, acts, self.codebook_size, self.action_vocab_size)
+        if bad:  # the index's ranges were wrong
+            which, field, vocab, top, frame = bad
+            raise ShardError(f"{shard_paths(self.folder, self.episode_names[e])[which]}: id {top} at frame "
+                             f"{t + frame} is out of range for {field}={vocab}, though index.json said otherwise; "
+                             f"{REMEDY}")
         return join_clip(toks, acts, self.codebook_size)  # (F * frame_len,)
 
 
@@ -160,8 +138,6 @@ class TokenDataModule(ClipDataModule):
         return None
 
     def make_sources(self):
-        from mcar.data.tokenize import refresh_index
-
         refresh_index(self.tokens_dir)  # shards written, index not (a kill between them): rebuilt
         index = read_index(self.tokens_dir)
         self.check_meta(index.get("meta", {}))

@@ -12,6 +12,7 @@ from mcar.checkpoint.config import adopt_checkpoint_config
 from mcar.core.devices import sync
 from mcar.core.schedule import ScheduleConfig
 from mcar.data.common import build_datamodule
+from mcar.tokenizer.clips import copy_last
 
 
 class ShippedHeldOut:
@@ -22,7 +23,8 @@ class ShippedHeldOut:
 
     def __init__(self, folder: Path, data: DictConfig, frames: int):
         from mcar.core.layout import Layout
-        from mcar.data.token_clips import TokenClips, read_index
+        from mcar.data.index import read_index
+        from mcar.data.token_clips import TokenClips
 
         index = read_index(folder)
         self.tokens_dir, self.tokens_name = folder, index["meta"].get("tokens")
@@ -71,9 +73,8 @@ def export_held_out(dm, out: str | Path) -> Path:
     import shutil
 
     from mcar.data.files import write_json
+    from mcar.data.index import build_index, read_index
     from mcar.data.shards import shard_paths
-    from mcar.data.token_clips import read_index
-    from mcar.data.tokenize import build_index
 
     dm.prepare_data()
     dm.setup("validate")
@@ -169,30 +170,6 @@ def reference_clips(kind: str, clips: torch.Tensor, gen_slots: torch.Tensor, cod
     if kind == "copy_last":
         return copy_last(clips, gen_slots)
     raise ValueError(f"references: unknown {kind!r}; choose from {', '.join(REFERENCES)}")
-
-
-def copy_last(clips: torch.Tensor, gen_slots: torch.Tensor) -> torch.Tensor:
-    """clips (B, N) -> each generated frame's image tokens replaced by the last prompt frame's.
-
-    The geometry comes from gen_slots (the image slots of frames P..T-1, in layout order, the last frame
-    included): a frame's image slots are one contiguous run of frame_tokens, and the last generated frame ends
-    at slot N, so frame_len = N - (its first slot). The last prompt frame's image sits one frame_len before
-    the first generated frame's."""
-    gen_slots = gen_slots.to(clips.device)
-    out = clips.clone()
-    if len(gen_slots) == 0:
-        return out
-    breaks = torch.nonzero(gen_slots[1:] - gen_slots[:-1] != 1)
-    ft = int(breaks[0]) + 1 if len(breaks) else len(gen_slots)  # image tokens per frame
-    if len(gen_slots) % ft:
-        raise ValueError(f"copy_last: {len(gen_slots)} generated slots are not whole frames of {ft} tokens")
-    frame_len = clips.shape[1] - int(gen_slots[-ft])
-    first = gen_slots[:ft]
-    if int(first[0]) < frame_len:
-        raise ValueError("copy_last: no prompt frame before the first generated frame")
-    last_prompt = clips[:, first - frame_len]  # (B, ft)
-    out[:, gen_slots] = last_prompt.repeat(1, len(gen_slots) // ft)
-    return out
 
 
 def sampler_label(sampler) -> str:

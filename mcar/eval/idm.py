@@ -14,8 +14,8 @@ generated frame pairs against the conditioning actions, as MineWorld reports.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -28,9 +28,11 @@ from tqdm import tqdm
 
 from mcar.checkpoint.io import load_weights_only
 from mcar.core.layout import Layout
+from mcar.core.lr_schedule import warmup_cosine
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_json
 from mcar.eval.metrics import Unavailable
+from mcar.tokenizer.actions import CrafterActions, action_space
 from mcar.tokenizer.clips import split_clip
 
 log = logging.getLogger("mcar.eval.idm")
@@ -166,7 +168,7 @@ def action_scores(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str
                 macro_f1=sum(f1s) / max(len(f1s), 1), n=len(pred2), per_action=per)
 
 
-MOVES = ("move_left", "move_right", "move_up", "move_down")  # the actions with precision/recall table columns
+MOVES = CrafterActions.moves  # the actions with precision/recall table columns
 PR_COLUMNS = [f"{k}_{name}" for name in MOVES for k in ("prec", "rec")]  # prec_move_left, rec_move_left, ...
 
 
@@ -188,14 +190,12 @@ def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | 
 
 
 def action_names(data, action_vocab_size: int) -> dict[int, str]:
-    """Readable names of local action ids where the data config's action space is Crafter's, else the ids."""
+    """Readable names of local action ids where the data config's action space names its actions, else the ids."""
     from mcar.tokenizer.pictures import data_action_space
 
-    if data_action_space(data) == "crafter":
-        from mcar.tokenizer.actions import CRAFTER_ACTIONS
-
-        return dict(enumerate(CRAFTER_ACTIONS))
-    return {i: str(i) for i in range(action_vocab_size)}
+    space = data_action_space(data)
+    names = action_space(space).names if space else None
+    return dict(enumerate(names)) if names else {i: str(i) for i in range(action_vocab_size)}
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -278,11 +278,11 @@ def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str]) -> dict:
 
 def fit(model: InverseDynamics, train, val, names: dict[int, str], *, steps: int, batch_size: int, lr: float,
         weight_decay: float, seed: int = 0, eval_every: int = 250) -> list[dict]:
-    """AdamW on random batches of the train pairs (a, b, actions), linear warm-up then cosine to 0; the held-out
-    pairs are scored every `eval_every` steps and at the end -> history [{step, loss, val_accuracy, ...}]."""
+    """AdamW on random batches of the train pairs (a, b, actions), linear warm-up (a 20th of the steps) then cosine
+    to 0 (mcar.core.lr_schedule); the held-out pairs are scored every `eval_every` steps and at the end -> history
+    [{step, loss, val_accuracy, ...}]."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    warm = max(1, steps // 20)
-    lr_at = lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    lr_at = functools.partial(warmup_cosine, warmup_steps=max(1, steps // 20), total=steps, min_lr_ratio=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     g = torch.Generator().manual_seed(seed)
     history = []

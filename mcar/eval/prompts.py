@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
 from mcar.eval.generation import held_out_folder, held_out_source
+from mcar.tokenizer.actions import action_space
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import data_action_space
 
@@ -69,11 +70,10 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
 
 
 def parse_action(a, space: str | None, n_a: int) -> list[int]:
-    """An action given by name (in the data's action space `space`, Crafter's) or as n_a local ids -> the ids."""
-    if isinstance(a, str) and space == "crafter":
-        from mcar.tokenizer.actions import action_space
-
-        return action_space("crafter").encode({"action": a})
+    """An action given by name (in the data's action space `space`, one that names its actions) or as n_a local
+    ids -> the ids."""
+    if isinstance(a, str) and space and action_space(space).names:
+        return action_space(space).encode_name(a)
     ids = list(a) if OmegaConf.is_list(a) or isinstance(a, (list, tuple)) else [a]
     if len(ids) != n_a or not all(isinstance(i, int) for i in ids):
         raise ValueError(f"actions: {a!r} is not {n_a} local action id(s)")

@@ -11,7 +11,7 @@ The data pipeline adds the image codebook size to these ids, so actions live aft
 - `mineworld`: the same 11 slots and action dicts with the public MineWorld code's ids (its mcdataset.py): 23
   buttons (use, attack, forward, back, left, right, jump, sneak, sprint, drop, swapHands, pickItem, inventory,
   ESC, hotbar.1-9), the pitch and yaw bins, then <act_bos>, <null_act>, <act_eos>; 70 ids (its vocabulary of 8,262
-  = 8,192 codes + 70), for checkpoints converted with `mcar convert mineworld`.
+  = 8,192 codes + 70), for checkpoints converted with `mcar convert format=mineworld`.
 - `crafter`: one token per frame, the id of Crafter's action (17). Crafter's action is a single discrete choice,
   so one token carries it exactly and keeps frames short (336 + 1 slots).
 """
@@ -36,6 +36,52 @@ def bin_to_camera(b: int) -> float:
     """Bin centre in degrees (the inverse of the mu-law)."""
     x = (b * CAM_BINSIZE - CAM_MAXVAL) / CAM_MAXVAL
     return float(np.sign(x) * ((1 + CAM_MU) ** abs(x) - 1) / CAM_MU * CAM_MAXVAL)
+
+
+class ActionSpace:
+    """What every action space says about its ids beyond encode/decode, so that the tools (labels under frames,
+    actions by name in prompts and play, the IDM's table) ask the space instead of testing its name.
+
+    names: the name of each id when one token is one named action (Crafter), else None: ids are then given as
+    n_a numbers. moves: the names of the movement actions (the IDM's precision/recall columns, play's arrows)."""
+
+    n_a: int
+    vocab_size: int
+    names: tuple[str, ...] | None = None
+    moves: tuple[str, ...] = ()
+
+    def encode(self, action: dict) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> dict:
+        raise NotImplementedError
+
+    def encode_name(self, name: str) -> list[int]:
+        """An action by its name -> its n_a ids (a ValueError when this space has no names or not this one)."""
+        if self.names is None:
+            raise ValueError(f"{type(self).__name__} has no action names: give actions as {self.n_a} ids")
+        if name not in self.names:
+            raise ValueError(f"unknown action {name!r}; the actions: {', '.join(self.names)}")
+        return [self.names.index(name)]
+
+    def label(self, ids) -> str:
+        """A short label of one frame's ids for people (under a video frame); a ValueError when they are not ids
+        of this space."""
+        ids = [int(i) for i in ids]
+        if self.names is None or len(ids) != 1 or not 0 <= ids[0] < len(self.names):
+            raise ValueError(f"{ids} is not one action id of {type(self).__name__}")
+        return self.names[ids[0]]
+
+
+def pressed_label(action: dict) -> str:
+    """A VPT action dict -> its pressed keys, camera move and hotbar in a few characters ("noop" for none)."""
+    keys = [k for k, v in action.items() if k not in ("camera", "hotbar") and v]
+    cam = action["camera"]
+    if abs(cam[0]) > 0.5 or abs(cam[1]) > 0.5:
+        keys.append(f"cam{cam[0]:+.0f},{cam[1]:+.0f}")
+    if action["hotbar"]:
+        keys.append(f"hb{action['hotbar']}")
+    return " ".join(keys) or "noop"
 
 
 # ------------------------------------------------------------------------------------------------ vpt
@@ -64,10 +110,13 @@ def checked_vpt_action(action: dict) -> tuple[float, float, int]:
     return float(cam[0]), float(cam[1]), int(hotbar)
 
 
-class VPTActions:
+class VPTActions(ActionSpace):
     """Action dict {camera: (pitch, yaw) degrees, hotbar: 0..9 (0 = none), forward, back, ...: 0/1} <-> 11 ids."""
 
     n_a, vocab_size = len(VPT_SLOTS), VPT_VOCAB
+
+    def label(self, ids) -> str:
+        return pressed_label(self.decode(ids))
 
     def encode(self, action: dict) -> list[int]:
         pitch, yaw, hotbar = checked_vpt_action(action)
@@ -99,11 +148,14 @@ MW_BOS, MW_NULL, MW_EOS = MW_YAW + CAM_BINS, MW_YAW + CAM_BINS + 1, MW_YAW + CAM
 MINEWORLD_VOCAB = 70  # 8,262 - 8,192: two ids after <act_eos> are never used
 
 
-class MineWorldActions:
+class MineWorldActions(ActionSpace):
     """The VPT action dict <-> MineWorld's 11 ids: [bos, pitch, yaw, hotbar, forward|back, left|right,
     sprint|sneak, use|attack, jump, drop|pickItem, eos]; an unpressed (or doubly pressed) pair is <null_act>."""
 
     n_a, vocab_size = len(VPT_SLOTS), MINEWORLD_VOCAB
+
+    def label(self, ids) -> str:
+        return pressed_label(self.decode(ids))
 
     def encode(self, action: dict) -> list[int]:
         pitch, yaw, hotbar = checked_vpt_action(action)
@@ -142,10 +194,11 @@ CRAFTER_ACTIONS = ["noop", "move_left", "move_right", "move_up", "move_down", "d
                    "make_iron_pickaxe", "make_wood_sword", "make_stone_sword", "make_iron_sword"]
 
 
-class CrafterActions:
+class CrafterActions(ActionSpace):
     """{"action": name} <-> one id, Crafter's own action index."""
 
     n_a, vocab_size = 1, len(CRAFTER_ACTIONS)
+    names, moves = tuple(CRAFTER_ACTIONS), ("move_left", "move_right", "move_up", "move_down")
 
     def encode(self, action: dict) -> list[int]:
         name = action["action"]
@@ -163,7 +216,7 @@ class CrafterActions:
 ACTION_SPACES = {"vpt": VPTActions, "mineworld": MineWorldActions, "crafter": CrafterActions}
 
 
-def action_space(name: str):
+def action_space(name: str) -> ActionSpace:
     if name not in ACTION_SPACES:
         raise ValueError(f"unknown action space {name!r}; choose one of {sorted(ACTION_SPACES)}")
     return ACTION_SPACES[name]()

@@ -1,17 +1,17 @@
 """`mcar finetune mask=diagd steps=1000 [init_from=path/to.ckpt]` (= `python finetune.py`): fine-tune a pre-trained
 model.
 
-Starts from the weights of `init_from` (default: the newest last.ckpt of a pre-training run under checkpoints/),
-keeps that checkpoint's model config, and trains `steps` steps with a fresh optimiser into its own run dir.
+Starts from the weights of `init_from` (default: the newest last.ckpt of a pre-training run of this data and model
+under checkpoints/), keeps that checkpoint's model config, and trains `steps` steps with a fresh optimiser into its
+own run dir.
 """
 from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
 from mcar.train.finetune import prepare_finetune
-from mcar.train.jobs import check_renamed_overrides
 from mcar.train.task import run
 
 
-@hydra_tool("finetune", words=check_renamed_overrides)
+@hydra_tool("finetune")
 def main(cfg: DictConfig) -> None:
     run(cfg, init_from=prepare_finetune(cfg))

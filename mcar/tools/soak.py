@@ -26,7 +26,7 @@ import torch
 
 from mcar.checkpoint.io import load_checkpoint
 from mcar.data.files import write_json
-from mcar.hydra_app import compose_tool
+from mcar.hydra_app import compose_tool, usage_exit
 
 DEFAULTS = ["model=tiny", "data=synthetic", "logger=csv", "log_every_n_steps=1", "trainer.val_check_interval=1000",
             "val_dashboard.n_clips=0"]
@@ -132,6 +132,8 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
 def main(argv: list[str] | None = None) -> None:
     """conf/soak.yaml's keys (kills, every, seed, out) are soak's; every other override goes to train."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        usage_exit("soak")
     own = set(compose_tool("soak", []))
     mine = [a for a in argv if a.split("=", 1)[0] in own]
     c = compose_tool("soak", mine)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from mcar.data.tokenize import merged_index, tokenize_dir
+from mcar.data.index import merged_index
+from mcar.data.tokenize import tokenize_dir
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer.vq_model import check_frame_size, load_vq, vq_id
 

@@ -2,10 +2,9 @@
 from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
-from mcar.train.jobs import check_renamed_overrides
 from mcar.train.task import run
 
 
-@hydra_tool("train", words=check_renamed_overrides)
+@hydra_tool("train")
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -2,7 +2,7 @@
 
     mcar vq_patches episodes=data/crafter/<setting>/episodes out=mcar/assets/vq_crafter_tiles codes=256
 
-(conf/vq_patches.yaml; the old `<episodes> --out ... --codes 256` spelling works too.)
+(conf/vq_patches.yaml.)
 
 The committed `vq_crafter_tiles` (conf/vq/tiles.yaml) was made with this command on the training episodes of
 `data=crafter_tiles` (the last 2 episodes by name are held out and measured here: PSNR and codes used).
@@ -40,7 +40,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    c = compose_tool("vq_patches", argv, positional=("episodes",))
+    c = compose_tool("vq_patches", argv)
     mp4s = sorted(Path(c.episodes).glob("*.mp4"))
     if len(mp4s) <= c.held_out:
         raise SystemExit(f"{c.episodes}: {len(mp4s)} mp4 episodes, need more than held_out={c.held_out}")

@@ -2,30 +2,77 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
 from mcar.checkpoint.config import adopt_checkpoint_config, command_line_overrides
 from mcar.checkpoint.io import load_checkpoint
+from mcar.hydra_app import to_dict
 
 log = logging.getLogger("mcar")
 
 
-def newest_pretrained(checkpoint_root: str | Path) -> Path:
-    """The newest last.ckpt under checkpoint_root that is not itself a fine-tuning run."""
-    found = [p for p in Path(checkpoint_root).glob("*/last.ckpt") if not p.parent.name.startswith("finetune")]
+@dataclass
+class Pretrained:
+    """A pre-training run's last.ckpt under the checkpoint root, described by its stored config."""
+    path: Path
+    data: str | None
+    model: str | None
+    arch: dict
+    mtime: float
+
+    def line(self) -> str:
+        dims = f"dim {self.arch.get('dim')}, {self.arch.get('n_layers')} layers" if self.arch else "no model config"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.mtime))
+        return f"  {self.path}  data={self.data} model={self.model} ({dims})  {when}"
+
+
+def pretrained_checkpoints(checkpoint_root: str | Path) -> list[Pretrained]:
+    """Every <run>/last.ckpt under checkpoint_root that is not a fine-tuning run, newest first (its hyperparameters
+    only: the weights stay memory-mapped on disk)."""
+    found = []
+    for path in Path(checkpoint_root).glob("*/last.ckpt"):
+        if path.parent.name.startswith("finetune"):
+            continue
+        try:
+            hp = load_checkpoint(path).get("hyper_parameters") or {}
+        except (OSError, ValueError):
+            hp = {}  # unreadable: listed, never picked
+        data = hp.get("data") if isinstance(hp.get("data"), dict) else {}
+        found.append(Pretrained(path, data.get("name"), hp.get("model_name"), dict(hp.get("arch") or {}),
+                                path.stat().st_mtime))
+    return sorted(found, key=lambda c: c.mtime, reverse=True)
+
+
+def newest_pretrained(cfg: DictConfig) -> Path:
+    """init_from's default: the newest pre-training checkpoint under paths.checkpoint_root whose stored config has
+    this run's data (data.name) and model (model.name and every model.arch dimension). Refused, with the
+    candidates one per line, when none matches or the two newest matches were written in the same second."""
+    root = cfg.paths.checkpoint_root
+    found = pretrained_checkpoints(root)
     if not found:
-        raise FileNotFoundError(
-            f"init_from: no pre-trained checkpoint (*/last.ckpt) under {checkpoint_root}; "
-            f"run train.py first or pass init_from=/path/to.ckpt"
-        )
-    return max(found, key=lambda p: p.stat().st_mtime)
+        raise FileNotFoundError(f"init_from: no pre-trained checkpoint (*/last.ckpt) under {root}; run train.py "
+                                f"first or pass init_from=/path/to.ckpt")
+    arch = to_dict(cfg.model.arch)
+    match = [c for c in found if c.data == cfg.data.name and c.model == cfg.model.name
+             and all(c.arch.get(k) == v for k, v in arch.items())]
+    listed = "\n".join(c.line() for c in found)
+    wanted = f"data={cfg.data.name} model={cfg.model.name} (dim {arch.get('dim')}, {arch.get('n_layers')} layers)"
+    if not match:
+        raise FileNotFoundError(f"init_from: no pre-trained checkpoint of {wanted} under {root}; pass "
+                                f"init_from=<one of these>, or the data= and model= it was trained with:\n{listed}")
+    if len(match) > 1 and int(match[0].mtime) == int(match[1].mtime):
+        raise ValueError(f"init_from: {match[0].path} and {match[1].path} are both the newest pre-trained "
+                         f"checkpoint of {wanted}; pass init_from=<one of these>:\n{listed}")
+    return match[0].path
 
 
 def prepare_finetune(cfg: DictConfig) -> str:
     """Resolve cfg.init_from and copy the checkpoint's model config and layout checks into cfg."""
-    path = Path(cfg.init_from) if cfg.get("init_from") else newest_pretrained(cfg.paths.checkpoint_root)
+    path = Path(cfg.init_from) if cfg.get("init_from") else newest_pretrained(cfg)
     hp = load_checkpoint(path).get("hyper_parameters", {})
     if "arch" not in hp:
         raise ValueError(f"init_from: {path} is not an mcar training checkpoint (no model config inside)")

@@ -1,11 +1,10 @@
 """One Hydra job of a training run: its name (a multirun job's number, its W&B group), its checkpoint dir, the
-checkpoint it resumes, renamed overrides refused by name, and its W&B run closed whatever happens."""
+checkpoint it resumes, and its W&B run closed whatever happens."""
 from __future__ import annotations
 
 import functools
 import logging
 import re
-import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -15,19 +14,6 @@ from mcar.checkpoint.io import is_sharded_checkpoint
 from mcar.hydra_app import hydra_job
 
 log = logging.getLogger("mcar")
-
-# overrides of the keys that moved into config groups: train.py / finetune.py refuse them with the new name
-RENAMED = {"optim.warmup_steps": "lr_schedule.warmup_steps", "optim.min_lr_ratio": "lr_schedule.min_lr_ratio"}
-
-
-def check_renamed_overrides(args: list[str]) -> list[str]:
-    """Exit with the new name when a command line overrides a renamed key (Hydra would only say it is unknown)."""
-    for arg in args:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if key in RENAMED:
-            sys.exit(f"{key} is now {RENAMED[key]} (conf/lr_schedule/): pass {arg.replace(key, RENAMED[key], 1)}")
-    return args
-
 
 def finish_wandb(fn):
     """Task wrapper: whatever happens, close the W&B run so the next multirun job opens its own."""

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from collections import deque
-from importlib.resources import files
 
 import hydra
 import lightning as L
 import torch
-from omegaconf import OmegaConf
 
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
@@ -26,50 +23,6 @@ from mcar.core.schedule import ScheduleConfig
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 log = logging.getLogger("mcar")
-
-
-def warmup_cosine(step: int, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
-    """lr multiplier (conf/lr_schedule/warmup_cosine.yaml): linear warm-up to 1 over `warmup_steps`, then cosine
-    down to min_lr_ratio at `total` steps (trainer.max_steps), flat after."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if total <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / (total - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def constant(step: int, total: int, warmup_steps: int = 0) -> float:
-    """lr multiplier (conf/lr_schedule/constant.yaml): linear warm-up over `warmup_steps` (0: none), then 1."""
-    return (step + 1) / warmup_steps if step < warmup_steps else 1.0
-
-
-def conf_defaults(group: str, option: str) -> dict:
-    """The packaged conf/<group>/<option>.yaml as a dict, its interpolated keys (`${model...}`) left out."""
-    cfg = OmegaConf.create((files("mcar.conf") / group / f"{option}.yaml").read_text())
-    return {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
-            if not (isinstance(v, str) and "${" in v)}
-
-
-# Checkpoints written before conf/optim and conf/lr_schedule existed hold a plain `optim` dict (lr, betas,
-# weight_decay, eps, warmup_steps, min_lr_ratio): it is read as these groups' defaults with its values
-# (`legacy_optim`). The defaults are read from the packaged files: one place for them.
-ADAMW = conf_defaults("optim", "adamw")
-WARMUP_COSINE = conf_defaults("lr_schedule", "warmup_cosine")
-CONSTANT = conf_defaults("lr_schedule", "constant")
-
-
-def legacy_optim(optim: dict, lr_schedule: dict | None) -> tuple[dict, dict]:
-    """(optimizer config, lr schedule config) of a module's `optim` / `lr_schedule` hyperparameters, new or old.
-    An `optim` without `_target_` is the old hand-wired AdamW: its warmup_steps / min_lr_ratio were the schedule
-    (warm-up + cosine); with neither (and no lr_schedule) the rate is constant."""
-    optim = dict(optim or {})
-    if "_target_" in optim:
-        return optim, dict(lr_schedule) if lr_schedule is not None else dict(CONSTANT)
-    sched = {k: optim.pop(k) for k in ("warmup_steps", "min_lr_ratio") if k in optim}
-    if lr_schedule is None:
-        lr_schedule = WARMUP_COSINE | sched if "warmup_steps" in sched else CONSTANT
-    return ADAMW | optim, dict(lr_schedule)
 
 
 class LossWatch:
@@ -155,31 +108,21 @@ class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
-                 sampler: dict | None = None, lr_schedule: dict | None = None, data: dict | None = None,
-                 vq: dict | None = None):
+                 lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
         optim: the `optim` group, a `_target_` node with `_partial_: true` called with the parameter groups;
-        lr_schedule: the `lr_schedule` group, a `_partial_` lr multiplier f(step, total=max_steps). Checkpoints
-        written before those groups hold a plain AdamW `optim` dict with warmup_steps / min_lr_ratio: read as
-        AdamW + warmup_cosine (`legacy_optim`).
-        schedule: the run's `schedule` group. Checkpoints written before it existed kept the schedule in their
-        `sampler` (DiagD) or `mask` hyperparameters: those are read then (`sampler` is otherwise unused).
+        lr_schedule: the `lr_schedule` group, a `_partial_` lr multiplier f(step, total=max_steps) (None: a
+        constant rate). schedule: the run's `schedule` group (None: ScheduleConfig's defaults).
         data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
         that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config)."""
         super().__init__()
         self.save_hyperparameters()
-        self.optim_config, self.lr_schedule_config = legacy_optim(optim, lr_schedule)
+        self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
         self.model = Transformer(ModelConfig(**arch))
         self.layout = Layout(**layout)
         mask = dict(mask)
-        if schedule is None:
-            fields = ("k", "d", "proxy", "prompt_frames", "full")
-            old = next((c for c in (sampler or {}, mask) if str(c.get("name", "")).startswith("diagd")), {})
-            schedule = {k: old[k] for k in fields if k in old} | ({"full": True} if old.get("name") == "diagd_full"
-                                                                   else {})
-            mask = {k: v for k, v in mask.items() if k not in fields}
         self.schedule = ScheduleConfig.of(schedule)  # the run's one schedule: training mask, validation, sampling
         self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames, schedule=self.schedule,
                                                action_loss=action_loss, **mask)
@@ -191,6 +134,7 @@ class MCARModule(L.LightningModule):
         self.val_diagd_factory = build_mask_factory("diagd", self.layout, clip_frames, schedule=self.schedule,
                                                     backend=backend, generated_only=True)
         self._t_last: float | None = None
+        self.first_batch_at: float | None = None  # when training began (None: a run refused before its first step)
         self._logs_this_step = True  # set per step in on_train_batch_start
         self._loss_watch: LossWatch | None = None
 
@@ -276,7 +220,7 @@ class MCARModule(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self._t_last is None:
-            self._t_last = time.perf_counter()
+            self._t_last = self.first_batch_at = time.perf_counter()
         self._logs_this_step = self.writes_logs_after(self.trainer.global_step + 1)
 
     def writes_logs_after(self, steps_done: int) -> bool:
@@ -337,7 +281,9 @@ class MCARModule(L.LightningModule):
         return build_optimizer(self.model, self.optim_config, fp16)
 
     def lr_multiplier(self):
-        """step -> lr multiplier: the configured schedule over `max_steps` (trainer.max_steps)."""
+        """step -> lr multiplier: the configured schedule over `max_steps` (trainer.max_steps), else 1."""
+        if self.lr_schedule_config is None:
+            return lambda step: 1.0
         fn = hydra.utils.instantiate(self.lr_schedule_config, _convert_="all")
         total = self.hparams.max_steps
         return lambda step: fn(step, total=total)

@@ -13,6 +13,7 @@ are plain diffusers folders (`VQModel.from_pretrained`).
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from mcar.checkpoint.io import AtomicCheckpointIO, load_checkpoint
+from mcar.core.lr_schedule import warmup_linear_decay
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
 from mcar.tokenizer import quality
@@ -105,14 +107,8 @@ class VQLit(L.LightningModule):
         c = self.cfg
         opt = torch.optim.Adam(self.vq.parameters(), lr=c.lr, betas=tuple(c.betas))
 
-        def factor(step):  # warmup, constant, linear decay to min_lr_ratio over the last decay_frac of steps
-            if step < c.warmup_steps:
-                return (step + 1) / c.warmup_steps
-            start = c.steps * (1 - c.decay_frac)
-            if step < start:
-                return 1.0
-            return max(c.min_lr_ratio, 1 - (1 - c.min_lr_ratio) * (step - start) / max(1, c.steps - start))
-
+        factor = functools.partial(warmup_linear_decay, warmup_steps=c.warmup_steps, total=c.steps,
+                                   decay_frac=c.decay_frac, min_lr_ratio=c.min_lr_ratio)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
