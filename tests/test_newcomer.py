@@ -64,3 +64,33 @@ def test_a_fresh_clone_runs_the_shipped_model_commands_without_building_data(tmp
     assert isinstance(row["action_f1"], float), row  # the shipped IDM was found (idm=auto)
     bench, = (clone / "outputs" / "play").glob("*/play_bench.json")
     assert all(r["frames_per_s"] > 0 for r in json.loads(bench.read_text())["ks"].values())
+
+
+def test_the_main_job_ends_with_its_summary(tmp_path, capsys):
+    """The README's main job (`python train.py`, its own data, model and schedule) at a CI size: its last lines
+    give held-out token agreement vs "nothing moves" vs the ceiling, the verdict the numbers say, where the videos
+    are and the next commands on the real checkpoint. (At full size the verdict is that it beats "nothing moves":
+    BENCHMARKS.md, the main job.)"""
+    from mcar.tools.train import main as train
+    from tests.conftest import job_overrides, run_in_process
+
+    first = re.search(r"^    python -m venv .*", (REPO / "README.md").read_text(), flags=re.M).group(0)
+    assert first.endswith("&& python train.py"), first
+    run_in_process(train, *job_overrides(tmp_path), f"paths.data_dir={tmp_path}/data", "logger=none",
+                   "data.episodes=3", "data.frames_per_episode=12", "data.val_episodes=1", "data.workers=1",
+                   "trainer.max_steps=2")
+    out = capsys.readouterr().out
+    summary = out[out.index("== train done"):].splitlines()
+    model, still, ceiling = (float(re.search(rf"^  {name} +([0-9.]+)", "\n".join(summary), flags=re.M).group(1))
+                             for name in ("this model", "nothing moves", "ceiling"))
+    assert 0 <= model <= 1 and 0 <= still <= 1 and ceiling == 1.0, summary
+    verdict = next(line for line in summary if line.startswith("  -> "))
+    assert ("does not beat" in verdict) == (model <= still), summary
+    ckpt = next(line for line in summary if line.startswith("checkpoint: ")).split(": ", 1)[1]
+    assert Path(ckpt).is_file() and Path(ckpt).name == "last.ckpt"
+    videos = next(line for line in summary if line.startswith("videos"))
+    assert list(Path(videos.rsplit(": ", 1)[1]).glob("val_step*.gif")), videos
+    commands = [line.split(":", 1)[1].strip() for line in summary[summary.index("next:") + 1:]]
+    starts = ["python finetune.py", "mcar generate", "mcar evaluate", "pip install -e '.[play]' && mcar play"]
+    assert len(commands) == len(starts) and all(c.startswith(s) for c, s in zip(commands, starts)), commands
+    assert all(str(Path(ckpt).parent) in c for c in commands), commands

@@ -1,4 +1,4 @@
-"""The embedded default: Crafter episodes, made on first use. `python train.py data=crafter`.
+"""Crafter episodes, made on first use: `python train.py data=crafter` (data=crafter_tiles_small: the main job).
 
 prepare_data() runs three cached stages under `root` (each skipped when its output is there, each with progress):
     1. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true, by
@@ -50,7 +50,8 @@ class CrafterDataModule(TokenDataModule):
         mix = self.policy_mix or {"random": 0.25, "explorer": 0.75}
         total = sum(mix.values())
         policies = "_".join(f"{k}{round(100 * v / total)}" for k, v in sorted(mix.items()))
-        view = "" if self.view in (None, (9, 9)) else f"_view{self.view[0]}x{self.view[1]}"
+        # an explicit view is named even when it is Crafter's own 9x9: its frames are drawn at another size
+        view = "" if self.view is None else f"_view{self.view[0]}x{self.view[1]}"
         light = "" if self.daylight is None else f"_daylight{self.daylight:g}"
         video = "_lossless" if self.lossless else ""
         return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}{light}{video}"
@@ -81,7 +82,8 @@ class CrafterDataModule(TokenDataModule):
 
     def prepare_data(self) -> None:
         from mcar.data.crafter_gen import generate
-        from mcar.data.tokenize import stale_index, tokenize_dir
+        from mcar.data.index import stale_index
+        from mcar.data.tokenize import tokenize_dir
         from mcar.tokenizer.vq_model import frame_size, load_vq, vq_id
 
         if self.vq_train and not (self.vq_root / "vq" / "best" / "config.json").exists():

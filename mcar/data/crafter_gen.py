@@ -9,7 +9,7 @@ fresh per-pixel random noise on every frame, which neither the VQ nor the world 
 
     mcar crafter_gen out=data/crafter/episodes episodes=24 frames=128 seed=0 size=[224,384]
 
-(conf/crafter_gen.yaml; the old `--out ... --size 224 384` spelling works too.)
+(conf/crafter_gen.yaml.)
 """
 from __future__ import annotations
 
@@ -126,24 +126,32 @@ def deterministic_chunks(world) -> None:
     world._chunks = chunks
 
 
+def make_env(env_seed: int, size: tuple[int, int], view: tuple[int, int] | None = None,
+             daylight: float | None = None):
+    """-> (a reset Crafter env drawing (H, W) = size frames, its first observation); view and daylight as in
+    `play_episode`. The same env_seed gives the same world in every process."""
+    import crafter  # imported here: worker processes
+
+    env = crafter.Env(size=(int(size[1]), int(size[0])), view=tuple(int(v) for v in (view or (9, 9))), seed=env_seed)
+    if daylight is not None:  # Crafter sets world.daylight from the step count in _update_time; pin it instead
+        env._update_time = lambda: setattr(env._world, "daylight", float(daylight))
+    obs = env.reset()
+    deterministic_chunks(env._world)
+    return env, obs
+
+
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
                  view: tuple[int, int] | None = None, daylight: float | None = None):
     """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies. view: Crafter's
     grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels). daylight: None for
     Crafter's day-night cycle, or a fixed light level (1.0: always noon; every frame then draws a tile with the
     same pixels, which a patch VQ turns into the same token)."""
-    import crafter  # imported here: worker processes
-
     rng = np.random.default_rng([seed, index])
     names = sorted(policy_mix)
     p = np.array([policy_mix[n] for n in names], float)
     policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
-    env = crafter.Env(size=(int(size[1]), int(size[0])), view=tuple(int(v) for v in (view or (9, 9))),
-                      seed=int(rng.integers(2**31 - 1)))
-    if daylight is not None:  # Crafter sets world.daylight from the step count in _update_time; pin it instead
-        env._update_time = lambda: setattr(env._world, "daylight", float(daylight))
-    obs, out, records = env.reset(), [], []
-    deterministic_chunks(env._world)  # episode i of seed s is the same in every process
+    env, obs = make_env(int(rng.integers(2**31 - 1)), size, view, daylight)
+    out, records = [], []
     for t in range(frames):
         action = policy(env)
         out.append(obs)
@@ -222,19 +230,21 @@ def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
 
 
 def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless) -> list[str]:
-    bar = tqdm(total=episodes, desc=f"crafter episodes -> {out_dir}", unit="ep")
-    names = []
-    if workers > 1:
-        with ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-            futures = [pool.submit(write_episode, out_dir, seed, i, frames, policy_mix, size, view, daylight,
-                                   lossless)
-                       for i in range(episodes)]
-            for f in futures:
-                names.append(f.result())
+    names = [episode_name(seed, i) for i in range(episodes)]
+    todo = [i for i, n in enumerate(names) if not episode_complete(out_dir / f"{n}.mp4", out_dir / f"{n}.jsonl")]
+    if not todo:  # all cached: no progress bar to flash
+        return names
+    bar = tqdm(total=len(todo), desc=f"crafter episodes -> {out_dir}", unit="ep")
+    args = (frames, policy_mix, size, view, daylight, lossless)
+    if workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(min(workers, len(todo)), initializer=die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
+            for f in [pool.submit(write_episode, out_dir, seed, i, *args) for i in todo]:
+                f.result()
                 bar.update()
     else:
-        for i in range(episodes):
-            names.append(write_episode(out_dir, seed, i, frames, policy_mix, size, view, daylight, lossless))
+        for i in todo:
+            write_episode(out_dir, seed, i, *args)
             bar.update()
     bar.close()
     return names

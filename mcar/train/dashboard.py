@@ -15,20 +15,15 @@ from lightning.pytorch.callbacks import Callback
 
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler
-from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.pictures import (
-    action_labels,
+    comparison_frames,
     data_action_space,
-    decode_frames,
-    invalid_image_tokens,
     mask_image,
     schedule_table,
-    side_by_side,
-    to_u8,
-    write_gif,
     write_png,
+    write_video,
 )
-from mcar.tokenizer.video import write_mp4
+from mcar.tokenizer.quality import generated_token_accuracy
 from mcar.train.parallel import is_sharded
 
 log = logging.getLogger("mcar")
@@ -59,12 +54,6 @@ def generate_eager(sampler, model, clips: torch.Tensor):
         return sampler.generate(model, clips)
 
 
-def generated_token_accuracy(sampler, tokens: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
-    """Share of the tokens the sampler generated (its schedule's, after every prompt frame) equal to the clips'."""
-    generated = sampler.schedule().generated.to(clips.device)
-    return (tokens[:, generated] == clips[:, generated]).float().mean()
-
-
 class ValDashboard(Callback):
     def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
                  vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
@@ -81,8 +70,9 @@ class ValDashboard(Callback):
         """NTP and DiagD on the run's schedule (the training mask's), built once."""
         if self._samplers is None:
             sched = pl_module.schedule
-            common = {k: self.sampler_cfg[k] for k in ("temperature", "top_k", "top_p", "seed")
-                      if k in self.sampler_cfg}
+            # every sampling option but the static / compiled path's: the training model samples eagerly
+            common = {k: v for k, v in self.sampler_cfg.items() if k not in ("name", "static", "compile",
+                                                                             "static_widths")}
             lay = pl_module.layout
             cb = self.codebook_size
             self._samplers = {"ntp": build_sampler({"name": "ntp", **common}, lay, frames, cb, sched),
@@ -150,7 +140,8 @@ class ValDashboard(Callback):
         self.write_speed()
         self.save_tokens(clips, generated, frames, step)
         samplers = self.samplers(pl_module, frames)
-        acc = {f"val_gen/{label.split()[0]}_token_acc": generated_token_accuracy(samplers[label], t, clips)
+        acc = {f"val_gen/{label.split()[0]}_token_acc":
+               float(generated_token_accuracy(t, clips, lay, samplers[label].prompt_frames).mean())
                for label, t in generated.items()}
         pl_module.log_dict({**acc, **{f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
                                       for k, v in zip(("passes", "fps", "tp"), r[2:5])}}, rank_zero_only=True)
@@ -188,18 +179,11 @@ class ValDashboard(Callback):
         vq = self.vq() if self.videos else False
         if not vq:
             return None
-        space = self.action_space
-        parts = []
-        for i in range(len(clips)):
-            ids, acts = split_clip(clips[i:i + 1].cpu(), self._layout, self.codebook_size)
-            cols = {"ground truth": to_u8(decode_frames(vq, ids)[0])}
-            for label, tokens in generated.items():
-                tokens = invalid_image_tokens(tokens[i:i + 1].cpu(), self._layout, self.codebook_size)[0]
-                cols[label] = to_u8(decode_frames(vq, split_clip(tokens, self._layout, self.codebook_size)[0])[0])
-            parts.append(side_by_side(cols, action_labels(acts[0], space)))
-        video = np.concatenate(parts)
-        write_mp4(video, self.out / f"val_step{step:07d}.mp4", self.fps)
-        return write_gif(video, self.out / f"val_step{step:07d}.gif", self.fps)
+        video = np.concatenate([comparison_frames({"ground truth": clips[i]} | {label: t[i] for label, t in
+                                                                                 generated.items()},
+                                                  self._layout, self.codebook_size, vq, self.action_space)
+                                for i in range(len(clips))])
+        return write_video(video, self.out / f"val_step{step:07d}", self.fps)[1]
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._layout = pl_module.layout

@@ -3,7 +3,10 @@ the Hydra config (each a `_target_` node: `data`, `module`, `callbacks`, `logger
 and always closes the W&B run (so multirun jobs each get their own run)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
+import time
 from pathlib import Path
 
 import hydra
@@ -37,6 +40,7 @@ from mcar.train.jobs import (
 from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 from mcar.train.quiet import quiet_lightning
+from mcar.train.summary import print_summary
 
 log = logging.getLogger("mcar")
 
@@ -118,18 +122,36 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
             return {}
 
     # the config is checked: now this run takes its directories (owned, writable) before any step
-    locks = [claim(output_dir, "output dir", cfg.run_name)]
+    locks, made = [claim(output_dir, "output dir", cfg.run_name)], []
+    failed = True
     try:
         write_hydra_record(cfg, output_dir)
         if cfg.checkpoint.every_n_steps is not None:
             if ckpt_path is None:  # a fresh run (or fine-tuning) writes into an empty checkpoint dir only
                 take_free_run_name(cfg)
                 check_fresh_checkpoint_dir(checkpoint_dir(cfg), cfg.run_name)
+            if not checkpoint_dir(cfg).exists():
+                made.append(checkpoint_dir(cfg))
             locks.append(claim(checkpoint_dir(cfg), "checkpoint dir", cfg.run_name))
-        return _train(cfg, output_dir, module, datamodule, ckpt_path, callbacks)
+        result = _train(cfg, output_dir, module, datamodule, ckpt_path, callbacks)
+        failed = False
+        return result
     finally:
         for lock in locks:
             release(lock)
+        if failed and module.first_batch_at is None:  # refused before its first step: no run left behind
+            forget_run_records(output_dir, made)
+
+
+def forget_run_records(output_dir: str | Path, made_dirs: list[Path]) -> None:
+    """What a run wrote before its first step: its config records in the output dir (which Hydra then removes
+    when nothing else is in it: mcar.hydra_app.remove_unused_run_dir) and the checkpoint dirs it created, if
+    still empty."""
+    shutil.rmtree(Path(output_dir) / ".hydra", ignore_errors=True)
+    (Path(output_dir) / "resolved_config.yaml").unlink(missing_ok=True)
+    for folder in made_dirs:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str | None, callbacks) -> dict:
@@ -142,7 +164,10 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
         trainer.logger.log_hyperparams({"config": resolved})
     if trainer.is_global_zero:
         OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
+    start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     log.info("done: %s; checkpoints in %s", metrics, checkpoint_dir(cfg))
+    checkpoint = checkpoint_dir(cfg) / "last.ckpt" if cfg.checkpoint.every_n_steps is not None else None
+    print_summary(trainer, cfg, output_dir, checkpoint, time.perf_counter() - start)
     return metrics
