@@ -1,3 +1,4 @@
+import logging
 import os
 import subprocess
 import sys
@@ -52,6 +53,43 @@ def run_script(script: str, *overrides: str, check: bool = True, timeout: int = 
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def run_in_process(main, *overrides: str):
+    """A tool's `main` (e.g. mcar.tools.train.main) on these overrides in this process: the command's work without
+    the seconds a fresh interpreter spends importing torch, Lightning and Hydra. As script_env: one torch thread
+    (two test workers share two cores), HYDRA_FULL_ERROR=1 (a failure raises its own exception; a subprocess checks
+    the one-line output of a failed command). The threads, environment and root logging the job sets (Hydra's
+    handlers, which hold this test's captured stdout) are restored."""
+    root, environ, threads = logging.getLogger(), dict(os.environ), torch.get_num_threads()
+    handlers, level = root.handlers[:], root.level
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    torch.set_num_threads(1)
+    try:
+        return main(list(overrides))
+    finally:
+        torch.set_num_threads(threads)
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+TINY_RUN = "train-tiny-synthetic-causal"  # the run name of `train.py` on SMALL_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """last.ckpt of a 2-step `train.py` run on SMALL_DATA (run TINY_RUN, checkpoint root its parents[1]), trained
+    once per test process for the tests that only read a checkpoint."""
+    from mcar.tools.train import main as train
+
+    tmp = tmp_path_factory.mktemp("tiny_run")
+    run_in_process(train, *SMALL_DATA, *job_overrides(tmp), "logger=none", "trainer.max_steps=2",
+                   "trainer.val_check_interval=2", "val_dashboard.n_clips=0")
+    return tmp / "ckpt" / TINY_RUN / "last.ckpt"
 
 
 def compose(config_name: str = "train", overrides: list[str] = ()):

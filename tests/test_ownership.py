@@ -4,6 +4,7 @@ run's checkpoints."""
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from mcar.data.files import FolderLock
 from mcar.train.ownership import LOCK, check_fresh_checkpoint_dir, claim, release
-from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script, script_env
+from tests.conftest import REPO, SMALL_DATA, job_overrides, run_in_process, run_script, script_env
 
 
 def test_a_live_owner_is_refused_and_a_killed_ones_lock_is_free(tmp_path):
@@ -154,56 +155,64 @@ def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
     check_fresh_checkpoint_dir(tmp_path / "new", "seed2")  # absent or empty: fine
 
 
-@pytest.mark.slow
-def test_running_the_same_command_twice_gives_the_second_run_its_own_name(tmp_path):
+def test_running_the_same_command_twice_gives_the_second_run_its_own_name(tmp_path, capsys):
     """Two fresh runs, one run_name: the second becomes <run_name>-2, beside the first (it used to share the dirs
     and write -v1 checkpoints, then it was refused: a dead end for a user who only ran the command again)."""
+    from mcar.tools.train import main as train
+
     common = [*SMALL_DATA, *job_overrides(tmp_path), "logger=none", "trainer.max_steps=2",
               "checkpoint.every_n_steps=1", "run_name=same"]
-    run_script("train.py", *common, "seed=1")
+    run_in_process(train, *common, "seed=1")
     first = (tmp_path / "ckpt" / "same" / "last.ckpt").read_bytes()
-    p = run_script("train.py", *common, "seed=2", f"hydra.run.dir={tmp_path}/out2")
-    assert "this fresh run is same-2 (resume the first with ckpt_path=last run_name=same)" in p.stdout + p.stderr
+    capsys.readouterr()
+    run_in_process(train, *common, "seed=2", f"hydra.run.dir={tmp_path}/out2")
+    out = capsys.readouterr()
+    assert "this fresh run is same-2 (resume the first with ckpt_path=last run_name=same)" in out.out + out.err
     for name in ("same", "same-2"):
         assert sorted(f.name for f in (tmp_path / "ckpt" / name).glob("*.ckpt")) == \
             ["last.ckpt", "step0000001.ckpt", "step0000002.ckpt"]
         assert not (tmp_path / "ckpt" / name / LOCK).exists()  # released at the end of each run
     assert (tmp_path / "ckpt" / "same" / "last.ckpt").read_bytes() == first
-    p = run_script("train.py", *common, f"hydra.run.dir={tmp_path}/out3", "ckpt_path=last", "trainer.max_steps=3")
+    run_in_process(train, *common, f"hydra.run.dir={tmp_path}/out3", "ckpt_path=last", "trainer.max_steps=3")
     assert sorted(f.name for f in (tmp_path / "ckpt" / "same").glob("step*.ckpt"))[-1] == "step0000003.ckpt"
 
 
-@pytest.mark.slow
 def test_our_errors_end_with_their_message_not_a_traceback(tmp_path):
+    """The command as a user runs it; with HYDRA_FULL_ERROR=1 the error itself is raised (its traceback)."""
+    from mcar.tools.train import main as train
+
     env = {k: v for k, v in script_env().items() if k != "HYDRA_FULL_ERROR"}
-    cmd = [sys.executable, str(REPO / "train.py"), *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
-           "optim.lr=-1"]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    overrides = [*SMALL_DATA, *job_overrides(tmp_path), "logger=none", "optim.lr=-1"]
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 1 and "Error: " in p.stderr and "lr" in p.stderr
     assert "Traceback" not in p.stderr and "(the traceback: HYDRA_FULL_ERROR=1)" in p.stderr
-    full = subprocess.run(cmd, cwd=REPO, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert full.returncode != 0 and "Traceback" in full.stderr
+    with pytest.raises(ValueError, match="lr"):
+        run_in_process(train, *overrides)  # HYDRA_FULL_ERROR=1
 
 
 # ---------------------------------------------------------------------------------------------- silent surprises
-@pytest.mark.slow
-def test_surprises_are_messages(tmp_path):
-    """Issue 15 item 6: each of these used to pass silently or with torch's own text."""
+def test_surprises_are_messages(tmp_path, tiny_checkpoint, capsys):
+    """Issue 15 item 6: each of these used to pass silently or with torch's own text (the commands' main, in this
+    process: the output of a failed command is test_our_errors_end_with_their_message_not_a_traceback's)."""
+    from mcar.tools.finetune import main as finetune
+    from mcar.tools.train import main as train
+
     common = [*SMALL_DATA, "logger=none", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
-    p = run_script("train.py", *common, *job_overrides(tmp_path, "a"), "optim.lr=-1", check=False)
-    assert p.returncode != 0 and "optim.lr is invalid: Invalid learning rate: -1" in p.stderr
-    p = run_script("train.py", *common, *job_overrides(tmp_path, "b"), "trainer.max_steps=0", check=False)
-    assert p.returncode != 0 and "trainer.max_steps=0: nothing to train" in p.stderr
-    run_script("train.py", *common, *job_overrides(tmp_path, "c"), "run_name=done")
-    p = run_script("train.py", *common, *job_overrides(tmp_path, "d"), "run_name=done", "ckpt_path=last")
-    assert "this run already finished (step 2, trainer.max_steps=2): nothing to train" in p.stdout + p.stderr
+    with pytest.raises(ValueError, match=re.escape("optim.lr is invalid: Invalid learning rate: -1")):
+        run_in_process(train, *common, *job_overrides(tmp_path, "a"), "optim.lr=-1")
+    with pytest.raises(ValueError, match=re.escape("trainer.max_steps=0: nothing to train")):
+        run_in_process(train, *common, *job_overrides(tmp_path, "b"), "trainer.max_steps=0")
+    capsys.readouterr()
+    run_in_process(train, *common, f"paths.checkpoint_root={tiny_checkpoint.parents[1]}",
+                   f"hydra.run.dir={tmp_path}/d", "ckpt_path=last")  # the run of tiny_checkpoint, 2 steps done
+    out = capsys.readouterr()
+    assert "this run already finished (step 2, trainer.max_steps=2): nothing to train" in out.out + out.err
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint\n")
-    p = run_script("finetune.py", *common, *job_overrides(tmp_path, "e"), f"init_from={text}", check=False)
-    assert p.returncode != 0 and f"{text} is not a checkpoint written by torch.save: it starts with b'not '" \
-        in p.stderr
-    ckpt = tmp_path / "ckpt" / "done" / "last.ckpt"
-    p = run_script("finetune.py", *common, *job_overrides(tmp_path, "f"), f"init_from={ckpt}", "model=small",
-                   check=False)
-    assert p.returncode != 0 and "model=small: fine-tuning keeps the model of init_from" in p.stderr
+    with pytest.raises(ValueError, match=re.escape(f"{text} is not a checkpoint written by torch.save: it starts "
+                                                   f"with b'not '")):
+        run_in_process(finetune, *common, *job_overrides(tmp_path, "e"), f"init_from={text}")
+    with pytest.raises(ValueError, match="model=small: fine-tuning keeps the model of init_from"):
+        run_in_process(finetune, *common, *job_overrides(tmp_path, "f"), f"init_from={tiny_checkpoint}",
+                       "model=small")

@@ -117,21 +117,24 @@ def test_fsdp_on_two_gloo_processes_matches_ddp_and_resumes_exactly(tmp_path):
     assert sorted(ref) == list(range(6))
     for s in range(3):  # sharding changes where sums happen, not what is computed
         assert ddp[s] == pytest.approx(ref[s], rel=1e-5), s
-    # resume from a single-file checkpoint (the default) and from per-rank shards (save_distributed_checkpoint)
-    for part, sharded in (("single", "false"), ("sharded", "true")):
-        opts = ["trainer=fsdp", f"trainer.strategy.save_distributed_checkpoint={sharded}", *common]
-        run_script("train.py", "trainer.max_steps=3", *opts, *job_overrides(tmp_path / part))
-        last = tmp_path / part / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
-        assert last.is_dir() == (sharded == "true")
-        run_script("train.py", "trainer.max_steps=6", "ckpt_path=last", *opts,
+    # resume from a single-file checkpoint (the default: the 6-step run's of step 3) and from per-rank shards
+    # (save_distributed_checkpoint: a 3-step run's last)
+    run = "train-tiny-synthetic-causal"
+    single, sharded = ["trainer=fsdp", *common], ["trainer=fsdp", "trainer.strategy.save_distributed_checkpoint=true",
+                                                   *common]
+    run_script("train.py", "trainer.max_steps=3", *sharded, *job_overrides(tmp_path / "sharded"))
+    for part, ckpt, opts, resume in (("single", tmp_path / "full" / "ckpt" / run / "step0000003.ckpt", single, None),
+                                     ("sharded", tmp_path / "sharded" / "ckpt" / run / "last.ckpt", sharded, "last")):
+        assert ckpt.is_dir() == (part == "sharded")
+        run_script("train.py", "trainer.max_steps=6", f"ckpt_path={resume or ckpt}", *opts,
                    f"paths.checkpoint_root={tmp_path}/{part}/ckpt", f"hydra.run.dir={tmp_path}/{part}/resumed")
         resumed = metrics(tmp_path / part / "resumed", "train/loss")
-        assert sorted(resumed) == [3, 4, 5]
+        # a mid-run checkpoint carries its step's pending log line (step 2's), a finished run's last.ckpt none
+        assert sorted(resumed) == ([2, 3, 4, 5] if part == "single" else [3, 4, 5])
         for s in resumed:
             assert resumed[s] == ref[s], f"{part}, step {s}: resumed {resumed[s]} != uninterrupted {ref[s]}"
     # the sharded run's checkpoint is a plain single-file one that every mcar tool reads
-    state = torch.load(tmp_path / "full" / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt",
-                       weights_only=False, map_location="cpu")
+    state = torch.load(tmp_path / "full" / "ckpt" / run / "last.ckpt", weights_only=False, map_location="cpu")
     module = MCARModule(**{k: v for k, v in state["hyper_parameters"].items()})
     module.load_state_dict(state["state_dict"])
 

@@ -113,8 +113,11 @@ def summary_lines(agreement: Agreement | None, steps: int, minutes: float, check
         lines.append(f"videos (real | NTP | DiagD at each validation): {shown(output_dir / 'dashboard')}/")
     if wandb_dir is not None:
         lines.append(f"W&B run: {shown(wandb_dir)}  (an offline run uploads with: wandb sync {shown(wandb_dir)})")
-    if checkpoint is None or not checkpoint.is_file():
+    if checkpoint is None:
         lines.append("no checkpoint written (checkpoint.every_n_steps=null)")
+        return lines
+    if not checkpoint.exists():
+        lines.append(f"no checkpoint at {shown(checkpoint)}")
         return lines
     folder = shown(checkpoint.parent)
     lines += [f"checkpoint: {shown(checkpoint)}", "next:"]
