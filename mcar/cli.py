@@ -17,6 +17,7 @@ TOOLS = {
     "finetune": "fine-tune a checkpoint, e.g. with the DiagD mask (finetune.py)",
     "generate": "generate a clip from a checkpoint: mp4 + gif next to the ground truth",
     "evaluate": "score samplers on held-out clips: FVD, PSNR, SSIM, LPIPS, action F1, speed",
+    "worldtest": "memory, collisions and long rollouts on fresh Crafter worlds (tile-exact data)",
     "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
     "bench": "speed and memory: bench sampler|train|memory|gpu",
     "idm": "train the inverse dynamics model that evaluate's action F1 uses",

@@ -1,0 +1,486 @@
+"""World tests on the tile-exact Crafter setting (data=crafter_tiles: one tile per token, a move is an exact
+one-token shift of the map): memory, collisions and long rollouts, from starts on fresh Crafter seeds.
+
+    mcar worldtest ckpt=checkpoints/shipped/crafter_tiles_diagd starts=32
+
+Every start is a fresh Crafter world (seed `seed_base + i`, never a training episode's), played in-process by a
+scripted policy and tokenised by the data's patch VQ. Three tests, each per start, with a 95% bootstrap interval
+over starts (mcar.eval.metrics.bootstrap_ci):
+
+- loop: n moves one way and n back (a direction whose n tiles are walkable; a loop the env did not carry out
+  exactly, e.g. a cow stepped in, is dropped), generated from the start frame alone. `recall`: the share of
+  re-revealed map tiles (in view at the start, out of view at the far end, in view again at the end) equal to the
+  start view's; `loop_acc`: every generated frame's map tokens against the real ones. Rows: the model on its
+  context (`context`, default the checkpoint's clip_frames), the model on the smallest window the rolling sampler
+  allows (2 frames: the frame being made and the one before), copy_last ("nothing moves", whose end frame is the
+  start view: recall 1 by construction, so read it with loop_acc) and real (the env's own frames: the ceiling).
+- blocked: a move the env refused (player position unchanged) and a free move, each predicted from two real
+  frames: `stayed` is the share of refused moves whose generated map is nearer the previous map than the previous
+  map shifted one tile (the map the move would have shown), `moved` the share of free moves where it is the other
+  way round (a model that never moves scores stayed 1, moved 0). The player's own tile (its sprite turns) is left
+  out.
+- rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
+  frames per step (a curve), for the model on its context, the 2-frame window and copy_last.
+
+Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gif} (real | generated) under the
+output dir, and the same to W&B when logger is wandb (offline by default).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mcar.core.devices import set_threads
+from mcar.core.layout import Layout
+from mcar.core.sampler import build_sampler
+from mcar.data.crafter_gen import ExplorerPolicy, make_env
+from mcar.eval.generation import load_for_sampling
+from mcar.eval.metrics import bootstrap_ci
+from mcar.hydra_app import to_dict
+from mcar.tokenizer.clips import join_clip
+from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
+from mcar.tokenizer.vq_model import encode_tokens, frame_size
+
+log = logging.getLogger("mcar.eval.world_tests")
+
+MOVES = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}  # Crafter's move action id -> (dx, dy) of the player
+BACK = {1: 2, 2: 1, 3: 4, 4: 3}
+WALKABLE = ("grass", "sand", "path")  # Crafter's player walks on these
+
+
+# ------------------------------------------------------------------------------------------------ token geometry
+@dataclass(frozen=True)
+class MapGrid:
+    """Where the map is in a frame's token grid: rows [0, map_h) (the inventory rows below), the player drawn at
+    (player_row, player_col) (Crafter's view centre: grid // 2)."""
+
+    map_h: int
+    w: int
+
+    @property
+    def player(self) -> tuple[int, int]:
+        return self.map_h // 2, self.w // 2
+
+    def maps(self, images: torch.Tensor) -> torch.Tensor:
+        """(..., h, w) image tokens -> (..., map_h, w) map tokens."""
+        return images[..., :self.map_h, :]
+
+
+def map_rows(view) -> int:
+    """Crafter's map rows in a view of (W, H) tiles: H less the inventory's rows (crafter.Env's item_rows)."""
+    from crafter import constants
+
+    return int(view[1]) - -(-len(constants.items) // int(view[0]))
+
+
+def rerevealed_mask(grid: MapGrid, dx: int, dy: int) -> torch.Tensor:
+    """(map_h, w) bool: the start view's tiles that are out of view once the view has moved by (dx, dy) tiles."""
+    r, c = torch.meshgrid(torch.arange(grid.map_h), torch.arange(grid.w), indexing="ij")
+    r, c = r - dy, c - dx  # where each start tile sits in the moved view
+    return (r < 0) | (r >= grid.map_h) | (c < 0) | (c >= grid.w)
+
+
+def loop_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, grid: MapGrid, far: torch.Tensor) -> torch.Tensor:
+    """end_maps, start_maps (B, map_h, w), far (B, 2) the view's (dx, dy) at the loop's far end -> (B,) share of the
+    re-revealed tiles where the end frame equals the start frame."""
+    out = []
+    for end, start, (dx, dy) in zip(end_maps, start_maps, far.tolist()):
+        m = rerevealed_mask(grid, dx, dy)
+        out.append((end[m] == start[m]).double().mean())
+    return torch.stack(out)
+
+
+def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., H, W) map tokens -> (the map the view shows after moving (dx, dy) tiles, (H, W) bool where it is known:
+    the tiles that were in view before)."""
+    H, W = maps.shape[-2:]
+    out, known = torch.zeros_like(maps), torch.zeros(H, W, dtype=torch.bool)
+    r0, r1, c0, c1 = max(0, -dy), min(H, H - dy), max(0, -dx), min(W, W - dx)
+    out[..., r0:r1, c0:c1] = maps[..., r0 + dy:r1 + dy, c0 + dx:c1 + dx]
+    known[r0:r1, c0:c1] = True
+    return out, known
+
+
+def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, grid: MapGrid
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """prev, nxt (B, map_h, w) maps before and after a move action, moves (B,) its action ids -> (agreement of nxt
+    with prev, agreement with prev shifted one tile the move's way), each (B,), over the tiles both know, the
+    player's tile left out."""
+    stay, move = [], []
+    pr, pc = grid.player
+    for p, n, a in zip(prev, nxt, moves.tolist()):
+        s, known = shifted(p, *MOVES[a])
+        known = known.clone()
+        known[pr, pc] = False
+        stay.append((n[known] == p[known]).double().mean())
+        move.append((n[known] == s[known]).double().mean())
+    return torch.stack(stay), torch.stack(move)
+
+
+def step_agreement(gen: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """(B, T, h, w) generated and real image tokens -> (B, T) share of equal tokens per frame."""
+    return (gen == real).double().flatten(2).mean(2)
+
+
+def interval(per_start: torch.Tensor, seed: int) -> dict:
+    """per-start values -> {mean, lo, hi, n}: the mean and its 95% bootstrap interval over starts."""
+    v = per_start.double()
+    lo, hi = bootstrap_ci(v, lambda x: x.mean(-1), seed)
+    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v)}
+
+
+# ------------------------------------------------------------------------------------------------ Crafter scenes
+@dataclass
+class Recording:
+    """What the env showed: frame t (H, W, 3) uint8 seen before action t, and the player's position then."""
+
+    frames: list = field(default_factory=list)
+    actions: list = field(default_factory=list)
+    pos: list = field(default_factory=list)
+
+
+class Scene:
+    """One fresh Crafter world, stepped by the tests, each step recorded into the open recording."""
+
+    def __init__(self, env_seed: int, size, view, daylight):
+        self.env, self.obs = make_env(env_seed, size, view, daylight)
+        self.rng = np.random.default_rng(env_seed)
+        self.explorer = ExplorerPolicy(self.rng)
+
+    @property
+    def pos(self) -> tuple[int, int]:
+        return tuple(int(v) for v in self.env._player.pos)
+
+    def step(self, action: int, rec: Recording | None = None) -> bool:
+        """-> whether the episode goes on."""
+        if rec is not None:
+            rec.frames.append(self.obs)
+            rec.actions.append(int(action))
+            rec.pos.append(self.pos)
+        self.obs, _, done, _ = self.env.step(int(action))
+        return not done
+
+    def close(self, rec: Recording) -> Recording:
+        """Add the frame after the last action (its own action a noop, never used)."""
+        rec.frames.append(self.obs)
+        rec.actions.append(0)
+        rec.pos.append(self.pos)
+        return rec
+
+    def free(self, x: int, y: int) -> bool:
+        if not (0 <= x < self.env._world.area[0] and 0 <= y < self.env._world.area[1]):
+            return False
+        material, obj = self.env._world[(x, y)]
+        return material in WALKABLE and obj is None
+
+    def open_direction(self, n: int) -> int | None:
+        """A move whose next n tiles are walkable and empty now, None when there is none."""
+        x, y = self.pos
+        for a in self.rng.permutation(list(MOVES)):
+            dx, dy = MOVES[int(a)]
+            if all(self.free(x + k * dx, y + k * dy) for k in range(1, n + 1)):
+                return int(a)
+        return None
+
+    def loop(self, n: int, tries: int = 20) -> Recording | None:
+        """n moves one way and n back, the frames recorded; None when no open direction was found or the env did not
+        move the player exactly there and back."""
+        for _ in range(tries):
+            a = self.open_direction(n)
+            if a is not None:
+                break
+            if not self.step(self.explorer(self.env)):
+                return None
+        else:
+            return None
+        rec = Recording()
+        for act in [a] * n + [BACK[a]] * n:
+            if not self.step(act, rec):
+                return None
+        rec = self.close(rec)
+        dx, dy = MOVES[a]
+        x0, y0 = rec.pos[0]
+        expected = [(x0 + k * dx, y0 + k * dy) for k in [*range(n + 1), *range(n - 1, -1, -1)]]
+        return rec if rec.pos == expected else None
+
+    def wander(self, steps: int, p_bump: float) -> Recording | None:
+        """`steps` actions of the explorer policy, moving into a blocked neighbour tile with probability p_bump when
+        there is one (collisions to test); None when the episode ends first."""
+        rec = Recording()
+        for _ in range(steps):
+            x, y = self.pos
+            blocked = [a for a, (dx, dy) in MOVES.items() if not self.free(x + dx, y + dy)]
+            act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.explorer(self.env)
+            if not self.step(act, rec):
+                return None
+        return self.close(rec)
+
+
+@dataclass
+class StartRecord:
+    loops: dict  # n -> Recording
+    wander: Recording
+
+
+def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
+                 daylight) -> StartRecord | None:
+    """One start: a few explorer steps into a fresh world, a loop of each length, then a wander; None when the
+    episode ended or a loop could not be made."""
+    scene = Scene(env_seed, size, view, daylight)
+    for _ in range(int(scene.rng.integers(1, warmup + 1))):
+        if not scene.step(scene.explorer(scene.env)):
+            return None
+    loops = {}
+    for n in loop_lengths:
+        rec = scene.loop(int(n))
+        if rec is None:
+            return None
+        loops[int(n)] = rec
+    wander = scene.wander(wander_steps, p_bump)
+    return None if wander is None else StartRecord(loops, wander)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+class Tokens:
+    """Frames -> clips with the data's VQ (its patch VQ maps every tile to its token)."""
+
+    def __init__(self, vq, layout: Layout, codebook_size: int, batch: int = 64):
+        self.vq, self.layout, self.cb, self.batch = vq, layout, codebook_size, batch
+
+    def images(self, frames) -> torch.Tensor:
+        x = torch.from_numpy(np.stack(frames))
+        return torch.cat([encode_tokens(self.vq, b.to(self.vq.device)).cpu() for b in x.split(self.batch)])
+
+    def clip(self, rec: Recording) -> torch.Tensor:
+        return join_clip(self.images(rec.frames), torch.tensor(rec.actions)[:, None], self.cb)
+
+
+def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(B, N) clips -> (B, T, h, w) image tokens."""
+    x = clips.view(clips.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens]
+    return x.reshape(*x.shape[:2], layout.h, layout.w)
+
+
+def copy_first(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Every frame's image tokens replaced by the first frame's ("nothing moves" from a one-frame prompt)."""
+    x = clips.clone().view(clips.shape[0], -1, layout.frame_len)
+    x[:, 1:, :layout.frame_tokens] = x[:, :1, :layout.frame_tokens]
+    return x.view(clips.shape[0], -1)
+
+
+class WorldTests:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        module, self.hp, self.vq, self.device = load_for_sampling(cfg)
+        self.model, self.layout, self.cb = module.model, module.layout, int(cfg.data.codebook_size)
+        view = cfg.data.get("view")
+        if view is None or list(view) != [self.layout.w, self.layout.h]:
+            raise ValueError(f"data.view={None if view is None else list(view)}: the world tests need the tile-exact "
+                             f"setting (data=crafter_tiles: view [{self.layout.w}, {self.layout.h}], one tile per "
+                             f"token)")
+        self.size = frame_size(self.vq, self.layout.h, self.layout.w)
+        self.view, self.daylight = tuple(int(v) for v in view), cfg.data.get("daylight")
+        self.grid = MapGrid(map_rows(self.view), self.layout.w)
+        self.tokens = Tokens(self.vq, self.layout, self.cb)
+        self.context = int(cfg.context or self.hp["clip_frames"])
+        self.min_context = 2  # a rolling window needs the frame being made and one before (mcar.core.rolling)
+
+    def sampler(self, frames: int, context: int | None):
+        scfg = to_dict(self.cfg.sampler)
+        scfg["context"] = context
+        return build_sampler(scfg, self.layout, frames, self.cb, schedule=to_dict(self.cfg.schedule))
+
+    def generate(self, clips: torch.Tensor, context: int | None, prompt_frames: int | None = None) -> torch.Tensor:
+        frames = clips.shape[1] // self.layout.frame_len
+        s = self.sampler(frames, context)
+        out = [s.generate(self.model, b.to(self.device), prompt_frames)[0].cpu()
+               for b in clips.split(int(self.cfg.batch_size))]
+        self.model.clear_cache()
+        return torch.cat(out)
+
+    def record(self) -> list[StartRecord]:
+        cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
+        while len(starts) < cfg.starts:
+            if seed - cfg.seed_base > 20 * cfg.starts + 20:
+                raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
+                                   f"{list(cfg.loop_lengths)}: use shorter loop_lengths")
+            rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
+                               self.view, self.daylight)
+            seed += 1
+            if rec is not None:
+                starts.append(rec)
+        self.worlds_tried = seed - int(cfg.seed_base)
+        return starts
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        starts = self.record()
+        t_record = time.perf_counter() - t0
+        log.info("%d starts recorded from %d fresh Crafter worlds in %.0f s", len(starts), self.worlds_tried, t_record)
+        results = {"loops": {}, "context": self.context, "min_context": self.min_context,
+                   "starts": len(starts), "worlds_tried": self.worlds_tried}
+        t1 = time.perf_counter()
+        self.videos = {}
+        for n in self.cfg.loop_lengths:
+            results["loops"][int(n)] = self.loop_test(int(n), [s.loops[int(n)] for s in starts])
+            log.info("loop n=%d scored (%.0f s so far)", n, time.perf_counter() - t1)
+        results["blocked"] = self.blocked_test([s.wander for s in starts])
+        log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
+        results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
+        results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
+        return results
+
+    def rows_for(self, clips: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{row: (B, N) clips}: the model on its context and on the smallest window, copy_last, real."""
+        return {f"model context={self.context}": self.generate(clips, self.context),
+                f"model context={self.min_context}": self.generate(clips, self.min_context),
+                "copy_last": copy_first(clips, self.layout), "real": clips}
+
+    def loop_test(self, n: int, recs: list[Recording]) -> dict:
+        clips = torch.stack([self.tokens.clip(r) for r in recs])
+        real_maps = self.grid.maps(images_of(clips, self.layout))
+        far = torch.tensor([[a - b for a, b in zip(r.pos[n], r.pos[0])] for r in recs])
+        out = {}
+        for name, gen in self.rows_for(clips).items():
+            maps = self.grid.maps(images_of(gen, self.layout))
+            recall = loop_recall(maps[:, -1], real_maps[:, 0], self.grid, far)
+            acc = (maps[:, 1:] == real_maps[:, 1:]).double().flatten(1).mean(1)
+            out[name] = {"recall": interval(recall, self.cfg.seed), "loop_acc": interval(acc, self.cfg.seed)}
+            if name.startswith(f"model context={self.context}"):
+                self.videos[n] = {"real": clips[0], name: gen[0]}
+        return out
+
+    def blocked_test(self, recs: list[Recording]) -> dict:
+        """Refused and free moves of the wanders, each predicted from the two real frames before it."""
+        P = 2
+        events = {"blocked": [], "free": []}
+        for r in recs:
+            for t in range(P - 1, len(r.actions) - 1):
+                a = r.actions[t]
+                if a in MOVES:
+                    events["blocked" if r.pos[t + 1] == r.pos[t] else "free"].append((r, t, a))
+        out, cap = {}, int(self.cfg.max_moves)
+        for kind, evs in events.items():
+            evs = [evs[i] for i in np.random.default_rng(self.cfg.seed).permutation(len(evs))[:cap]]
+            if not evs:
+                out[kind] = {"n": 0}
+                continue
+            clips = torch.stack([self.tokens.clip(Recording(r.frames[t - P + 1:t + 2], r.actions[t - P + 1:t + 2],
+                                                            r.pos[t - P + 1:t + 2])) for r, t, _ in evs])
+            moves = torch.tensor([a for _, _, a in evs])
+            gen = self.generate(clips, None, prompt_frames=P)
+            real, made = (self.grid.maps(images_of(c, self.layout)) for c in (clips, gen))
+            stay, move = stay_or_move(real[:, -2], made[:, -1], moves, self.grid)
+            real_stay, real_move = stay_or_move(real[:, -2], real[:, -1], moves, self.grid)
+            share = (stay > move) if kind == "blocked" else (move > stay)
+            real_share = (real_stay > real_move) if kind == "blocked" else (real_move > real_stay)
+            key = "stayed" if kind == "blocked" else "moved"
+            out[kind] = {key: interval(share.double(), self.cfg.seed),
+                         f"real_{key}": interval(real_share.double(), self.cfg.seed),
+                         "map_acc": interval((made[:, -1] == real[:, -1]).double().flatten(1).mean(1),
+                                             self.cfg.seed),
+                         "n": len(evs)}
+        return out
+
+    def rollout_test(self, recs: list[Recording]) -> tuple[dict, dict]:
+        T = int(self.cfg.rollout_frames) + 1
+        clips = torch.stack([self.tokens.clip(Recording(r.frames[:T], r.actions[:T], r.pos[:T])) for r in recs])
+        real = images_of(clips, self.layout)
+        out, curves = {}, {}
+        rows = self.rows_for(clips)
+        rows.pop("real")
+        for name, gen in rows.items():
+            per = step_agreement(images_of(gen, self.layout)[:, 1:], real[:, 1:])  # (B, T-1)
+            curves[name] = [interval(per[:, k], self.cfg.seed) for k in range(per.shape[1])]
+            out[name] = {"mean": interval(per.mean(1), self.cfg.seed),
+                         "last": interval(per[:, -1], self.cfg.seed)}
+        return out, curves
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+def _ci(d: dict) -> str:
+    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]" if "mean" in d else "n/a"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames; "
+             f"95% bootstrap intervals over starts.", "",
+             "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) |", "|---|---|---|---|"]
+    for n, rows in res["loops"].items():
+        lines += [f"| {n} | {name} | {_ci(v['recall'])} | {_ci(v['loop_acc'])} |" for name, v in rows.items()]
+    b = res["blocked"]
+    lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
+    for kind, key in (("blocked", "stayed"), ("free", "moved")):
+        v = b[kind]
+        lines.append(f"| {kind} ({key}) | {v['n']} | {_ci(v.get(key, {}))} | {_ci(v.get('real_' + key, {}))} | "
+                     f"{_ci(v.get('map_acc', {}))} |")
+    lines += ["", "| rollout row | token agreement, mean over steps | at the last step |", "|---|---|---|"]
+    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} |" for name, v in res["rollout"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_curves(curves: dict, path: Path) -> list[list]:
+    table = [[name, k + 1, c["mean"], c["lo"], c["hi"]] for name, per in curves.items() for k, c in enumerate(per)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["row", "step", "agreement", "lo", "hi"])
+        w.writerows(table)
+    return table
+
+
+def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> None:
+    """The curve, the summary numbers and the loop videos to the configured W&B run (as mcar evaluate logs)."""
+    if not cfg.get("logger") or "wandb" not in str(cfg.logger.get("_target_", "")).lower():
+        return
+    import wandb
+
+    run = hydra.utils.instantiate(cfg.logger).experiment
+    run.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
+    t = wandb.Table(columns=["row", "step", "agreement", "lo", "hi"], data=table)
+    run.log({"world/rollout_agreement": t,
+             "world/rollout_curve": wandb.plot.line(t, "step", "agreement", stroke="row",
+                                                    title="token agreement per rollout step")})
+    for key, path in media.items():
+        run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
+    for n, rows in res["loops"].items():
+        for name, v in rows.items():
+            run.summary[f"loop{n}/{name}/recall"] = v["recall"]["mean"]
+    for kind, v in res["blocked"].items():
+        for key in ("stayed", "moved"):
+            if key in v:
+                run.summary[f"{kind}/{key}"] = v[key]["mean"]
+
+
+def world_tests(cfg: DictConfig) -> dict:
+    set_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    for key in ("starts", "rollout_frames", "max_moves", "batch_size", "warmup"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"{key}={cfg[key]}: worldtest needs at least 1 (conf/worldtest.yaml)")
+    tests = WorldTests(cfg)
+    bad = [n for n in cfg.loop_lengths if not 1 <= int(n)]
+    if bad:
+        raise ValueError(f"loop_lengths={list(cfg.loop_lengths)}: each n must be >= 1 (conf/worldtest.yaml)")
+    res = tests.run()
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    media = {}
+    space = data_action_space(cfg.data)
+    for n, clips in tests.videos.items():
+        video = comparison_frames(clips, tests.layout, tests.cb, tests.vq, space)
+        media[f"world/loop_n{n}"] = write_video(video, out / "videos" / f"loop_n{n}", cfg.fps)[1]
+    table = write_curves(tests.curves, out / "rollout_agreement.csv")
+    (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
+    (out / "world_tests.md").write_text(markdown(res))
+    log_wandb(cfg, res, table, media)
+    log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", markdown(res), out)
+    return res

@@ -1,0 +1,12 @@
+"""`mcar worldtest [hydra overrides]` (conf/worldtest.yaml): the command line of mcar.eval.world_tests."""
+from omegaconf import DictConfig
+
+from mcar.eval.world_tests import world_tests
+from mcar.hydra_app import hydra_tool
+from mcar.train.jobs import finish_wandb
+
+
+@hydra_tool("worldtest")
+@finish_wandb
+def main(cfg: DictConfig) -> None:
+    world_tests(cfg)

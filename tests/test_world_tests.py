@@ -1,0 +1,81 @@
+"""mcar worldtest (mcar/eval/world_tests.py): the loop and collision scores on synthetic maps whose answers are
+known, and the command once on the shipped tile-exact model at the smallest sizes."""
+import json
+
+import pytest
+import torch
+
+from mcar.eval.world_tests import MOVES, MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move, step_agreement
+
+from .conftest import REPO, run_in_process
+
+GRID = MapGrid(map_h=5, w=8)
+UNSEEN = -1  # what a memoryless model draws for a tile it has never seen
+
+
+def world_and_views(moves: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random 20x20 world of distinct tokens and the (T, 5, 8) views of a player walking `moves` from its middle
+    (the view a crop around the player) -> (views, the view's (dx, dy) offset per frame)."""
+    world = torch.randperm(400).view(20, 20)
+    pos, offs = [6, 7], [(0, 0)]
+    for a in moves:
+        pos = [pos[0] + MOVES[a][0], pos[1] + MOVES[a][1]]
+        offs.append((pos[0] - 6, pos[1] - 7))
+    views = torch.stack([world[7 + dy:7 + dy + GRID.map_h, 6 + dx:6 + dx + GRID.w] for dx, dy in offs])
+    return views, torch.tensor(offs)
+
+
+def memoryless(views: torch.Tensor, moves: list[int]) -> torch.Tensor:
+    """A model that shifts its last frame exactly and draws UNSEEN where the new view shows what it no longer holds."""
+    out = [views[0]]
+    for a in moves:
+        s, known = shifted(out[-1], *MOVES[a])
+        out.append(s.masked_fill(~known, UNSEEN))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("move,back", [(2, 1), (1, 2), (3, 4), (4, 3)])
+@pytest.mark.parametrize("n", [1, 3])
+def test_loop_recall_is_one_for_the_real_frames_and_zero_without_memory(move, back, n):
+    moves = [move] * n + [back] * n
+    views, offs = world_and_views(moves)
+    assert torch.equal(views[-1], views[0])  # a loop
+    far = offs[n][None]
+    assert loop_recall(views[-1:], views[:1], GRID, far).item() == 1.0  # the real frames: perfect
+    forgot = memoryless(views, moves)
+    assert loop_recall(forgot[-1:], views[:1], GRID, far).item() == 0.0  # re-revealed = what it forgot
+    assert torch.equal(forgot[-1] == UNSEEN, rerevealed_mask(GRID, *far[0].tolist()))  # exactly those tiles
+    assert loop_recall(views[:1], views[:1], GRID, far).item() == 1.0  # copy_last ends on the start view
+    # the shift is the env's: each memoryless frame agrees with the real one wherever it drew a tile
+    assert all(torch.equal(f[f != UNSEEN], v[f != UNSEEN]) for f, v in zip(forgot, views))
+
+
+def test_stay_or_move_tells_a_refused_move_from_a_made_one():
+    views, _ = world_and_views([2])
+    prev, moved = views[:1], views[1:]
+    stay, move = stay_or_move(prev, prev, torch.tensor([2]), GRID)  # the map stayed put
+    assert stay.item() == 1.0 and move.item() < 0.1
+    stay, move = stay_or_move(prev, moved, torch.tensor([2]), GRID)  # the map moved one tile
+    assert move.item() == 1.0 and stay.item() < 0.1
+    sprite = prev.clone()
+    sprite[0, GRID.player[0], GRID.player[1]] = UNSEEN  # the player turned: its tile is not counted
+    assert stay_or_move(prev, sprite, torch.tensor([2]), GRID)[0].item() == 1.0
+    curve = step_agreement(torch.stack([views, views.flip(0)]), torch.stack([views, views]))
+    assert curve[0].tolist() == [1.0, 1.0] and curve[1, 0].item() < 0.1
+
+
+@pytest.mark.skipif(not (REPO / "checkpoints/shipped/crafter_tiles_diagd/last.ckpt").exists(),
+                    reason="the shipped checkpoint is not in this checkout")
+def test_worldtest_runs_on_the_shipped_model(tmp_path):
+    """One fresh Crafter world, a 1-tile loop, a 1-step rollout: every file written, the real frames' own rows
+    (the env is exact) at the top of the scale, the model's in [0, 1]."""
+    from mcar.tools.worldtest import main
+
+    run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", "starts=1", "loop_lengths=[1]",
+                         "rollout_frames=1", "warmup=1", "max_moves=1", "logger=none", f"hydra.run.dir={tmp_path}")
+    files = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/loop_n1.mp4"} <= files
+    loop = json.loads((tmp_path / "world_tests.json").read_text())["loops"]["1"]
+    assert set(loop) == {"model context=3", "model context=2", "copy_last", "real"}
+    assert loop["real"]["loop_acc"]["mean"] == 1.0 and loop["copy_last"]["recall"]["mean"] == 1.0
+    assert 0 <= loop["model context=3"]["recall"]["mean"] <= 1
