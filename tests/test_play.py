@@ -8,6 +8,7 @@ import os
 import select
 import shutil
 import socket
+import statistics
 import subprocess
 import time
 
@@ -22,7 +23,7 @@ H, W, CB = 14, 24, 1024  # data=crafter: 14x24 tokens of the committed small VQ,
 
 @pytest.fixture(scope="module")
 def crafter_files(tmp_path_factory):
-    """A tiny random model in data=crafter geometry (window 3) and a start image."""
+    """A tiny random model in data=crafter geometry (clip_frames 3) and a start image."""
     from PIL import Image
 
     from mcar.train.module import MCARModule
@@ -46,12 +47,13 @@ def crafter_session(files, *overrides):
                                           "schedule.k=2", *overrides]))
 
 
-def test_steps_give_frames_and_the_context_window_slides(crafter_files):
+def test_steps_give_frames_and_the_context_slides(crafter_files):
     from mcar.tokenizer.actions import CRAFTER_ACTIONS
 
-    assert crafter_session(crafter_files).window == 2  # the default: the previous frame only
-    s = crafter_session(crafter_files, "window=3")
-    assert s.window == 3 and s.context.shape == (1, H * W + 1)
+    assert crafter_session(crafter_files).context == 3  # the default: the checkpoint's clip_frames
+    assert crafter_session(crafter_files, "context=2").context == 2
+    s = crafter_session(crafter_files)
+    assert s.history.shape == (1, H * W + 1)
     start = s.frame.copy()
     assert start.shape == (224, 384, 3) and start.dtype == np.uint8
     frames, ctxs = [], []
@@ -59,10 +61,11 @@ def test_steps_give_frames_and_the_context_window_slides(crafter_files):
         frame, info = s.step(a)
         assert frame.shape == (224, 384, 3) and frame.dtype == np.uint8
         assert info["action"] == a and info["k"] == 2 and info["fps"] > 0 and info["passes"] == (H - 1) * 2 + W
+        assert info["context"] == 3 and info["batch"] == 1
         frames.append(frame.copy())
-        ctxs.append(s.context.clone())
+        ctxs.append(s.history.clone())
     ft = H * W
-    assert [len(c) for c in ctxs] == [2, 2, 2, 2]  # at most window - 1 frames: the window slides
+    assert [len(c) for c in ctxs] == [2, 2, 2, 2]  # at most context - 1 frames: the window slides
     assert torch.equal(ctxs[0][0, :ft], s.start[0, :ft])  # the start frame, then it drops out
     for i in (1, 2, 3):
         assert torch.equal(ctxs[i][0, :ft], ctxs[i - 1][1, :ft])  # the newest frame moves down one place
@@ -70,6 +73,7 @@ def test_steps_give_frames_and_the_context_window_slides(crafter_files):
         assert int(ctxs[i][0, ft]) == CB + CRAFTER_ACTIONS.index(["move_left", "do", "noop", "move_up"][i])
     assert (ctxs[-1][:, :ft] < CB).all()  # image slots hold image codes
     assert not np.array_equal(frames[0], start)  # a random model draws something else
+    assert s.server.restarts == 1  # one rollout: no prefill after the first step
     assert s.step(CRAFTER_ACTIONS.index("sleep"))[1]["action"] == "sleep"  # an id, labelled by its name
     with pytest.raises(ValueError, match="move_left"):
         s.step("jump")
@@ -77,17 +81,17 @@ def test_steps_give_frames_and_the_context_window_slides(crafter_files):
 
 def test_reset_restores_the_start_frame_and_replays_the_same_frames(crafter_files):
     s = crafter_session(crafter_files)
-    start, start_ctx = s.frame.copy(), s.context.clone()
+    start, start_ctx = s.frame.copy(), s.history.clone()
     first = [s.step(a)[0].copy() for a in ["move_right", "do"]]
     frame, info = s.reset()
-    assert np.array_equal(frame, start) and torch.equal(s.context, start_ctx)
+    assert np.array_equal(frame, start) and torch.equal(s.history, start_ctx)
     assert info["step"] == 0 and info["action"] == "reset" and s.steps == 0
     again = [s.step(a)[0].copy() for a in ["move_right", "do"]]
     assert all(np.array_equal(x, y) for x, y in zip(first, again))  # seeded per step: replayed exactly
 
-    w3 = crafter_session(crafter_files, "window=3")
+    w3 = crafter_session(crafter_files)
     assert w3.warm_up() > 0 and w3.steps == 0 and np.array_equal(w3.frame, start)  # back at the start frame
-    assert sorted(w3._samplers) == [(2, 2), (2, 3)]  # k=2 at both context lengths: the first key press is ready
+    assert sorted(w3.server._samplers) == [(2, 1), (2, 2)]  # k=2 from 1 and 2 frames held: ready for any restart
 
 
 def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
@@ -107,7 +111,8 @@ def test_set_k_changes_the_samplers_k_and_pass_count(crafter_files):
 
 def test_forked_games_do_not_share_their_state(crafter_files):
     """Each browser session's game is a fork: steps, k and temperature of one never reach another, and a game
-    interleaved with another draws exactly the frames it draws alone (the model and samplers are shared)."""
+    interleaved with another draws exactly the frames it draws alone (the model and samplers are shared; each
+    rollout's KV cache is swapped in while it runs)."""
     base = crafter_session(crafter_files, "sampler.temperature=1.0")
     solo = base.fork()
     alone = [solo.step(a)[0].copy() for a in ["move_left", "do", "move_up"]]
@@ -121,9 +126,77 @@ def test_forked_games_do_not_share_their_state(crafter_files):
     assert all(np.array_equal(x, y) for x, y in zip(alone, mixed))
     assert (a.steps, a.k, a.temperature) == (3, 2, 1.0) and (b.steps, b.k, b.temperature) == (3, 4, 0.0)
     assert a.info["action"] == "move_up" and b.info["action"] == "move_right" and base.steps == 0
-    assert a._samplers is b._samplers is base._samplers  # built once
+    assert a.server is b.server is base.server  # one model, samplers built once
     with pytest.raises(ValueError, match="temperature=-1"):
         a.set_temperature(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_games_stepped_together_draw_what_each_draws_alone(crafter_files, temperature):
+    """Many players: games that step in one tick are batch rows of one rollout (one forward pass per schedule
+    pass for all), and each draws exactly the frames it draws stepped alone (greedy; sampled: noise keyed by the
+    game's own seed, not its batch row)."""
+    base = crafter_session(crafter_files, f"sampler.temperature={temperature}")
+    rng = torch.Generator().manual_seed(1)
+    starts = [torch.cat([torch.randint(0, CB, (H * W,), generator=rng), torch.tensor([CB])]) for _ in range(3)]
+    together = [base.fork(start=st, seed=i) for i, st in enumerate(starts)]
+    alone = [base.fork(start=st, seed=i) for i, st in enumerate(starts)]
+    acts = [["move_left", "do", "noop"], ["do", "do", "move_up"], ["noop", "move_right", "do"]]
+    restarts = base.server.restarts
+    got = [base.server.step_together([(g, a[t]) for g, a in zip(together, acts)]) for t in range(3)]
+    assert base.server.restarts == restarts + 1  # one batch rollout for the three, no prefill after its first step
+    assert all(info["batch"] == 3 for tick in got for _, info in tick)
+    for i, (g, a) in enumerate(zip(alone, acts)):
+        for t in range(3):
+            frame, info = g.step(a[t])
+            assert info["batch"] == 1 and np.array_equal(frame, got[t][i][0]), (i, t)
+        assert torch.equal(g.history, together[i].history)
+    with pytest.raises(ValueError, match="one step per tick"):
+        base.server.step_together([(together[0], "do"), (together[0], "noop")])
+
+
+def test_steps_from_threads_waiting_at_once_share_a_tick(crafter_files):
+    """PlayServer.step from several threads (the page's tabs): the steps waiting while a tick runs are the next
+    tick's batch, and each thread gets its own game's frame."""
+    import threading
+
+    base = crafter_session(crafter_files)
+    a, b = base.fork(), base.fork(seed=1)
+    want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
+    server, out = base.server, {}
+    with server._cv:
+        server._busy = True  # a tick is running: both steps wait for the next one
+    threads = [threading.Thread(target=lambda g=g, act=act: out.setdefault(g, g.step(act))) for g, act in
+               [(a, "do"), (b, "noop")]]
+    for t in threads:
+        t.start()
+    while len(server._waiting) < 2:
+        time.sleep(0.01)
+    with server._cv:
+        server._busy = False
+        server._cv.notify_all()
+    for t in threads:
+        t.join(30)
+    assert out[a][1]["batch"] == out[b][1]["batch"] == 2
+    assert np.array_equal(out[a][0], want[0][0]) and np.array_equal(out[b][0], want[1][0])
+
+
+def test_bench_sessions_reports_each_games_and_all_games_frames_per_s(crafter_files, tmp_path):
+    """mcar play bench.sessions=[1,2]: n games stepping together; per game and aggregate frames/s, JSON."""
+    from mcar.eval.play_engine import bench_sessions
+    from mcar.tools.play import play
+
+    s = crafter_session(crafter_files)
+    out = bench_sessions(s, [1, 2], ["move_left"], steps=1, repeats=2)
+    assert out["context"] == 3 and out["k"] == 2 and set(out["sessions"]) == {"1", "2"}
+    for n, row in out["sessions"].items():
+        assert len(row["rounds"]) == 2 and row["per_session_frames_per_s"] == statistics.median(row["rounds"])
+        assert row["frames_per_s"] == round(row["per_session_frames_per_s"] * int(n), 2)
+    cfg = compose("play", [f"ckpt={crafter_files}/tiny.ckpt", f"prompt_image={crafter_files}/start.png",
+                           "bench.sessions=[2]", "bench.steps=1", "bench.repeats=1", f"bench.out={tmp_path}/s.json"])
+    demo, _ = play(cfg)
+    written = json.loads((tmp_path / "s.json").read_text())
+    assert demo is None and list(written["sessions"]) == ["2"] and written["sessions"]["2"]["frames_per_s"] > 0
 
 
 def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
@@ -140,7 +213,7 @@ def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
 def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
     """bench.rollouts: an oracle game (its model copies the real next frame) agrees 1.0 at every step; the
     unchanged start frame is the copy_first row."""
-    from mcar.tools.play import rollout_agreement
+    from mcar.eval.play_engine import rollout_agreement
 
     s = crafter_session(crafter_files)
     L, ft = H * W + 1, H * W
@@ -149,18 +222,19 @@ def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
                       for _ in range(4)])
     frames = clip.reshape(4, L)
 
-    class Oracle:  # the sampler's result: the real next frame (any model would do as well as this at best)
-        def __init__(self, target):
-            self.target, self.seed, self.temperature, self.top_k = target, 0, 1.0, None
+    class Oracle:  # a rollout whose next frame is the real one (any model would do as well as this at best)
+        passes, rows, temperature, top_k = 1, None, 1.0, None
 
-        def generate(self, model, c):
-            prev = c[0, :ft]
-            t = next(i for i in range(3) if torch.equal(frames[i, :ft], prev))
-            out = c.clone()
-            out[0, -L:-1] = frames[t + 1, :ft]
-            return out, type("S", (), {"passes": 1})()
+        def rollout(self, model, prompt):
+            self.last = prompt[0, -L:-1]
+            return self
 
-    s.sampler = lambda n=None: Oracle(None)
+        def advance(self, ids):
+            t = next(i for i in range(3) if torch.equal(frames[i, :ft], self.last))
+            self.last = frames[t + 1, :ft]
+            return self.last[None].clone()
+
+    s.server.sampler = lambda k, held: Oracle()
     r = rollout_agreement(s, [clip])
     assert r["agreement"] == [1.0, 1.0, 1.0] and r["final"] == 1.0 and r["clips"] == 1
     same = [(frames[0, :ft] == frames[t, :ft]).float().mean().item() for t in (1, 2, 3)]
@@ -181,11 +255,12 @@ def test_serving_port_moves_past_a_taken_port():
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
     """mcar play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
     one JSON line printed and written to bench.out."""
-    from mcar.tools.play import bench_session, play
+    from mcar.eval.play_engine import bench_session
+    from mcar.tools.play import play
 
     s = crafter_session(crafter_files)
     out = bench_session(s, [1, 2], ["move_left", "noop"], steps=2, repeats=3)
-    assert out["window"] == 2 and out["steps"] == 2 and set(out["ks"]) == {"1", "2"}
+    assert out["context"] == 3 and out["steps"] == 2 and set(out["ks"]) == {"1", "2"}
     for k, row in out["ks"].items():
         assert row["passes"] == (H - 1) * int(k) + W and len(row["rounds"]) == 3 and min(row["rounds"]) > 0
         assert row["frames_per_s"] == sorted(row["rounds"])[1]
@@ -225,21 +300,21 @@ def test_start_frames_from_a_held_out_clip():
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_checkpoint(Path(tmp))  # h=3, w=4, n_a=2, clip_frames=3
         cfg = compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
-                               f"paths.data_dir={tmp}/data", "window=null"])  # null: the checkpoint's 3 frames
+                               f"paths.data_dir={tmp}/data"])  # context null: the checkpoint's 3 frames
         s = build_session(cfg)
-        with pytest.raises(ValueError, match="set window=3 or more"):
+        with pytest.raises(ValueError, match="set context=3 or more"):
             build_session(compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
-                                           f"paths.data_dir={tmp}/data"]))
+                                           f"paths.data_dir={tmp}/data", "context=2"]))
         clip = held_out_source(cfg, 3).clip(1)
     L = 3 * 4 + 2
-    assert torch.equal(s.start.flatten(), clip[: 2 * L]) and s.window == 3 and s.frame.shape == (48, 64, 3)
+    assert torch.equal(s.start.flatten(), clip[: 2 * L]) and s.context == 3 and s.frame.shape == (48, 64, 3)
     frame, info = s.step([1, 2])
-    assert frame.shape == (48, 64, 3) and info["action"] == "[1, 2]" and len(s.context) == 2
-    assert torch.equal(s.context[0, :12], clip[L:L + 12])  # the first start frame dropped out
-    assert s.context[0, 12:].tolist() == [32 + 1, 32 + 2]
+    assert frame.shape == (48, 64, 3) and info["action"] == "[1, 2]" and len(s.history) == 2
+    assert torch.equal(s.history[0, :12], clip[L:L + 12])  # the first start frame dropped out
+    assert s.history[0, 12:].tolist() == [32 + 1, 32 + 2]
     with pytest.raises(ValueError, match="2 local action id"):
         s.step(3)
-    from mcar.tools.play import bench_session
+    from mcar.eval.play_engine import bench_session
 
     assert bench_session(s, [1], ["move_left"], steps=1, repeats=1)["ks"]["1"]["passes"] > 0  # no names: ids 0, 0
 

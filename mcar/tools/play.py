@@ -1,42 +1,39 @@
 """Play a trained world model in the browser: keys and buttons pick the action, DiagD draws the next frame.
 
     pip install -e '.[play]'                                  # gradio, an optional extra
-    mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860]
+    mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860] [context=N]
     mcar play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
 
     mcar play ckpt=... bench.steps=20               # no page: time the steps per k, print JSON
+    mcar play ckpt=... bench.sessions=[1,4,16]      # no page: n games stepping together, frames/s each and in all
 
 Then open http://127.0.0.1:7860. Crafter keys: arrows or WASD move, space is `do`; buttons take the other
 actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, the k radio sets schedule.k.
 
-Each step appends the chosen action to the context (the action of the context's last frame, the one that leads
-to the next frame), generates one frame with the DiagD sampler (the context as prompt frames), decodes it with
-the VQ and shows it. The context is a sliding window: at most `window - 1` frames (window: 2 by default, the previous
-frame only; null: the checkpoint's clip_frames, the longest clips the model was trained on). The
-start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in mcar.generate), or
-`prompt_image`. The logic is `PlaySession` (no gradio); `build_app` is a thin gradio layer over it.
+Each step draws the frame the chosen action leads to on the rolling KV cache: the model sees `context` frames (null:
+the checkpoint's clip_frames, the longest clips it was trained on), the last context - 1 frames and the new one.
+The start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in mcar.generate), or
+`prompt_image`. The engine (games, batching the games of several tabs, the benches) is mcar.eval.play_engine; this
+module is the page and the command.
 """
 from __future__ import annotations
 
 import inspect
 import json
 import logging
-import statistics
 import threading
-import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, open_dict
 
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
-from mcar.core.sampler import ScheduleSampler, build_sampler
+from mcar.eval.play_engine import PlayServer, PlaySession, bench_session, bench_sessions, rollout_agreement
 from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
-from mcar.tokenizer.pictures import data_action_space, decode_frames, to_u8
+from mcar.tokenizer.pictures import data_action_space
 
 log = logging.getLogger("mcar.play")
 
@@ -46,158 +43,12 @@ KEYS = {"ArrowLeft": "move_left", "a": "move_left", "ArrowRight": "move_right", 
 MOVES = ["move_left", "move_right", "move_up", "move_down"]
 
 
-class PlaySession:
-    """A model, its VQ and a sliding window of context frames; `step(action)` generates and decodes one frame.
+def named_actions(space: str | None) -> dict[str, list[int]]:
+    """name -> ids of every action of the data's action space, when that space names its actions ({}: it does not)."""
+    from mcar.tokenizer.actions import action_space
 
-    start: (P * frame_len,) or (P, frame_len) tokens of the start frame(s), their actions included (the last
-    one is replaced by each step's action). window: frames per sampled clip (context + the generated frame).
-    actions: name -> local action ids (n_a of them); steps may also give the ids themselves. Sampling is keyed by
-    `seed + step number`: the same actions from a reset give the same frames."""
-
-    def __init__(self, model, vq, layout: Layout, codebook_size: int, start: torch.Tensor, *, window: int,
-                 sampler: dict | None = None, schedule: dict | None = None, actions: dict | None = None,
-                 device: str | torch.device = "cpu", seed: int = 0):
-        self.model, self.vq, self.layout, self.cb = model, vq, layout, codebook_size
-        self.start = torch.as_tensor(start).long().reshape(-1, layout.frame_len).cpu()
-        if window < 2 or len(self.start) >= window:
-            raise ValueError(f"window={window} must be >= 2 and hold the {len(self.start)} start frame(s) + 1")
-        self.window, self.device, self.seed = window, torch.device(device), seed
-        self.sampler_cfg = dict(sampler or {"name": "diagd"})
-        self.schedule_cfg = dict(schedule or {})
-        self.k = int(self.schedule_cfg.get("k", 2))
-        self.temperature = float(self.sampler_cfg.get("temperature", 1.0))
-        self.top_k = self.sampler_cfg.get("top_k")
-        self.actions = dict(actions or {})
-        self._samplers: dict[tuple[int, int], ScheduleSampler] = {}
-        self._lock = threading.Lock()
-        self.reset()
-
-    def fork(self, start: torch.Tensor | None = None) -> "PlaySession":
-        """A new game from the start frame(s) (or `start`, tokens as in __init__) on the same model, VQ and
-        samplers (built once, shared): one per browser session. Steps of every fork take the one lock: the model
-        and its KV cache serve one at a time."""
-        game = object.__new__(PlaySession)
-        game.__dict__.update(self.__dict__)  # shares model, vq, start, _samplers, _lock, _start_frame
-        if start is not None:
-            game.start = torch.as_tensor(start).long().reshape(-1, self.layout.frame_len).cpu()[-(self.window - 1):]
-            del game._start_frame
-        game.k, game.temperature, game.top_k = int(self.schedule_cfg.get("k", 2)), \
-            float(self.sampler_cfg.get("temperature", 1.0)), self.sampler_cfg.get("top_k")
-        game.reset()
-        return game
-
-    # ---- the sampler ------------------------------------------------------------------------------------
-    def sampler(self, frames: int | None = None) -> ScheduleSampler:
-        """The DiagD sampler for a clip of `frames` frames (default: the next step's) at the current k: every
-        frame but the last is a prompt frame."""
-        frames = len(self.context) + 1 if frames is None else frames
-        key = (self.k, frames)
-        if key not in self._samplers:
-            sched = {**self.schedule_cfg, "k": self.k, "prompt_frames": frames - 1}
-            self._samplers[key] = build_sampler(self.sampler_cfg, self.layout, frames, self.cb, schedule=sched)
-        return self._samplers[key]
-
-    def set_k(self, k: int) -> dict:
-        """schedule.k for the next steps (>= 1: how far each row runs ahead of the one below)."""
-        k = int(k)
-        if k < 1:
-            raise ValueError(f"k={k} is invalid: it must be >= 1")
-        with self._lock:
-            old, self.k = self.k, k
-            try:
-                self.sampler()  # validated now (a d set in the schedule may not fit every k)
-            except ValueError:
-                self.k = old
-                raise
-            self.info = {**self.info, "k": k}
-            return self.info
-
-    def set_temperature(self, temperature: float) -> dict:
-        """The sampling temperature of the next steps (0: greedy, the most likely token everywhere)."""
-        temperature = float(temperature)
-        if not temperature >= 0:
-            raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
-        with self._lock:
-            self.temperature = temperature
-            self.info = {**self.info, "temperature": temperature}
-            return self.info
-
-    # ---- actions ----------------------------------------------------------------------------------------
-    def action_ids(self, action) -> tuple[str, list[int]]:
-        """A name of `actions`, an id (n_a = 1) or n_a ids -> (label, local ids)."""
-        n_a = self.layout.n_a
-        if isinstance(action, str) and action in self.actions:
-            return action, [int(i) for i in self.actions[action]]
-        if isinstance(action, str) and action.isdigit():
-            action = int(action)
-        ids = [action] if isinstance(action, int) else list(action) if isinstance(action, (list, tuple)) else None
-        if ids is None or len(ids) != n_a or not all(isinstance(i, int) for i in ids):
-            names = ", ".join(self.actions) or "none"
-            raise ValueError(f"action {action!r}: give one of the names ({names}) or {n_a} local action id(s)")
-        named = [name for name, own in self.actions.items() if list(own) == ids]
-        return (named[0] if named else str(ids[0] if n_a == 1 else ids)), ids
-
-    # ---- play -------------------------------------------------------------------------------------------
-    def decode(self, frame_tokens: torch.Tensor) -> np.ndarray:
-        """(frame_len,) tokens -> the frame's image, (H, W, 3) uint8."""
-        ids = frame_tokens[: self.layout.frame_tokens].reshape(1, 1, self.layout.h, self.layout.w)
-        return to_u8(decode_frames(self.vq, ids)[0])[0]
-
-    def reset(self) -> tuple[np.ndarray, dict]:
-        """Back to the start frame(s): the context is the start tokens; -> (the last start frame, info)."""
-        with self._lock:
-            self.context = self.start.clone()  # (n, frame_len), n <= window - 1
-            self.steps = 0
-            if not hasattr(self, "_start_frame"):
-                self._start_frame = self.decode(self.start[-1])
-            self.frame = self._start_frame.copy()
-            self.info = {"action": "reset", "fps": None, "k": self.k, "temperature": self.temperature, "passes": 0,
-                         "step": 0, "seconds": 0.0, "frames": len(self.context)}
-            return self.frame, self.info
-
-    def warm_up(self, action=None) -> float:
-        """`window - 1` steps, then a reset: builds the samplers of every context length at the current k (and with
-        sampler.compile=true compiles them) before the first key press; -> seconds taken."""
-        t0 = time.perf_counter()
-        action = action if action is not None else (next(iter(self.actions)) if self.actions else [0] * self.layout.n_a)
-        self.reset()
-        for _ in range(self.window - 1):
-            self.step(action)
-        self.reset()
-        return time.perf_counter() - t0
-
-    @torch.no_grad()
-    def step(self, action) -> tuple[np.ndarray, dict]:
-        """Take `action` from the current frame -> (the generated frame (H, W, 3) uint8, info: action, fps
-        (of this step: sampling + decoding), k, passes, step, seconds, frames (context after the step))."""
-        label, ids = self.action_ids(action)
-        with self._lock:
-            t0 = time.perf_counter()
-            L, ft = self.layout.frame_len, self.layout.frame_tokens
-            ctx = self.context.clone()
-            ctx[-1, ft:] = torch.tensor(ids) + self.cb  # the action that leads to the next frame
-            new = torch.full((1, L), 0, dtype=torch.long)
-            new[0, ft:] = self.cb  # its action is not known yet (not seen by its image tokens): action 0
-            clip = torch.cat([ctx, new]).reshape(1, -1).to(self.device)
-            sampler = self.sampler(len(ctx) + 1)
-            sampler.seed = self.seed + self.steps  # fresh noise each step, replayed after a reset
-            sampler.temperature, sampler.top_k = self.temperature, self.top_k  # this game's (samplers are shared)
-            tokens, stats = sampler.generate(self.model, clip)
-            frame_tokens = tokens[0, -L:].cpu()
-            self.context = torch.cat([ctx, frame_tokens[None]])[-(self.window - 1):]
-            self.frame = self.decode(frame_tokens)
-            self.steps += 1
-            dt = time.perf_counter() - t0
-            self.info = {"action": label, "fps": 1.0 / dt, "k": self.k, "temperature": self.temperature,
-                         "passes": stats.passes, "step": self.steps, "seconds": dt, "frames": len(self.context)}
-            return self.frame, self.info
-
-
-def crafter_actions() -> dict[str, list[int]]:
-    from mcar.tokenizer.actions import CRAFTER_ACTIONS, action_space
-
-    space = action_space("crafter")
-    return {name: space.encode({"action": name}) for name in CRAFTER_ACTIONS}
+    names = action_space(space).names if space else None
+    return {name: action_space(space).encode_name(name) for name in names or ()}
 
 
 def start_clip(cfg: DictConfig, layout: Layout, frames: int, vq, prompt_frames: int) -> torch.Tensor:
@@ -214,23 +65,23 @@ def start_clip(cfg: DictConfig, layout: Layout, frames: int, vq, prompt_frames: 
 
 
 def build_session(cfg: DictConfig) -> PlaySession:
-    """play.yaml -> a PlaySession on the checkpoint, its data's VQ and the start frame(s)."""
+    """play.yaml -> a game (PlaySession) on a PlayServer of the checkpoint, its data's VQ and the start frame(s)."""
     from mcar.eval.generation import load_for_sampling
 
     torch.manual_seed(cfg.seed)
     set_threads(cfg.threads)
     module, hp, vq, device = load_for_sampling(cfg)
     layout, cb = module.layout, cfg.data.codebook_size
-    window = int(cfg.window or hp["clip_frames"])
+    context = int(cfg.context or hp["clip_frames"])
     schedule = to_dict(cfg.schedule)
     P = int(schedule.get("prompt_frames", 1))
-    if P >= window:
-        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a window of {window} frames: "
-                         f"set window={P + 1} or more (null: the checkpoint's {hp['clip_frames']})")
-    start = start_clip(cfg, layout, window, vq, P)
-    actions = crafter_actions() if data_action_space(cfg.data) == "crafter" else {}
-    return PlaySession(module.model, vq, layout, cb, start, window=window, sampler=to_dict(cfg.sampler),
-                       schedule=schedule, actions=actions, device=device, seed=cfg.seed)
+    if P >= context:
+        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a context of {context} frames: "
+                         f"set context={P + 1} or more (null: the checkpoint's {hp['clip_frames']})")
+    start = start_clip(cfg, layout, context, vq, P)
+    server = PlayServer(module.model, vq, layout, cb, context=context, sampler=to_dict(cfg.sampler),
+                        schedule=schedule, actions=named_actions(data_action_space(cfg.data)), device=device)
+    return server.join(start, seed=cfg.seed)
 
 
 # ---- the page ---------------------------------------------------------------------------------------------
@@ -240,16 +91,25 @@ K_HELP = ("**k** is DiagD's slope: row i of the next frame starts k tokens after
           "world); higher values sample more freely (more variety, more drift).")
 
 
+def context_help(context: int) -> str:
+    """What the model sees, and why things it saw may go."""
+    return (f"**What the model sees**: {context} frames, the last {context - 1} and the one it draws (its context: "
+            f"the clip length it was trained on, or `context=`). It has no memory beyond them: a creature, tree or "
+            f"item that leaves the picture, or was last seen more than {context - 1} step(s) ago, has left its "
+            f"context, and it may vanish or come back different.")
+
+
 def describe(info: dict) -> str:
     fps = "-" if info["fps"] is None else f"{info['fps']:.2f}"
     return (f"**{info['action']}** &nbsp; {fps} frames/s &nbsp; k={info['k']} ({info['passes']} passes) &nbsp; "
-            f"temperature {info.get('temperature', '-')} &nbsp; step {info['step']}, context {info['frames']} "
-            f"frame(s)")
+            f"temperature {info.get('temperature', '-')} &nbsp; step {info['step']}; the model sees "
+            f"{info['frames'] + 1} of its {info['context']} context frames")
 
 
 class Games:
-    """One game per browser session, forked from the loaded session (its model, VQ and samplers are shared);
-    `live` counts the games a session still holds (gradio drops one after the session's idle time)."""
+    """One game per browser session, forked from the loaded session (one server: its model, VQ and samplers are
+    shared, and games stepping at once are batched); `live` counts the games a session still holds (gradio drops
+    one after the session's idle time)."""
 
     def __init__(self, base: PlaySession):
         self.base, self.live, self._lock = base, 0, threading.Lock()
@@ -266,6 +126,7 @@ class Games:
         if game is not None:
             with self._lock:
                 self.live -= 1
+            game.server.leave(game)
             log.info("mcar.play: an idle game was dropped after %d step(s); %d live", game.steps, self.live)
 
 
@@ -293,8 +154,9 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
               cache_seconds: int = 120):
     """A gradio Blocks page over `session`: the frame, the action/fps line, k and temperature, reset and one button
     per action (the moves, then `buttons`); keys as in KEYS when the session knows those actions. Every browser
-    session plays its own game (a gr.State holding a fork of `session`), dropped after `idle_minutes` without a
-    step; the frames' temporary PNGs older than `cache_seconds` are deleted. -> the page (`demo.games`: Games)."""
+    session plays its own game (a gr.State holding a fork of `session`, on its server), dropped after
+    `idle_minutes` without a step; the frames' temporary PNGs older than `cache_seconds` are deleted. -> the page
+    (`demo.games`: Games)."""
     import gradio as gr
 
     names = [a for a in dict.fromkeys([*MOVES, "do", *buttons]) if a in session.actions] or \
@@ -329,7 +191,8 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
     png = {"format": "png"} if "format" in inspect.signature(gr.Image.__init__).parameters else {}
     cache = {"delete_cache": (cache_seconds, cache_seconds)} if cache_seconds and \
         "delete_cache" in inspect.signature(gr.Blocks.__init__).parameters else {}
-    serial = {"concurrency_limit": 1, "concurrency_id": "play"}  # one model: steps of all sessions take turns
+    # steps of several tabs may wait at once: the server batches the games stepping together into one tick
+    serial = {"concurrency_limit": None, "concurrency_id": "play"}
     with gr.Blocks(title=title, analytics_enabled=False, **cache) as demo:
         game = gr.State(None, time_to_live=idle_minutes * 60 if idle_minutes else None,
                         delete_callback=games.dropped)
@@ -345,6 +208,7 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
                                         elem_id="play-temperature")
                 reset_button = gr.Button("reset", elem_id="play-reset")
                 gr.Markdown(K_HELP, elem_id="play-help")
+                gr.Markdown(context_help(session.context), elem_id="play-context")
         with gr.Row():
             for name in names:
                 b = gr.Button(name, elem_id=f"play-{name}", size="sm")
@@ -375,27 +239,6 @@ def serving_port(host: str, port: int, tries: int = 100) -> int:
     raise OSError(f"port={port}: it and the {tries - 1} after it are taken on {host}; pick another (port=...)")
 
 
-def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -> dict:
-    """The page's speed without the page: for each k, `repeats` rounds of `steps` steps (the actions in turn), each
-    round from a reset and after window - 1 untimed steps -> {"ks": {k: {"frames_per_s": median of the rounds' steps /
-    seconds, "rounds": [...], "passes": per frame}}, "window", "threads"}. Rounds replay the same frames."""
-    if steps < 1 or repeats < 1:
-        raise ValueError(f"bench.steps={steps} and bench.repeats={repeats} must be >= 1")
-    actions = list(actions) if session.actions else [[0] * session.layout.n_a]  # no action names: local id 0
-    out = {}
-    for k in ks:
-        session.set_k(k)
-        rounds = []
-        for _ in range(repeats):
-            session.warm_up(actions[0])  # untimed, ends with a reset
-            t0 = time.perf_counter()
-            for i in range(steps):
-                _, info = session.step(actions[i % len(actions)])
-            rounds.append(round(steps / (time.perf_counter() - t0), 2))
-        out[str(k)] = {"frames_per_s": statistics.median(rounds), "rounds": rounds, "passes": info["passes"]}
-    return {"ks": out, "window": session.window, "threads": torch.get_num_threads(), "steps": steps}
-
-
 def print_bench(result: dict, out: str) -> None:
     """One JSON line to stdout and to `out`."""
     line = json.dumps(result)
@@ -404,46 +247,32 @@ def print_bench(result: dict, out: str) -> None:
     print(line, flush=True)
 
 
-def rollout_agreement(session: PlaySession, clips: list[torch.Tensor]) -> dict:
-    """How well play holds together at the session's settings: each clip (F frames of a held-out episode) starts
-    a game at its first frame and takes the episode's own next F - 1 actions; each generated frame is compared
-    with the real one. -> {"agreement": per step, the mean fraction of image tokens equal to the real frame's;
-    "copy_first": the same for the unchanged start frame (nothing moves: the floor a model must beat);
-    "final", "mean": of agreement; "clips"}."""
-    L, ft = session.layout.frame_len, session.layout.frame_tokens
-    agree, still = [], []
-    for clip in clips:
-        frames = clip.reshape(-1, L)
-        game = session.fork(start=frames[:1])
-        row, row_still = [], []
-        for t in range(1, len(frames)):
-            ids = (frames[t - 1, ft:] - session.cb).tolist()  # the real action, as local ids
-            game.step(ids if len(ids) > 1 else ids[0])
-            real = frames[t, :ft]
-            row.append((game.context[-1, :ft] == real).float().mean().item())
-            row_still.append((frames[0, :ft] == real).float().mean().item())
-        agree.append(row), still.append(row_still)
-    per_step = [round(statistics.fmean(col), 4) for col in zip(*agree)]
-    return {"agreement": per_step, "copy_first": [round(statistics.fmean(col), 4) for col in zip(*still)],
-            "final": per_step[-1], "mean": round(statistics.fmean(per_step), 4), "clips": len(clips)}
-
-
 def play(cfg: DictConfig, block: bool = True):
-    """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session). With bench.steps > 0, time
-    the session instead (no page, no gradio): prints one JSON line, also written to bench.out; -> (None, session)."""
+    """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session). With bench.rollouts,
+    bench.sessions or bench.steps, measure instead (no page, no gradio): prints one JSON line, also written to
+    bench.out; -> (None, session)."""
+    measure = {"ckpt": str(cfg.ckpt), "sampler": cfg.sampler.name}
     if cfg.bench.rollouts:
         from mcar.eval.generation import held_out_source, pick_clips
 
         session = build_session(cfg)
         source = held_out_source(cfg, int(cfg.bench.rollout_steps) + 1)
         clips = [source.clip(i) for i in pick_clips(source, int(cfg.bench.rollouts))]
-        result = {"ckpt": str(cfg.ckpt), "sampler": session.sampler_cfg.get("name"), "k": session.k,
-                  "temperature": session.temperature, "top_k": session.top_k, "window": session.window,
-                  "steps": int(cfg.bench.rollout_steps), **rollout_agreement(session, clips)}
+        result = {**measure, "k": session.k, "temperature": session.temperature, "top_k": session.top_k,
+                  "context": session.context, "steps": int(cfg.bench.rollout_steps),
+                  **rollout_agreement(session, clips)}
+        return print_bench(result, cfg.bench.out), session
+    sessions = cfg.bench.sessions
+    if sessions:
+        session = build_session(cfg)
+        counts = [int(sessions)] if isinstance(sessions, int) else [int(n) for n in sessions]
+        result = {**measure, "device": str(session.server.device),
+                  **bench_sessions(session, counts, list(cfg.bench.actions), int(cfg.bench.steps or 10),
+                                   int(cfg.bench.repeats))}
         return print_bench(result, cfg.bench.out), session
     if cfg.bench.steps:
         session = build_session(cfg)
-        result = {"ckpt": str(cfg.ckpt), "device": str(session.device), "sampler": session.sampler_cfg.get("name"),
+        result = {**measure, "device": str(session.server.device),
                   **bench_session(session, list(cfg.bench.ks or cfg.ks), list(cfg.bench.actions),
                                   int(cfg.bench.steps), int(cfg.bench.repeats))}
         return print_bench(result, cfg.bench.out), session
@@ -457,7 +286,7 @@ def play(cfg: DictConfig, block: bool = True):
     demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks), idle_minutes=cfg.idle_minutes,
                      cache_seconds=cfg.cache_seconds)
     port = serving_port(cfg.host, int(cfg.port))
-    log.info("mcar.play: %s, window %d frames, k=%d, temperature %g: http://%s:%d", cfg.ckpt, session.window,
+    log.info("mcar.play: %s, context %d frames, k=%d, temperature %g: http://%s:%d", cfg.ckpt, session.context,
              session.k, session.temperature, cfg.host, port)
     demo.queue().launch(server_name=cfg.host, server_port=port, prevent_thread_lock=not block,
                         inbrowser=False, share=False, quiet=True)
