@@ -174,6 +174,48 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     torch._dynamo.reset()
 
 
+def test_compiled_step_reads_every_input_at_a_fixed_address(model, monkeypatch):
+    """Under CUDA graphs a graph input that is not static is copied into the graph at every replay (one kernel per
+    tensor), and a bias built inside the graph is copied per attention call: every tensor the compiled step takes
+    is marked static and keeps its address for the whole sequence and the next (one set per bucket), and the mask
+    arrives as the attention bias, aligned, built with the plan (not per generate, nor in the graph)."""
+    from torch._dynamo.utils import get_static_address_type
+
+    import mcar.core.buckets as buckets_mod
+    import mcar.core.model as model_mod
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiling, "CPU_COMPILE_OPTIONS", dict(backend="eager", fullgraph=True, dynamic=True))
+    built = {"plan": 0, "forward": 0}
+    for mod, name in ((buckets_mod, "plan"), (model_mod, "forward")):
+        def counted(*a, _f=mod.padded_attention_bias, _name=name):
+            built[_name] += 1
+            return _f(*a)
+        monkeypatch.setattr(mod, "padded_attention_bias", counted)
+    layout = Layout(3, 4, 2)
+    s = ScheduleSampler(layout, T, seed=2, compile=True, k=2, top_p=0.9, temperature=0.8)
+    step, calls = s.step_fn(sampler_mod._sample_pass, "cpu"), []
+
+    def record(model, tokens, p, noise, rule):
+        args = [tokens, *p, noise.keys, noise.codes, rule.temperature, rule.top_p]
+        assert all(get_static_address_type(t) is not None for t in args)
+        width = p.mask.shape[-1]  # a whole number of 16 columns, or as far as the cache reaches
+        assert p.mask.dtype == torch.float32 and p.mask.is_contiguous()
+        assert width % 16 == 0 or width - len(p.src) == layout.n_slots(T) + 1
+        calls.append(tuple(t.data_ptr() for t in args))
+        return step(model, tokens, p, noise, rule)
+
+    s._compiled[sampler_mod._sample_pass] = record
+    s.generate(model, clip_for(layout))  # compiles
+    n_buckets = len(s.static_plan(s.schedule(), "cpu").buckets)
+    assert built == {"plan": n_buckets, "forward": 1}  # the buckets' biases, the eager prefill's; none traced
+    s.generate(model, clip_for(layout), setup_cache=False)
+    assert built == {"plan": n_buckets, "forward": 2}  # no bias rebuilt but the prefill's
+    assert len({c[1:7] for c in calls}) == n_buckets  # one address per bucket and field, every pass
+    assert len({c[:1] + c[7:] for c in calls}) == 1  # tokens, noise and rule: one address, both sequences
+    torch._dynamo.reset()
+
+
 def test_compiled_step_takes_no_python_float_as_a_graph_input(model, monkeypatch):
     """The model's floats (RMSNorm eps) are constants of the graph: under dynamic=True each was a CPU float64 input,
     a host kernel and a host-to-device copy before every CUDA graph replay (issue 1/5 round 2 item 3)."""

@@ -15,9 +15,13 @@ from typing import NamedTuple
 
 import torch
 
+from mcar.core.model import padded_attention_bias
 from mcar.core.schedule import PassPlan
 
 MAX_PREFIX_CLASSES = 16  # cache-prefix classes, one per generated frame up to this many
+# bias row alignment (elements): the CUDA memory-efficient attention kernel pads (copies) a bias whose rows are not
+# on 16 in every call; traced with dynamic shapes it pads whatever the width (BENCHMARKS.md)
+BIAS_ALIGN = 16
 
 
 class PassInputs(NamedTuple):
@@ -71,10 +75,34 @@ class Bucket:
                                                    self.out_slots)))
 
 
+class StagedBucket:
+    """A bucket's passes as the compiled step reads them: one set of tensors at fixed addresses (`inputs`, marked
+    static for CUDA graphs, the mask already the attention bias, contiguous) and `load(i)`, which puts pass i in
+    them with two copies (its index rows in one multi-tensor copy, its bias in another). CUDA graphs copy a graph
+    input that is not static into the graph at every replay, one kernel per tensor; a bias built inside the graph
+    is built again per attention call. No input is a view with an offset: dynamo would guard on it (recompiles)."""
+
+    def __init__(self, b: Bucket, groups: int, dtype):
+        width = b.mask.shape[-1]
+        self._tables = (b.src, b.coords, b.cache_pos, b.out_rows, b.out_slots)
+        self._bias = padded_attention_bias(b.mask, groups, dtype)[..., :width].contiguous()[:, None]
+        ints = [t[0].clone() for t in self._tables]
+        self.inputs = PassInputs(ints[0], ints[1], self._bias[0].clone(), *ints[2:])
+        for t in self.inputs:
+            torch._dynamo.mark_static_address(t, guard=False)
+        self._ints = ints
+
+    def load(self, i: int) -> PassInputs:
+        torch._foreach_copy_(self._ints, [t[i] for t in self._tables])
+        self.inputs.mask.copy_(self._bias[i])
+        return self.inputs
+
+
 @dataclass
 class StaticPlan:
     buckets: list[Bucket]
     passes: list["PassInputs"]  # per pass after the prefill, in order: its `Bucket.pass_inputs`
+    order: list[tuple[int, int]]  # per pass after the prefill, in order: (its bucket, its index there)
     real_rows: float  # mean input rows per pass before padding
     real_cols: float  # mean visible cache slots per pass (PassPlan.n_vis) before padding
 
@@ -87,9 +115,11 @@ class StaticPlan:
         return sum(a.mask.shape[-1] - a.mask.shape[-2] for a in self.passes) / max(len(self.passes), 1)
 
 
-def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int, dev) -> StaticPlan:
+def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int, dev, align: int = 1) -> StaticPlan:
     """Group PassPlans (all but the prefill) by (width class, cache prefix // vis_step) and pad each group to
-    one shape; nothing here knows the schedule's rules."""
+    one shape; nothing here knows the schedule's rules. align: round each bucket's cache prefix up (its extra
+    columns masked) so that its mask rows, n + W, are a whole number of `align` columns, as far as the cache
+    reaches (N + 1 slots): `BIAS_ALIGN` for a bias the CUDA kernel reads without padding it."""
     N = n_slots
     allowed = pass_widths([len(p.src) for p in plans], widths)
     groups: dict[tuple[int, int], list[int]] = {}
@@ -99,7 +129,7 @@ def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int
     where = [None] * len(plans)
     buckets = []
     for (W, _), members in groups.items():
-        n = max(plans[s].n_vis for s in members)
+        n = min(-(-(max(plans[s].n_vis for s in members) + W) // align) * align - W, N + 1)
         O = max(max(plans[s].n_out for s in members), 1)
         P = len(members)
         b = Bucket(
@@ -120,6 +150,6 @@ def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int
             b.out_rows[i, :p.n_out], b.out_slots[i, :p.n_out] = p.out_rows, p.out_slots
             where[s] = (len(buckets), i)
         buckets.append(b)
-    return StaticPlan(buckets, [buckets[g].pass_inputs(i) for g, i in where],
+    return StaticPlan(buckets, [buckets[g].pass_inputs(i) for g, i in where], where,
                       real_rows=sum(len(p.src) for p in plans) / max(len(plans), 1),
                       real_cols=sum(p.n_vis for p in plans) / max(len(plans), 1))

@@ -149,7 +149,13 @@ def cached_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tenso
     (B|1, 1, groups * S, S + n) over [own inputs | cache prefix] (the KVCache.with_own order), 0 where visible and
     -inf elsewhere; query rows repeated per GQA group (query heads of one KV head folded into rows, so K/V are
     never repeated). Built once per forward for all layers. Rows are padded to a multiple of 16 columns: the
-    CUDA memory-efficient kernel otherwise pads (copies) the bias in every layer."""
+    CUDA memory-efficient kernel otherwise pads (copies) the bias in every layer. A caller may build it ahead
+    (the static sampler does, once per pass of its plan) and pass it as the forward's mask."""
+    return padded_attention_bias(mask, groups, dtype)[..., :mask.shape[-1]]
+
+
+def padded_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
+    """`cached_attention_bias` with its padding columns: (B|1, 1, groups * S, width rounded up to 16)."""
     mask = mask.reshape(-1, *mask.shape[-2:])  # (B|1, S, n + S)
     Bm, S, width = mask.shape
     n = width - S
@@ -157,7 +163,7 @@ def cached_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tenso
     bias = torch.full((Bm, 1, groups, S, padded), float("-inf"), dtype=dtype, device=mask.device)
     bias[..., :S].masked_fill_(mask[:, None, None, :, n:], 0.0)
     bias[..., S:width].masked_fill_(mask[:, None, None, :, :n], 0.0)
-    return bias.view(Bm, 1, groups * S, padded)[..., :width]
+    return bias.view(Bm, 1, groups * S, padded)
 
 
 class RMSNorm(nn.Module):
@@ -311,7 +317,8 @@ class Transformer(nn.Module):
 
         mask: None (plain causal), dense bool (S, S) / (B, 1, S, S), or a BlockMask; in cached mode
         (cache_pos (S,) given) a bool (S, n + S) or (B|1, S, n + S) over [the first n <= n_slots cache slots |
-        this pass's inputs].
+        this pass's inputs], or that mask already made the attention bias (`cached_attention_bias`, in the cache's
+        dtype): compiled, a bias built inside the graph is built again for every attention call.
         """
         if cache_pos is not None and self._cache_unused:
             self.reset_cache()  # first cached forward since setup_cache: anything written meanwhile is not ours
@@ -320,7 +327,7 @@ class Transformer(nn.Module):
             cos, sin = cos[None], sin[None]
         cos, sin = rotation_tables(cos.unsqueeze(1), sin.unsqueeze(1))  # (B|1, 1, S, D)
         x = self.tok_embeddings(tokens)  # (B, S, C)
-        if cache_pos is not None:
+        if cache_pos is not None and mask.dtype == torch.bool:
             cache = self.layers[0].attention.cache
             dtype = x.dtype if cache is None else cache.k_buf.dtype
             mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)

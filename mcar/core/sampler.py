@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mcar.core.buckets import MAX_PREFIX_CLASSES, StaticPlan, bucket_plans
+from mcar.core.buckets import BIAS_ALIGN, MAX_PREFIX_CLASSES, StagedBucket, StaticPlan, bucket_plans
 from mcar.core.compiling import compiled
 from mcar.core.keyed_rng import SlotNoise, keyed_exponential, mix32, row_keys, seed_key, value_codes
 from mcar.core.layout import Layout, check_clip
@@ -160,6 +160,8 @@ class ScheduleSampler:
         self.compile = compile if compile == "auto" else bool(compile)
         self._schedules: dict[int, Schedule] = {}
         self._static: dict = {}  # (prompt_frames, device) -> StaticPlan
+        self._staged: dict = {}  # (prompt_frames, device, GQA groups, dtype) -> its StagedBuckets
+        self._held: dict = {}  # (name, shape, dtype, device) -> a tensor the compiled step reads at a fixed address
         self._compiled: dict = {}  # plain step function -> its torch.compile wrapper
         self._rolling: dict = {}  # (static, device) -> RollingSchedule
         sched = self.schedule(self.prompt_frames)  # validate now, at config time
@@ -258,8 +260,31 @@ class ScheduleSampler:
         if key not in self._static:
             vis_step = self.layout.frame_len * -(-(self.frames - sched.prompt_frames) // MAX_PREFIX_CLASSES)
             self._static[key] = bucket_plans(sched.plan(self.full, device)[1:], sched.n_slots, self.static_widths,
-                                             vis_step, device)
+                                             vis_step, device, align=BIAS_ALIGN)
         return self._static[key]
+
+    def staged_buckets(self, sched: Schedule, model, device) -> list[StagedBucket]:
+        """The static plan's buckets as the compiled step reads them, for `model` (its GQA groups, cache dtype)."""
+        cache = model.layers[0].attention.cache
+        dtype = model.cache_dtype(device) if cache is None else cache.k_buf.dtype
+        groups = model.cfg.n_heads // model.cfg.n_kv_heads
+        key = (sched.prompt_frames, str(device), groups, dtype)
+        if key not in self._staged:
+            self._staged[key] = [StagedBucket(b, groups, dtype) for b in self.static_plan(sched, device).buckets]
+        return self._staged[key]
+
+    def held(self, name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """`value` copied into a tensor this sampler keeps at one address (one per name, shape, dtype and device),
+        marked static: what the compiled step reads for a whole sequence (tokens, noise keys, the rule's
+        tensors). CUDA graphs copy an input that is not static at every replay, and re-record for a static one
+        that moved."""
+        if value is None:
+            return None
+        key = (name, tuple(value.shape), value.dtype, str(value.device))
+        if key not in self._held:
+            self._held[key] = torch.empty_like(value)
+            torch._dynamo.mark_static_address(self._held[key], guard=False)
+        return self._held[key].copy_(value)
 
     def step_fn(self, fn, device):
         """`fn` (a per-pass step) as generate() on `device` runs it: compiled once per sampler, or plain."""
@@ -270,15 +295,21 @@ class ScheduleSampler:
         return self._compiled[fn]
 
     def _generate_static(self, model, clip, sched, setup_cache, noise, rule):
-        """Prefill (pass 0) eagerly, then every other pass through its bucket's static-shape (compiled) step."""
-        st = self.static_plan(sched, clip.device)
+        """Prefill (pass 0) eagerly, then every other pass through its bucket's static-shape (compiled) step, every
+        input of which sits at a fixed address (`StagedBucket`, `held`)."""
+        order = self.static_plan(sched, clip.device).order
         step = self.step_fn(_sample_pass, clip.device)
-        tokens = torch.cat([clip, clip[:, :1]], dim=1)  # (B, N+1): column N takes padded outputs
+        tokens = self.held("tokens", torch.cat([clip, clip[:, :1]], dim=1))  # (B, N+1): column N takes padded outputs
+        noise = SlotNoise(self.held("noise keys", noise.keys), self.held("noise codes", noise.codes))
+        rule = SamplingRule(self.held("temperature", rule.temperature), rule.top_k, self.held("top_p", rule.top_p),
+                            rule.codebook_size)
         prefill = next(self._open(model, clip, sched, setup_cache))  # eager
         tokens[:, prefill.out_slots] = _sample_pass(model, tokens, prefill, noise, rule)
-        for p in st.passes:
+        buckets = self.staged_buckets(sched, model, clip.device)  # after _open: the cache's dtype is the model's
+        for g, i in order:
+            p = buckets[g].load(i)
             tokens[:, p.out_slots] = step(model, tokens, p, noise, rule)
-        return tokens[:, :-1].clone(), 1 + len(st.passes)
+        return tokens[:, :-1].clone(), 1 + len(order)
 
     @torch.no_grad()
     def teacher_forced(self, model, clip: torch.Tensor, prompt_frames: int | None = None,
