@@ -75,6 +75,12 @@ class Bucket:
                                                    self.out_slots)))
 
 
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A copy with the standard strides of its shape: clone keeps a view's strides where a dim has size 1 (a
+    1-row bias sliced from its padded width), and dynamo guards on strides (a recompile per odd one)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
 class StagedBucket:
     """A bucket's passes as the compiled step reads them: one set of tensors at fixed addresses (`inputs`, marked
     static for CUDA graphs, the mask already the attention bias, contiguous) and `load(i)`, which puts pass i in
@@ -86,8 +92,8 @@ class StagedBucket:
         width = b.mask.shape[-1]
         self._tables = (b.src, b.coords, b.cache_pos, b.out_rows, b.out_slots)
         self._bias = padded_attention_bias(b.mask, groups, dtype)[..., :width].contiguous()[:, None]
-        ints = [t[0].clone() for t in self._tables]
-        self.inputs = PassInputs(ints[0], ints[1], self._bias[0].clone(), *ints[2:])
+        ints = [_fresh(t[0]) for t in self._tables]
+        self.inputs = PassInputs(ints[0], ints[1], _fresh(self._bias[0]), *ints[2:])
         for t in self.inputs:
             torch._dynamo.mark_static_address(t, guard=False)
         self._ints = ints

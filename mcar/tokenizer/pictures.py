@@ -12,7 +12,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 from mcar.core.layout import Layout
 from mcar.tokenizer.clips import split_clip
-from mcar.tokenizer.video import write_mp4
 
 
 # ------------------------------------------------------------------------------------------------ tokens -> pixels
@@ -118,6 +117,8 @@ def comparison_frames(clips: dict[str, torch.Tensor], layout: Layout, codebook_s
 # ------------------------------------------------------------------------------------------------ writers
 def write_video(frames: np.ndarray, base: str | Path, fps: float = 4) -> tuple[Path, Path]:
     """(T, H, W, 3) uint8 -> <base>.mp4 (for files) and <base>.gif (for W&B and browsers): both paths."""
+    from mcar.tokenizer.video import write_mp4  # PyAV: only where a video is written (a GPU machine may lack it)
+
     base = Path(base)
     return write_mp4(frames, base.with_name(base.name + ".mp4"), fps), write_gif(frames, base.with_name(
         base.name + ".gif"), fps)
