@@ -45,6 +45,22 @@ def test_explorer_holds_directions_and_acts():
     assert "do" in acts and len(set(acts)) >= 5
 
 
+def test_wanderer_walks_into_obstacles_and_back():
+    """The collisions and loops data=crafter_tiles_world trains on: refused moves (the player stays) and out-and-back
+    walks that return to a tile left a few steps before."""
+    _, records = play_episode(0, 1, 96, {"wanderer": 1.0}, (144, 144), view=(9, 9), daylight=1.0)
+    assert records[0]["policy"] == "wanderer"
+    assert {r["action"] for r in records} <= {"noop", "move_left", "move_right", "move_up", "move_down"}
+    before = [records[0]["pos"]] + [r["pos"] for r in records[:-1]]  # where each action started (pos is after it)
+    moves = [(b, r["pos"]) for b, r in zip(before[1:], records[1:]) if r["action"] != "noop"]
+    refused = sum(b == a for b, a in moves)
+    assert 0.05 < refused / len(moves) < 0.5
+    path = [tuple(r["pos"]) for r in records]
+    returns = sum(path[t + k] == path[t] != path[t + 1] for t in range(len(path)) for k in (2, 4, 6)
+                  if t + k < len(path))
+    assert returns >= 5
+
+
 @pytest.fixture(scope="module")
 def crafter_dm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("crafter")

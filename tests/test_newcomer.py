@@ -29,7 +29,7 @@ def newcomer_commands() -> list[str]:
 def test_the_readme_names_the_shipped_model_commands():
     tools = [shlex.split(c)[:2] for c in newcomer_commands()]
     assert [t for _, t in tools] == ["generate", "evaluate", "play"] and all(m == "mcar" for m, _ in tools)
-    assert all("checkpoints/shipped/crafter_tiles_diagd" in c and "data=" not in c for c in newcomer_commands())
+    assert all("checkpoints/shipped/crafter_world" in c and "data=" not in c for c in newcomer_commands())
 
 
 @pytest.mark.slow
@@ -37,7 +37,7 @@ def test_the_readme_names_the_shipped_model_commands():
 def test_a_fresh_clone_runs_the_shipped_model_commands_without_building_data(tmp_path):
     clone = tmp_path / "mcar"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    if not (clone / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "held_out").is_dir():
+    if not (clone / "checkpoints" / "shipped" / "crafter_world" / "held_out").is_dir():
         pytest.skip("this checkout's HEAD predates the shipped held-out clips")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MCAR_ROOT", "HYDRA_FULL_ERROR")}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from mcar.eval.world_tests import MOVES, MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move, step_agreement
+from mcar.data.crafter_gen import MOVE_DELTA
+from mcar.eval.world_tests import MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move, step_agreement
 
 from .conftest import REPO, run_in_process
 
@@ -19,7 +20,7 @@ def world_and_views(moves: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     world = torch.randperm(400).view(20, 20)
     pos, offs = [6, 7], [(0, 0)]
     for a in moves:
-        pos = [pos[0] + MOVES[a][0], pos[1] + MOVES[a][1]]
+        pos = [pos[0] + MOVE_DELTA[a][0], pos[1] + MOVE_DELTA[a][1]]
         offs.append((pos[0] - 6, pos[1] - 7))
     views = torch.stack([world[7 + dy:7 + dy + GRID.map_h, 6 + dx:6 + dx + GRID.w] for dx, dy in offs])
     return views, torch.tensor(offs)
@@ -29,7 +30,7 @@ def memoryless(views: torch.Tensor, moves: list[int]) -> torch.Tensor:
     """A model that shifts its last frame exactly and draws UNSEEN where the new view shows what it no longer holds."""
     out = [views[0]]
     for a in moves:
-        s, known = shifted(out[-1], *MOVES[a])
+        s, known = shifted(out[-1], *MOVE_DELTA[a])
         out.append(s.masked_fill(~known, UNSEEN))
     return torch.stack(out)
 

@@ -28,10 +28,21 @@ from mcar.tokenizer.video import mp4_frame_count, write_mp4
 
 ACTIONS = CRAFTER_ACTIONS  # crafter's own order: the action id is the token
 MOVES = [1, 2, 3, 4]
+MOVE_DELTA = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}  # Crafter's move action id -> (dx, dy) of the player
+BACK = {1: 2, 2: 1, 3: 4, 4: 3}  # a move -> the move that undoes it
+WALKABLE = ("grass", "sand", "path")  # Crafter's player walks on these
 DO = 5
 COLLECT = {"tree", "stone", "coal", "iron", "diamond", "water"}  # "do" on these changes the world
 CRAFT = [7, 8, 9, 10, 11, 12, 14, 15]  # place / make actions worth trying (no-ops when not possible)
 FPS = 20
+
+
+def walkable(env, x: int, y: int) -> bool:
+    """Crafter lets the player onto tile (x, y) now: inside the world, grass, sand or path, no object there."""
+    if not (0 <= x < env._world.area[0] and 0 <= y < env._world.area[1]):
+        return False
+    material, obj = env._world[(x, y)]
+    return material in WALKABLE and obj is None
 
 
 class RandomPolicy:
@@ -68,7 +79,7 @@ class ExplorerPolicy:
             return int(self.rng.choice(CRAFT))
         if r < self.p_craft + self.p_noop:
             return 0
-        blocked = material not in ("grass", "sand", "path") or obj is not None
+        blocked = material not in WALKABLE or obj is not None
         if self.hold <= 0 or blocked:
             self.direction = int(self.rng.choice(MOVES))
             self.hold = int(self.rng.integers(*self.hold_range))
@@ -76,7 +87,45 @@ class ExplorerPolicy:
         return self.direction
 
 
-POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy}
+class WandererPolicy:
+    """Moves only, for a world model that must learn collisions and memory. It walks a few steps in one direction;
+    facing an obstacle (tree, water, stone, a creature: the env refuses the move, the map stays put) it pushes on with
+    probability p_push before it turns; it bumps into a blocked neighbour with probability p_bump; and it walks
+    out-and-back loops (n moves one way, n back: the start view comes back into sight) with probability p_loop."""
+
+    name = "wanderer"
+
+    def __init__(self, rng: np.random.Generator, p_push: float = 0.7, p_bump: float = 0.4, p_loop: float = 0.15,
+                 loop_lengths=(1, 2, 3), hold=(3, 9), p_noop: float = 0.05):
+        self.rng, self.p_push, self.p_bump, self.p_loop = rng, p_push, p_bump, p_loop
+        self.loop_lengths, self.hold_range, self.p_noop = tuple(loop_lengths), hold, p_noop
+        self.plan: list[int] = []
+        self.direction, self.hold = int(rng.choice(MOVES)), 0
+
+    def __call__(self, env) -> int:
+        if self.plan:
+            return self.plan.pop(0)
+        x, y = env._player.pos
+        blocked = [a for a in MOVES if not walkable(env, x + MOVE_DELTA[a][0], y + MOVE_DELTA[a][1])]
+        if self.direction in blocked and self.rng.random() < self.p_push:
+            return self.direction
+        r = self.rng.random()
+        if blocked and r < self.p_bump:
+            return int(self.rng.choice(blocked))
+        if r < self.p_bump + self.p_loop:
+            n, d = int(self.rng.choice(self.loop_lengths)), int(self.rng.choice(MOVES))
+            self.plan = [d] * (n - 1) + [BACK[d]] * n
+            return d
+        if r < self.p_bump + self.p_loop + self.p_noop:
+            return 0
+        if self.hold <= 0 or self.direction in blocked:
+            free = [a for a in MOVES if a not in blocked] or MOVES
+            self.direction, self.hold = int(self.rng.choice(free)), int(self.rng.integers(*self.hold_range))
+        self.hold -= 1
+        return self.direction
+
+
+POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy, "wanderer": WandererPolicy}
 
 
 def episode_name(seed: int, index: int) -> str:

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
-from mcar.data.crafter_gen import ExplorerPolicy, make_env
+from mcar.data.crafter_gen import BACK, MOVE_DELTA, ExplorerPolicy, make_env, walkable
 from mcar.eval.generation import load_for_sampling
 from mcar.eval.metrics import bootstrap_ci
 from mcar.hydra_app import to_dict
@@ -52,9 +52,6 @@ from mcar.tokenizer.vq_model import encode_tokens, frame_size
 
 log = logging.getLogger("mcar.eval.world_tests")
 
-MOVES = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}  # Crafter's move action id -> (dx, dy) of the player
-BACK = {1: 2, 2: 1, 3: 4, 4: 3}
-WALKABLE = ("grass", "sand", "path")  # Crafter's player walks on these
 
 
 # ------------------------------------------------------------------------------------------------ token geometry
@@ -118,7 +115,7 @@ def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, gri
     stay, move = [], []
     pr, pc = grid.player
     for p, n, a in zip(prev, nxt, moves.tolist()):
-        s, known = shifted(p, *MOVES[a])
+        s, known = shifted(p, *MOVE_DELTA[a])
         known = known.clone()
         known[pr, pc] = False
         stay.append((n[known] == p[known]).double().mean())
@@ -177,16 +174,13 @@ class Scene:
         return rec
 
     def free(self, x: int, y: int) -> bool:
-        if not (0 <= x < self.env._world.area[0] and 0 <= y < self.env._world.area[1]):
-            return False
-        material, obj = self.env._world[(x, y)]
-        return material in WALKABLE and obj is None
+        return walkable(self.env, x, y)
 
     def open_direction(self, n: int) -> int | None:
         """A move whose next n tiles are walkable and empty now, None when there is none."""
         x, y = self.pos
-        for a in self.rng.permutation(list(MOVES)):
-            dx, dy = MOVES[int(a)]
+        for a in self.rng.permutation(list(MOVE_DELTA)):
+            dx, dy = MOVE_DELTA[int(a)]
             if all(self.free(x + k * dx, y + k * dy) for k in range(1, n + 1)):
                 return int(a)
         return None
@@ -207,7 +201,7 @@ class Scene:
             if not self.step(act, rec):
                 return None
         rec = self.close(rec)
-        dx, dy = MOVES[a]
+        dx, dy = MOVE_DELTA[a]
         x0, y0 = rec.pos[0]
         expected = [(x0 + k * dx, y0 + k * dy) for k in [*range(n + 1), *range(n - 1, -1, -1)]]
         return rec if rec.pos == expected else None
@@ -218,7 +212,7 @@ class Scene:
         rec = Recording()
         for _ in range(steps):
             x, y = self.pos
-            blocked = [a for a, (dx, dy) in MOVES.items() if not self.free(x + dx, y + dy)]
+            blocked = [a for a, (dx, dy) in MOVE_DELTA.items() if not self.free(x + dx, y + dy)]
             act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.explorer(self.env)
             if not self.step(act, rec):
                 return None
@@ -366,7 +360,7 @@ class WorldTests:
         for r in recs:
             for t in range(P - 1, len(r.actions) - 1):
                 a = r.actions[t]
-                if a in MOVES:
+                if a in MOVE_DELTA:
                     events["blocked" if r.pos[t + 1] == r.pos[t] else "free"].append((r, t, a))
         out, cap = {}, int(self.cfg.max_moves)
         for kind, evs in events.items():
