@@ -151,8 +151,9 @@ def world_session(tmp_path, start, *overrides):
     from mcar.tools.play import build_session
 
     Image.fromarray(start).save(tmp_path / "start.png")
-    return build_session(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_world", f"prompt_image={tmp_path}/start.png",
-                                          "sampler.temperature=0", "threads=1", *overrides]))
+    return build_session(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_world",
+                                          f"prompt_image={tmp_path}/start.png", "sampler.temperature=0", "threads=1",
+                                          *overrides]))
 
 
 def world_tokens():
