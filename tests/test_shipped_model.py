@@ -141,10 +141,10 @@ def world_scene(seed: int, want):
 
 
 def neighbours(env, walkable_wanted: bool) -> list[int]:
-    from mcar.data.crafter_gen import MOVE_DELTA, walkable
+    from mcar.data.crafter_gen import MOVES, blocked_moves
 
-    x, y = env._player.pos
-    return [a for a, (dx, dy) in MOVE_DELTA.items() if walkable(env, x + dx, y + dy) == walkable_wanted]
+    blocked = blocked_moves(env)
+    return blocked if not walkable_wanted else [a for a in MOVES if a not in blocked]
 
 
 def world_session(tmp_path, start, *overrides):

@@ -45,6 +45,12 @@ def walkable(env, x: int, y: int) -> bool:
     return material in WALKABLE and obj is None
 
 
+def blocked_moves(env) -> list[int]:
+    """The moves Crafter would refuse now (their tile not walkable), in action-id order."""
+    x, y = (int(v) for v in env._player.pos)
+    return [a for a, (dx, dy) in MOVE_DELTA.items() if not walkable(env, x + dx, y + dy)]
+
+
 class RandomPolicy:
     """Uniform over the 17 actions except sleep, which would darken most of the episode."""
 
@@ -105,8 +111,7 @@ class WandererPolicy:
     def __call__(self, env) -> int:
         if self.plan:
             return self.plan.pop(0)
-        x, y = env._player.pos
-        blocked = [a for a in MOVES if not walkable(env, x + MOVE_DELTA[a][0], y + MOVE_DELTA[a][1])]
+        blocked = blocked_moves(env)
         if self.direction in blocked and self.rng.random() < self.p_push:
             return self.direction
         r = self.rng.random()

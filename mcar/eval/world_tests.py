@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import build_sampler
-from mcar.data.crafter_gen import BACK, MOVE_DELTA, ExplorerPolicy, make_env, walkable
+from mcar.data.crafter_gen import BACK, MOVE_DELTA, ExplorerPolicy, blocked_moves, make_env, walkable
 from mcar.eval.generation import load_for_sampling
 from mcar.eval.metrics import bootstrap_ci
 from mcar.hydra_app import to_dict
@@ -211,8 +211,7 @@ class Scene:
         there is one (collisions to test); None when the episode ends first."""
         rec = Recording()
         for _ in range(steps):
-            x, y = self.pos
-            blocked = [a for a, (dx, dy) in MOVE_DELTA.items() if not self.free(x + dx, y + dy)]
+            blocked = blocked_moves(self.env)
             act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.explorer(self.env)
             if not self.step(act, rec):
                 return None
