@@ -96,11 +96,11 @@ def test_a_new_action_space_is_one_class_the_tools_ask():
     import torch
 
     from mcar.eval.idm import action_names
-    from mcar.eval.prompts import parse_action
+    from mcar.sampling.play import named_actions
+    from mcar.sampling.prompts import parse_action
     from mcar.tokenizer import actions
     from mcar.tokenizer.actions import ActionSpace
     from mcar.tokenizer.pictures import action_labels, data_action_space
-    from mcar.tools.play import named_actions
 
     class Doom(ActionSpace):
         n_a, vocab_size, names, moves = 1, 3, ("stand", "turn", "fire"), ("turn",)

@@ -103,7 +103,7 @@ def test_evaluate_multirun_writes_the_results_table(trained):
 
 def test_evaluate_and_generate_bad_input_name_the_field(tmp_path):
     from mcar.checkpoint.load import resolve_ckpt
-    from mcar.eval.generation import pick_clips
+    from mcar.sampling.held_out import pick_clips
 
     with pytest.raises(FileNotFoundError, match="ckpt: checkpoint not found: .*nope"):
         resolve_ckpt(str(tmp_path / "nope"))
@@ -130,8 +130,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     missing nets become notes naming the columns."""
     from mcar.core.layout import Layout
     from mcar.eval import metrics as M
-    from mcar.eval.generation import reference_clips
-    from mcar.eval.scoring import Scorer, score, score_rows
+    from mcar.eval.scoring import Scorer, reference_clips, score, score_rows
     from mcar.tokenizer.clips import join_clip
 
     from .test_data_vpt import tiny_vq
@@ -155,9 +154,7 @@ def test_score_reference_rows_and_action_f1_exactly():
                                                                                                      None, None)
     assert row["notes"] == "lpips, fvd: no weights"
 
-    gen_slots = torch.tensor([i for i in range(P * layout.frame_len, T * layout.frame_len)
-                              if i % layout.frame_len < layout.frame_tokens])
-    noise = reference_clips("noise", gt, gen_slots, cb, seed=0)
+    noise = reference_clips("noise", gt, layout, P, cb, seed=0)
     assert torch.equal(noise[:, :layout.frame_len], gt[:, :layout.frame_len])  # the prompt frame is kept
     rows, _, _ = score_rows({"ground_truth": (gt.clone(), {}), "noise": (noise, {})}, gt, scorer=scorer,
                             common={"model": "m"})
@@ -172,12 +169,10 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     its bootstrap interval, and results.json, results.csv, results.md and the terminal table carry it. token_acc
     of the reference rows: ground_truth 1, copy_last the real share of tokens that stay, noise about 1/codebook."""
     from mcar.core.layout import Layout
-    from mcar.core.sampler import ScheduleSampler
     from mcar.eval import metric_registry as R
     from mcar.eval import metrics as M
-    from mcar.eval.generation import reference_clips
     from mcar.eval.reporting import terminal_table, write_results_json, write_table
-    from mcar.eval.scoring import Scorer, score_rows
+    from mcar.eval.scoring import Scorer, reference_clips, score_rows
     from mcar.tokenizer.clips import join_clip
 
     layout, cb, T, P = Layout(2, 3, 1), 4, 5, 1
@@ -191,9 +186,8 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     missing = M.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=missing,
                     nets={"i3d": missing, "lpips": missing, "idm": missing}, names={}, seed=3)
-    gen_slots = ScheduleSampler(layout, T, P, k=2).schedule().gen_slots
-    outputs = {kind: (reference_clips(kind, gt, gen_slots, cb, seed=0), {}) for kind in ("ground_truth", "copy_last",
-                                                                                          "noise")}
+    outputs = {kind: (reference_clips(kind, gt, layout, P, cb, seed=0), {})
+               for kind in ("ground_truth", "copy_last", "noise")}
     rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common={"model": "m", "clips": len(gt)})
     by = {r["sampler"]: r for r in rows}
     assert by["ground_truth"]["token_acc"] == 1.0 and by["ground_truth"]["last_token_same"] == 1.0
@@ -226,16 +220,14 @@ def test_copy_last_reference_repeats_the_last_prompt_frame(P):
     """copy_last: every generated frame's image is the last prompt frame's, exactly; the prompt frames and every
     action token stay the ground truth's (the schedule's own gen_slots, as mcar.evaluate passes them)."""
     from mcar.core.layout import Layout
-    from mcar.core.sampler import ScheduleSampler
-    from mcar.eval.generation import reference_clips
+    from mcar.eval.scoring import reference_clips
     from mcar.tokenizer.clips import join_clip, split_clip
 
     layout, cb, T = Layout(2, 3, 2), 16, 5
     g = torch.Generator().manual_seed(P)
     gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.randint(0, 4, (T, 2), generator=g),
                                 cb) for _ in range(3)])
-    gen_slots = ScheduleSampler(layout, T, P, k=2).schedule().gen_slots
-    out = reference_clips("copy_last", gt, gen_slots, cb)
+    out = reference_clips("copy_last", gt, layout, P, cb)
     assert out.shape == gt.shape and not torch.equal(out, gt)
     ids, acts = split_clip(out, layout, cb)
     gt_ids, gt_acts = split_clip(gt, layout, cb)
@@ -243,9 +235,9 @@ def test_copy_last_reference_repeats_the_last_prompt_frame(P):
     assert torch.equal(acts, gt_acts)  # every action is the ground truth's
     for t in range(P, T):
         assert torch.equal(ids[:, t], gt_ids[:, P - 1])  # nothing moves
-    assert torch.equal(gt, reference_clips("ground_truth", gt, gen_slots, cb))  # the input is not modified
+    assert torch.equal(gt, reference_clips("ground_truth", gt, layout, P, cb))  # the input is not modified
     with pytest.raises(ValueError, match="copy_last"):
-        reference_clips("nope", gt, gen_slots, cb)
+        reference_clips("nope", gt, layout, P, cb)
 
 
 @pytest.mark.parametrize("P", [1, 2])
@@ -253,9 +245,8 @@ def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
     """unchanged: over the generated frames, the share of image tokens equal to the same place one frame earlier,
     counted here token by token from the flat clip (no split_clip); copy_last scores 1, and the row carries it."""
     from mcar.core.layout import Layout
-    from mcar.core.sampler import ScheduleSampler
-    from mcar.eval.generation import reference_clips
     from mcar.eval.metrics import unchanged_per_clip
+    from mcar.eval.scoring import reference_clips
     from mcar.tokenizer.clips import join_clip
 
     layout, cb, T = Layout(2, 3, 2), 4, 5  # 4 codes: many tokens repeat by chance
@@ -271,7 +262,7 @@ def test_unchanged_counts_tokens_equal_to_the_frame_before(P):
                 total += 1
     assert float(unchanged_per_clip(clips, layout, cb, P).mean()) == pytest.approx(same / total)
     assert 0 < same < total
-    still = reference_clips("copy_last", clips, ScheduleSampler(layout, T, P, k=2).schedule().gen_slots, cb)
+    still = reference_clips("copy_last", clips, layout, P, cb)
     assert unchanged_per_clip(still, layout, cb, P).tolist() == [1.0] * 3
 
 

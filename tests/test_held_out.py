@@ -26,8 +26,8 @@ def small_data(**kw):
 
 
 def test_exported_held_out_clips_are_the_datas_validation_clips(tmp_path):
-    from mcar.eval.generation import ShippedHeldOut, export_held_out
     from mcar.eval.idm import tokens_name
+    from mcar.sampling.held_out import ShippedHeldOut, export_held_out
 
     src = tmp_path / "tokens_vq_x_123"
     shards(src, {"a": 7, "b": 9, "c": 10, "d": 6})
@@ -45,7 +45,7 @@ def test_exported_held_out_clips_are_the_datas_validation_clips(tmp_path):
 
 
 def test_held_out_auto_finds_the_checkpoints_folder_else_the_data(tmp_path):
-    from mcar.eval.generation import held_out_folder
+    from mcar.sampling.held_out import held_out_folder
 
     run = tmp_path / "run"
     run.mkdir()
@@ -95,7 +95,7 @@ def test_a_checkpoints_asset_paths_are_relocated_into_this_install():
 @pytest.mark.skipif(not (SHIPPED / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
 def test_the_shipped_checkpoint_carries_its_data_and_fits_its_held_out_clips():
     from mcar.checkpoint.load import check_data_fits, load_model
-    from mcar.eval.generation import held_out_data
+    from mcar.sampling.held_out import held_out_data
 
     module, hp = load_model(SHIPPED)
     assert hp["data"]["name"] == "crafter_tiles" and hp["vq"]["name"] == "tiles"

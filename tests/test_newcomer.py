@@ -28,7 +28,7 @@ def newcomer_commands() -> list[str]:
 
 def test_the_readme_names_the_shipped_model_commands():
     tools = [shlex.split(c)[:2] for c in newcomer_commands()]
-    assert [t for _, t in tools] == ["generate", "evaluate", "play"] and all(m == "mcar" for m, _ in tools)
+    assert [t for _, t in tools] == ["generate", "evaluate", "bench"] and all(m == "mcar" for m, _ in tools)
     assert all("checkpoints/shipped/crafter_world" in c and "data=" not in c for c in newcomer_commands())
 
 
@@ -62,8 +62,8 @@ def test_a_fresh_clone_runs_the_shipped_model_commands_without_building_data(tmp
     results, = (clone / "outputs" / "evaluate").glob("*/results.json")
     row = json.loads(results.read_text())["rows"][0]
     assert isinstance(row["action_f1"], float), row  # the shipped IDM was found (idm=auto)
-    bench, = (clone / "outputs" / "play").glob("*/play_bench.json")
-    assert all(r["frames_per_s"] > 0 for r in json.loads(bench.read_text())["ks"].values())
+    bench, = (clone / "outputs" / "bench").glob("*/bench_play.json")
+    assert all(r["frames_per_s"] > 0 for r in json.loads(bench.read_text())["steps"]["ks"].values())
 
 
 def test_the_main_job_ends_with_its_summary(tmp_path, capsys):

@@ -137,7 +137,7 @@ def test_crafter_tiles_config_uses_the_committed_patch_vq():
     assert list(cfg.data.view) == [24, 14] and cfg.data.daylight == 1.0 and cfg.data.lossless
     # its own name (own IDM, own run names) but Crafter's actions: named in the IDM's table, mcar.play and generate
     from mcar.eval.idm import action_names
-    from mcar.eval.prompts import parse_action
+    from mcar.sampling.prompts import parse_action
 
     assert action_names(cfg.data, 17)[1] == "move_left" == action_names(compose("train").data, 17)[1]
     assert parse_action("move_left", "crafter", 1) == [1]

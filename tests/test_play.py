@@ -41,9 +41,9 @@ def crafter_files(tmp_path_factory):
 
 
 def crafter_session(files, *overrides):
-    from mcar.tools.play import build_session
+    from mcar.sampling.play import open_game
 
-    return build_session(compose("play", [f"ckpt={files}/tiny.ckpt", f"prompt_image={files}/start.png",
+    return open_game(compose("play", [f"ckpt={files}/tiny.ckpt", f"prompt_image={files}/start.png",
                                           "schedule.k=2", *overrides]))
 
 
@@ -51,7 +51,7 @@ def test_steps_give_frames_and_the_context_slides(crafter_files):
     from mcar.tokenizer.actions import CRAFTER_ACTIONS
 
     assert crafter_session(crafter_files).context == 3  # the default: the checkpoint's clip_frames
-    assert crafter_session(crafter_files, "context=2").context == 2
+    assert crafter_session(crafter_files, "sampler.context=2").context == 2
     s = crafter_session(crafter_files)
     assert s.history.shape == (1, H * W + 1)
     start = s.frame.copy()
@@ -183,8 +183,7 @@ def test_steps_from_threads_waiting_at_once_share_a_tick(crafter_files):
 
 def test_bench_sessions_reports_each_games_and_all_games_frames_per_s(crafter_files, tmp_path):
     """mcar play bench.sessions=[1,2]: n games stepping together; per game and aggregate frames/s, JSON."""
-    from mcar.eval.play_engine import bench_sessions
-    from mcar.tools.play import play
+    from mcar.bench.play import bench_sessions, run_play
 
     s = crafter_session(crafter_files)
     out = bench_sessions(s, [1, 2], ["move_left"], steps=1, repeats=2)
@@ -192,11 +191,16 @@ def test_bench_sessions_reports_each_games_and_all_games_frames_per_s(crafter_fi
     for n, row in out["sessions"].items():
         assert len(row["rounds"]) == 2 and row["per_session_frames_per_s"] == statistics.median(row["rounds"])
         assert row["frames_per_s"] == round(row["per_session_frames_per_s"] * int(n), 2)
-    cfg = compose("play", [f"ckpt={crafter_files}/tiny.ckpt", f"prompt_image={crafter_files}/start.png",
-                           "bench.sessions=[2]", "bench.steps=1", "bench.repeats=1", f"bench.out={tmp_path}/s.json"])
-    demo, _ = play(cfg)
-    written = json.loads((tmp_path / "s.json").read_text())
-    assert demo is None and list(written["sessions"]) == ["2"] and written["sessions"]["2"]["frames_per_s"] > 0
+    cfg = compose("bench", ["bench.mode=play", "data=crafter", f"ckpt={crafter_files}/tiny.ckpt",
+                            f"prompt_image={crafter_files}/start.png",
+                            "bench.play.steps=0", "bench.play.sessions=[2]", "bench.play.session_steps=1",
+                            "bench.repeats=1"])
+    res = run_play(cfg)
+    out = res["sessions"]
+    assert list(out["sessions"]) == ["2"] and out["sessions"]["2"]["frames_per_s"] > 0 and "steps" not in res
+    for counts in ([0], []):  # no games: refused, not 69,175 frames/s
+        with pytest.raises(ValueError, match="must be >= 1"):
+            bench_sessions(s, counts, ["noop"], steps=1, repeats=1)
 
 
 def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
@@ -213,7 +217,7 @@ def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
 def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
     """bench.rollouts: an oracle game (its model copies the real next frame) agrees 1.0 at every step; the
     unchanged start frame is the copy_first row."""
-    from mcar.eval.play_engine import rollout_agreement
+    from mcar.bench.play import rollout_agreement
 
     s = crafter_session(crafter_files)
     L, ft = H * W + 1, H * W
@@ -225,7 +229,7 @@ def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
     class Oracle:  # a rollout whose next frame is the real one (any model would do as well as this at best)
         passes, rows, temperature, top_k = 1, None, 1.0, None
 
-        def rollout(self, model, prompt):
+        def rollout(self, model, prompt, **settings):
             self.last = prompt[0, -L:-1]
             return self
 
@@ -253,10 +257,9 @@ def test_serving_port_moves_past_a_taken_port():
 
 
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
-    """mcar play bench.steps=N: no page, no gradio; per k the median of the rounds and the passes per frame,
-    one JSON line printed and written to bench.out."""
-    from mcar.eval.play_engine import bench_session
-    from mcar.tools.play import play
+    """mcar bench play bench.play.steps=N: no page, no gradio; per k the median of the rounds and the passes per
+    frame, one JSON line printed and written to bench.out."""
+    from mcar.bench.play import bench_session, run_play
 
     s = crafter_session(crafter_files)
     out = bench_session(s, [1, 2], ["move_left", "noop"], steps=2, repeats=3)
@@ -264,13 +267,13 @@ def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
     for k, row in out["ks"].items():
         assert row["passes"] == (H - 1) * int(k) + W and len(row["rounds"]) == 3 and min(row["rounds"]) > 0
         assert row["frames_per_s"] == sorted(row["rounds"])[1]
-    cfg = compose("play", [f"ckpt={crafter_files}/tiny.ckpt", f"prompt_image={crafter_files}/start.png",
-                           "bench.steps=1", "bench.repeats=1", "bench.ks=[3]", f"bench.out={tmp_path}/b.json"])
-    demo, session = play(cfg)
-    written = json.loads((tmp_path / "b.json").read_text())
-    assert demo is None and list(written["ks"]) == ["3"] and written["ks"]["3"]["passes"] == (H - 1) * 3 + W
-    assert session.steps == 1  # the round's one step, after its reset
-    with pytest.raises(ValueError, match="bench.steps=0"):
+    cfg = compose("bench", ["bench.mode=play", "data=crafter", f"ckpt={crafter_files}/tiny.ckpt",
+                            f"prompt_image={crafter_files}/start.png",
+                            "bench.play.steps=1", "bench.repeats=1", "bench.play.ks=[3]"])
+    written = run_play(cfg)
+    assert list(written["steps"]["ks"]) == ["3"] and written["steps"]["ks"]["3"]["passes"] == (H - 1) * 3 + W
+    assert written["temperature"] == 0.0 and written["context"] == 3  # the page's start temperature
+    with pytest.raises(ValueError, match="steps=0"):
         bench_session(s, [1], ["noop"], steps=0, repeats=1)
 
 
@@ -292,8 +295,8 @@ def test_start_frames_from_a_held_out_clip():
     import tempfile
     from pathlib import Path
 
-    from mcar.eval.generation import held_out_source
-    from mcar.tools.play import build_session
+    from mcar.sampling.held_out import held_out_source
+    from mcar.sampling.play import open_game
 
     from .test_cached_attention import tiny_checkpoint
 
@@ -301,10 +304,10 @@ def test_start_frames_from_a_held_out_clip():
         path = tiny_checkpoint(Path(tmp))  # h=3, w=4, n_a=2, clip_frames=3
         cfg = compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
                                f"paths.data_dir={tmp}/data"])  # context null: the checkpoint's 3 frames
-        s = build_session(cfg)
-        with pytest.raises(ValueError, match="set context=3 or more"):
-            build_session(compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
-                                           f"paths.data_dir={tmp}/data", "context=2"]))
+        s = open_game(cfg)
+        with pytest.raises(ValueError, match="set sampler.context=3 or more"):
+            open_game(compose("play", [*SMALL_DATA, f"ckpt={path}", "prompt=1", "schedule.prompt_frames=2",
+                                           f"paths.data_dir={tmp}/data", "sampler.context=2"]))
         clip = held_out_source(cfg, 3).clip(1)
     L = 3 * 4 + 2
     assert torch.equal(s.start.flatten(), clip[: 2 * L]) and s.context == 3 and s.frame.shape == (48, 64, 3)
@@ -314,7 +317,7 @@ def test_start_frames_from_a_held_out_clip():
     assert s.history[0, 12:].tolist() == [32 + 1, 32 + 2]
     with pytest.raises(ValueError, match="2 local action id"):
         s.step(3)
-    from mcar.eval.play_engine import bench_session
+    from mcar.bench.play import bench_session
 
     assert bench_session(s, [1], ["move_left"], steps=1, repeats=1)["ks"]["1"]["passes"] > 0  # no names: ids 0, 0
 
@@ -527,3 +530,96 @@ def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatc
     finally:
         browser.close()
         demo.close()
+
+
+def test_a_partner_leaving_or_resetting_never_breaks_or_restarts_a_batched_game(crafter_files):
+    """Once two games share a rollout, a reset or a leave of one leaves a ghost row: the other steps on alone,
+    with no restart, drawing what it draws played alone (it broke with "shape '[2, 1]' is invalid" before)."""
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    solo = base.fork(seed=5)
+    alone = [solo.step(a)[0].copy() for a in ["move_left", "do", "noop", "move_up"]]
+    for drop in ("reset", "leave"):
+        a, b = base.fork(seed=5), base.fork(seed=6)
+        got = [base.server.step_together([(a, "move_left"), (b, "do")])[0][0]]
+        restarts = base.server.restarts
+        b.reset() if drop == "reset" else base.server.leave(b)
+        got += [a.step(act)[0].copy() for act in ["do", "noop", "move_up"]]
+        assert base.server.restarts == restarts, drop
+        assert all(np.array_equal(x, y) for x, y in zip(alone, got)), drop
+        if drop == "reset":
+            assert b.step("noop")[1]["batch"] == 1  # b restarts on its own
+        base.server.leave(a)
+
+
+def test_a_game_dropped_while_its_step_runs_keeps_its_own_frame(crafter_files, monkeypatch):
+    """A game that leaves during a tick (the page's idle drop) waits for the tick; each thread still gets its
+    own game's frame, nobody's thread spins, and the other game steps on."""
+    import threading
+
+    from mcar.sampling.play import PlaySession
+
+    base = crafter_session(crafter_files)
+    want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
+    a, b = base.fork(), base.fork(seed=1)
+    server, out, leaving = base.server, {}, []
+    decode = PlaySession.decode
+
+    def decode_and_drop(self, tokens):  # mid-tick: another thread drops game a
+        if not leaving:
+            leaving.append(threading.Thread(target=server.leave, args=(a,)))
+            leaving[0].start()
+        return decode(self, tokens)
+
+    monkeypatch.setattr(PlaySession, "decode", decode_and_drop)
+    with server._cv:
+        server._busy = True
+    threads = [threading.Thread(target=lambda g=g, act=act: out.setdefault(g, g.step(act))) for g, act in
+               [(a, "do"), (b, "noop")]]
+    for t in threads:
+        t.start()
+    while len(server._waiting) < 2:
+        time.sleep(0.01)
+    with server._cv:
+        server._busy = False
+        server._cv.notify_all()
+    for t in [*threads, *leaving]:
+        t.join(30)
+        assert not t.is_alive()
+    assert np.array_equal(out[a][0], want[0][0]) and np.array_equal(out[b][0], want[1][0])
+    assert a not in server.games and b.step("do")[1]["batch"] == 1
+
+
+def test_a_games_noise_does_not_depend_on_who_joins(crafter_files):
+    """Seeded at temperature 1: a game that another player joins (and steps beside) draws the frames it draws
+    alone; a game restarted from its own history later draws the same noise for the same frame index."""
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    acts = ["move_left", "do", "noop", "move_up", "do", "move_right"]
+    solo = base.fork(seed=3)
+    alone = [solo.step(a)[0].copy() for a in acts]
+    a = base.fork(seed=3)
+    got = [a.step(act)[0].copy() for act in acts[:3]]
+    b = base.fork(seed=3)  # the same seed, another game, as far into its game as a: they once shared a restart
+    b.step("noop"), b.step("do")
+    for act in acts[3:]:
+        got.append(base.server.step_together([(a, act), (b, "noop")])[0][0])
+    assert all(np.array_equal(x, y) for x, y in zip(alone, got))
+
+
+def test_games_are_capped_and_their_memory_returned(crafter_files):
+    """max_games: the next join is refused with a message the page shows; games that leave free their place and
+    their rollout's KV cache, and a server whose players all left holds none."""
+    from mcar.sampling.play import GamesFull
+
+    base = crafter_session(crafter_files, "max_games=2")
+    a, b = base.fork(), base.fork(seed=1)
+    with pytest.raises(GamesFull, match="all 2 games are taken"):
+        base.fork()
+    base.server.step_together([(a, "do"), (b, "noop")])
+    a.step("do")  # a alone: a restart into its own rollout; b's row of the shared one is now a ghost
+    assert len(base.server._groups) == 2
+    base.server.leave(a)
+    c = base.fork()  # a's place is free
+    base.server.leave(b), base.server.leave(c)
+    assert base.server.leaves_nothing()
+    with pytest.raises(ValueError, match="max_games=0"):
+        crafter_session(crafter_files, "max_games=0")

@@ -43,11 +43,11 @@ def crafter_start(seed: int):
 
 @pytest.mark.skipif(not (SHIPPED / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
 def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
-    from mcar.tools.play import build_session
+    from mcar.sampling.play import open_game
 
     start, truth = crafter_start(0)
     Image.fromarray(start).save(tmp_path / "start.png")
-    session = build_session(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles",
+    session = open_game(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles",
                                              f"prompt_image={tmp_path}/start.png", "sampler.temperature=0",
                                              "threads=1"]))
     vq = load_vq(compose("play", ["data=crafter_tiles"]).vq.path)
@@ -87,7 +87,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     clip on the rolling KV cache, k=2),
     greedy: the generated frames, each made from the model's own previous frame, keep agreeing with Crafter's
     frames (the map's interior), well above 'nothing moves' (the start frame) where the world moved."""
-    from mcar.tools.play import build_session
+    from mcar.sampling.play import open_game
 
     vq = load_vq(compose("play", ["data=crafter_tiles"]).vq.path)
     tokens = lambda frame: encode_tokens(vq, torch.from_numpy(np.ascontiguousarray(frame))[None])[0][1:12, 1:23]
@@ -95,7 +95,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     for seed in (100, 101):
         start, actions, truth = crafter_rollout(seed, 8, rng)
         Image.fromarray(start).save(tmp_path / "start.png")
-        session = build_session(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles", "sampler.temperature=0",
+        session = open_game(compose("play", [f"ckpt={SHIPPED}", "data=crafter_tiles", "sampler.temperature=0",
                                                  f"prompt_image={tmp_path}/start.png", "threads=1"]))
         assert session.context == 3 and session.k == 2
         t0 = tokens(start)
@@ -148,10 +148,10 @@ def neighbours(env, walkable_wanted: bool) -> list[int]:
 
 
 def world_session(tmp_path, start, *overrides):
-    from mcar.tools.play import build_session
+    from mcar.sampling.play import open_game
 
     Image.fromarray(start).save(tmp_path / "start.png")
-    return build_session(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_world",
+    return open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_world",
                                           f"prompt_image={tmp_path}/start.png", "sampler.temperature=0", "threads=1",
                                           *overrides]))
 
@@ -215,7 +215,7 @@ def test_the_world_model_remembers_what_a_loop_hid(tmp_path):
         move = loops[0]
         want = tokens(start)[HIDDEN_EDGE[move]]
         for context in recall:
-            session = world_session(tmp_path, start, *([f"context={context}"] if context else []))
+            session = world_session(tmp_path, start, *([f"sampler.context={context}"] if context else []))
             session.step(MOVE_NAMES[move])
             image, _ = session.step(MOVE_NAMES[BACK[move]])
             recall[context].append((tokens(image)[HIDDEN_EDGE[move]] == want).float().mean().item())

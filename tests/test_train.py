@@ -380,7 +380,7 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path,
 
 def test_dashboard_token_accuracy_counts_generated_frames_only():
     """With two prompt frames the copied second prompt frame used to count as correctly generated (issue 33 item 3)."""
-    from mcar.tokenizer.quality import generated_token_accuracy
+    from mcar.core.agreement import generated_agreement
 
     lay, frames = Layout(3, 4, 2), 4
     clips = torch.randint(0, 32, (2, lay.n_slots(frames)))
@@ -388,7 +388,7 @@ def test_dashboard_token_accuracy_counts_generated_frames_only():
     image = lay.is_image(frames)
     last_two = torch.arange(lay.n_slots(frames)) >= lay.n_slots(2)
     tokens[:, image & last_two] = (clips[:, image & last_two] + 1) % 32  # every generated token wrong
-    assert generated_token_accuracy(tokens, clips, lay, 2).tolist() == [0.0, 0.0]
+    assert generated_agreement(tokens, clips, lay, 2).tolist() == [0.0, 0.0]
     tokens[:, image & (torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))] = clips[:, image & (
         torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))]  # the last frame right: half of what was generated
-    assert generated_token_accuracy(tokens, clips, lay, 2).tolist() == [0.5, 0.5]
+    assert generated_agreement(tokens, clips, lay, 2).tolist() == [0.5, 0.5]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcar.data.crafter_gen import MOVE_DELTA
-from mcar.eval.world_tests import MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move, step_agreement
+from mcar.eval.world_tests import MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move
 
 from .conftest import REPO, run_in_process
 
@@ -61,7 +61,12 @@ def test_stay_or_move_tells_a_refused_move_from_a_made_one():
     sprite = prev.clone()
     sprite[0, GRID.player[0], GRID.player[1]] = UNSEEN  # the player turned: its tile is not counted
     assert stay_or_move(prev, sprite, torch.tensor([2]), GRID)[0].item() == 1.0
-    curve = step_agreement(torch.stack([views, views.flip(0)]), torch.stack([views, views]))
+    from mcar.core.agreement import frame_agreement
+    from mcar.core.layout import Layout
+
+    flat = lambda v: v.reshape(len(v), -1)  # (T, map) frames -> a clip of T frames without actions
+    clips = torch.stack([flat(views), flat(views.flip(0))]).flatten(1)
+    curve = frame_agreement(clips, torch.stack([flat(views), flat(views)]).flatten(1), Layout(GRID.map_h, GRID.w, 0))
     assert curve[0].tolist() == [1.0, 1.0] and curve[1, 0].item() < 0.1
 
 

@@ -58,7 +58,7 @@ from mcar.hydra_app import to_dict
 def training_shape(cfg: DictConfig) -> dict:
     """What the memory plan needs from a training config: sequence rows (the mask's input sequence), batch,
     precision, activation checkpointing, FSDP devices."""
-    layout = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a))
+    layout = Layout.of(cfg.data)
     mcfg = to_dict(cfg.mask)
     factory = build_mask_factory(mcfg.pop("name"), layout, int(cfg.data.clip_frames), schedule=to_dict(cfg.schedule),
                                  **mcfg | {"backend": "sdpa"})
@@ -392,7 +392,7 @@ def flex_check(cfg: DictConfig) -> dict:
     arch = to_dict(cfg.model.arch) | {"n_layers": int(cfg.bench.gpu.flex_layers)}
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**arch)).to(dev, dtype).eval()
-    layout, frames = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a)), int(cfg.data.clip_frames)
+    layout, frames = Layout.of(cfg.data), int(cfg.data.clip_frames)
     factory = build_mask_factory("diagd", layout, frames, schedule=to_dict(cfg.schedule), backend="flex")
     batch = factory(torch.randint(0, int(cfg.data.codebook_size), (1, layout.n_slots(frames)), device=dev))
     with torch.no_grad():

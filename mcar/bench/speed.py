@@ -56,7 +56,7 @@ def setup(cfg: DictConfig):
     dtype = compute_dtype(device) if b.dtype == "auto" else getattr(torch, b.dtype)
     set_threads(b.threads)
     torch.manual_seed(cfg.seed)
-    layout = Layout(int(cfg.data.h), int(cfg.data.w), int(cfg.data.n_a))
+    layout = Layout.of(cfg.data)
     model = Transformer(ModelConfig(**to_dict(cfg.model.arch))).to(device)
     return device, dtype, layout, model
 

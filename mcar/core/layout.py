@@ -23,6 +23,11 @@ class Layout:
         if self.n_a < 0:
             raise ValueError(f"layout.n_a must be >= 0, got {self.n_a}")
 
+    @classmethod
+    def of(cls, data) -> "Layout":
+        """The layout of a data config (anything with h, w and n_a: the `data` group)."""
+        return cls(int(data.h), int(data.w), int(data.n_a))
+
     @property
     def frame_tokens(self) -> int:
         return self.h * self.w

@@ -303,8 +303,23 @@ class Transformer(nn.Module):
         self._cache_unused = False
 
     def clear_cache(self) -> None:
-        for layer in self.layers:
-            layer.attention.cache = None
+        self.swap_caches(None)
+
+    def kv_caches(self) -> list[KVCache] | None:
+        """The layers' KV caches, in layer order (None when none is set up): a caller keeps them to `swap_caches`
+        back in later (play keeps one set per group of games)."""
+        caches = [layer.attention.cache for layer in self.layers]
+        return None if caches[0] is None else caches
+
+    def swap_caches(self, caches: list[KVCache] | None) -> list[KVCache] | None:
+        """Install `caches` (from `kv_caches`; None: no cache) -> the ones they replace. The buffers move with
+        their owner: nothing is copied or zeroed."""
+        previous = self.kv_caches()
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(f"swap_caches: {len(caches)} caches for {len(self.layers)} layers")
+        for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
+            layer.attention.cache = cache
+        return previous
 
     def forward(
         self,
@@ -328,8 +343,8 @@ class Transformer(nn.Module):
         cos, sin = rotation_tables(cos.unsqueeze(1), sin.unsqueeze(1))  # (B|1, 1, S, D)
         x = self.tok_embeddings(tokens)  # (B, S, C)
         if cache_pos is not None and mask.dtype == torch.bool:
-            cache = self.layers[0].attention.cache
-            dtype = x.dtype if cache is None else cache.k_buf.dtype
+            caches = self.kv_caches()
+            dtype = x.dtype if caches is None else caches[0].k_buf.dtype
             mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache_pos)

@@ -113,11 +113,12 @@ def _sample_pass(model, tokens, p, noise: SlotNoise, rule: SamplingRule) -> torc
     return sample_slots(forward_rows(model, tokens, p), p.out_slots, noise, rule)
 
 
-def _sample_rolling_pass(model, tokens, p: RollingPass, rows: torch.Tensor, codes: torch.Tensor,
-                         rule: SamplingRule) -> torch.Tensor:
-    """One pass of a `Rollout`, sampled: its noise keyed by the open-ended clip's slot (`p.out_abs`), so a frame
-    draws the same noise whichever ring columns it lands in."""
-    return sample_keyed(forward_rows(model, tokens, p), mix32(rows ^ p.out_abs), codes, rule)
+def _sample_rolling_pass(model, tokens, p: RollingPass, rows: torch.Tensor, first_slots: torch.Tensor,
+                         codes: torch.Tensor, rule: SamplingRule) -> torch.Tensor:
+    """One pass of a `Rollout`, sampled: its noise keyed by each row's key and the slot in that row's open-ended
+    clip (`p.out_abs` from the rollout's first frame, + `first_slots` (B, 1): where that frame sits in the row's
+    own clip), so a frame draws the same noise whichever ring columns it lands in and whenever its rollout began."""
+    return sample_keyed(forward_rows(model, tokens, p), mix32(rows ^ (p.out_abs + first_slots)), codes, rule)
 
 
 @dataclass
@@ -200,9 +201,25 @@ class ScheduleSampler:
                                                  self.static_widths if static else None)
         return self._rolling[key]
 
-    def rollout(self, model, prompt: torch.Tensor, setup_cache: bool = True) -> "Rollout":
-        """A `Rollout` from `prompt` (B, P*frame_len): the prompt frames and their actions."""
-        return Rollout(self, model, prompt, setup_cache)
+    def rollout(self, model, prompt: torch.Tensor, setup_cache: bool = True, *, temperature: float | None = None,
+                top_k: int | None = None, noise_keys: torch.Tensor | None = None,
+                first_frames: torch.Tensor | None = None) -> "Rollout":
+        """A `Rollout` from `prompt` (B, P*frame_len): the prompt frames and their actions. temperature, top_k: this
+        rollout's sampling (None: the sampler's; the sampler itself is never changed). noise_keys (B,) int: each
+        row's own noise key (None: keyed by the sampler's seed and the batch row); first_frames (B,) int: the
+        index of the prompt's first frame in each row's own clip (None: 0), so a row draws the same noise for its
+        frame f whenever its rollout began."""
+        return Rollout(self, model, prompt, setup_cache, temperature=temperature, top_k=top_k,
+                       noise_keys=noise_keys, first_frames=first_frames)
+
+    @property
+    def label(self) -> str:
+        """'ntp', or 'diagd k=2[ d=28][ proxy=above][ full]': the sampler and its schedule (rows, columns, logs)."""
+        if self.name != "diagd":
+            return self.name
+        c = self.config
+        return (f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
+                + (f" proxy={c.proxy}" if c.proxy != ScheduleConfig.proxy else "") + (" full" if c.full else ""))
 
     def schedule(self, prompt_frames: int | None = None) -> Schedule:
         P = self.prompt_frames if prompt_frames is None else prompt_frames
@@ -265,8 +282,8 @@ class ScheduleSampler:
 
     def staged_buckets(self, sched: Schedule, model, device) -> list[StagedBucket]:
         """The static plan's buckets as the compiled step reads them, for `model` (its GQA groups, cache dtype)."""
-        cache = model.layers[0].attention.cache
-        dtype = model.cache_dtype(device) if cache is None else cache.k_buf.dtype
+        caches = model.kv_caches()
+        dtype = model.cache_dtype(device) if caches is None else caches[0].k_buf.dtype
         groups = model.cfg.n_heads // model.cfg.n_kv_heads
         key = (sched.prompt_frames, str(device), groups, dtype)
         if key not in self._staged:
@@ -338,7 +355,8 @@ class ScheduleSampler:
 
     @staticmethod
     def _open_cache(model, B: int, n_cache: int, setup_cache: bool, device) -> None:
-        cache = model.layers[0].attention.cache
+        caches = model.kv_caches()
+        cache = caches[0] if caches else None
         shaped = cache is not None and cache.k.shape[0] == B and cache.k.shape[2] == n_cache
         if setup_cache:
             device = torch.device(device)
@@ -363,7 +381,9 @@ class Rollout:
     model's: one rollout per model at a time (sessions are its batch rows); another generate or rollout on the
     model takes the cache, and this one then refuses to advance."""
 
-    def __init__(self, sampler: ScheduleSampler, model, prompt: torch.Tensor, setup_cache: bool = True):
+    def __init__(self, sampler: ScheduleSampler, model, prompt: torch.Tensor, setup_cache: bool = True, *,
+                 temperature: float | None = None, top_k: int | None = None, noise_keys: torch.Tensor | None = None,
+                 first_frames: torch.Tensor | None = None):
         device = prompt.device
         plan = sampler.rolling_schedule(device)
         L, P = sampler.layout.frame_len, plan.prompt_frames
@@ -376,11 +396,17 @@ class Rollout:
         if plan.pinned is not None:
             self.tokens[:, plan.pinned:plan.pinned + L] = prompt[:, :L]
         n_values = min(sampler.codebook_size or math.inf, model.cfg.vocab_size)
-        self.rows, self.codes = row_keys(seed_key(sampler.seed), B, device), value_codes(n_values, device)
-        self.rule = SamplingRule.of(sampler.temperature, sampler.top_k, sampler.top_p, sampler.codebook_size, device)
+        self.rows = row_keys(seed_key(sampler.seed), B, device) if noise_keys is None else \
+            mix32(torch.as_tensor(noise_keys, device=device).long())[:, None]
+        first = torch.zeros(B, dtype=torch.long) if first_frames is None else torch.as_tensor(first_frames).long()
+        self.first_slots = (first * L).reshape(B, 1).to(device)
+        self.codes = value_codes(n_values, device)
+        temperature = sampler.temperature if temperature is None else temperature
+        top_k = sampler.top_k if top_k is None else top_k
+        self.rule = SamplingRule.of(temperature, top_k, sampler.top_p, sampler.codebook_size, device)
         sampler._open_cache(model, B, plan.n_cols + 1, setup_cache, device)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
-        self._cache = model.layers[0].attention.cache  # the buffers are taken over in place when someone else opens
+        self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
         self._cache_version = self._cache.k_buf._version
         self.step = sampler.step_fn(_sample_rolling_pass, device)
         self.advances, self.passes = 0, 0
@@ -394,7 +420,8 @@ class Rollout:
     @torch.no_grad()
     def advance(self, actions: torch.Tensor) -> torch.Tensor | None:
         plan, a, lay = self.plan, self.advances, self.sampler.layout
-        cache = self.model.layers[0].attention.cache
+        caches = self.model.kv_caches()
+        cache = caches[0] if caches else None
         if cache is not self._cache or cache.k_buf._version != self._cache_version:
             raise RuntimeError("this rollout's KV cache was reopened by another generate or rollout on the model: "
                                "start a new rollout (one per model at a time; batch sessions as its rows)")
@@ -402,7 +429,7 @@ class Rollout:
         start = plan.column(u - 1) + lay.frame_tokens
         self.tokens[:, start:start + lay.n_a] = actions.reshape(self.tokens.shape[0], lay.n_a)
         self._last_actions = actions
-        args = (self.rows, self.codes, self.rule)
+        args = (self.rows, self.first_slots, self.codes, self.rule)
         if a == 0:  # the prefill, eager
             p = plan.prefill
             self.tokens[:, p.out_slots] = _sample_rolling_pass(self.model, self.tokens, p, *args)

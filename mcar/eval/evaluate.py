@@ -19,7 +19,7 @@ PSNR, SSIM, LPIPS, unchanged, action_acc) comes with a 95% bootstrap interval ov
 1000 resamples seeded by `seed`). The terminal shows a narrow table; everything logged to W&B is also written to
 the run's output dir: results.{md,csv,json} (every column), per_frame.csv, videos/, mask_<sampler>.png.
 
-The parts: loading (mcar.checkpoint.load), held-out clips and sampling (mcar.eval.generation), metrics
+The parts: the checkpoint ready to sample and its held-out clips (mcar.sampling.WorldModel), metrics
 (mcar.eval.scoring), tables, W&B and videos (mcar.eval.reporting); this module runs them in order.
 """
 from __future__ import annotations
@@ -30,20 +30,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from mcar.checkpoint.config import adopt_checkpoint_config
-from mcar.checkpoint.load import check_data_fits, load_model, resolve_ckpt, sampling_dtype, warn_past_trained_length
-from mcar.core.devices import resolve_device, set_threads
-from mcar.core.sampler import build_sampler
+from mcar.checkpoint.load import resolve_ckpt
+from mcar.core.devices import set_threads
 from mcar.eval import metrics as M
-from mcar.eval.generation import (
-    generate_clips,
-    held_out_data,
-    load_vq_for,
-    pick_clips,
-    reference_clips,
-    sampler_label,
-    teacher_forced_loss,
-)
 from mcar.eval.idm import action_names, check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import (
     gather_sweep,
@@ -54,8 +43,8 @@ from mcar.eval.reporting import (
     write_table,
     write_videos,
 )
-from mcar.eval.scoring import Scorer, score_rows
-from mcar.hydra_app import to_dict
+from mcar.eval.scoring import Scorer, reference_clips, score_rows
+from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
 
 log = logging.getLogger("mcar.eval.evaluate")
@@ -67,24 +56,17 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         if cfg[key] is not None and int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]}: evaluate needs at least 1 (conf/evaluate.yaml)")
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
-    adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
-    layout, cb = module.layout, cfg.data.codebook_size
-    check_data_fits(layout, hp, cfg.data)
-    frames = cfg.frames or hp["clip_frames"]
-    warn_past_trained_length(frames, hp)
-    scfg = to_dict(cfg.sampler)
-    sampler = build_sampler(scfg, layout, frames, cb, schedule=to_dict(cfg.schedule))
+    wm = WorldModel.load(cfg)
+    layout, cb = wm.layout, wm.codebook_size
+    frames = cfg.frames or wm.trained_frames
+    sampler = wm.sampler(frames)  # past the model's context it rolls, as generate does
     P = sampler.prompt_frames
-    dm = held_out_data(cfg, frames)
-    source = dm.val_source
-    ids = pick_clips(source, cfg.n_clips, cfg.clips)
-    gt = torch.stack([source.clip(i) for i in ids]).to(device)  # (n, N)
-    log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s", cfg.ckpt, len(ids), frames, P,
-             sampler_label(sampler))
+    dm = wm.held_out(frames)
+    ids, gt = wm.held_out_clips(frames, cfg.n_clips, cfg.clips)
+    log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s%s", cfg.ckpt, len(ids), frames, P,
+             sampler.label, f", a rolling window of {sampler.context} frames" if sampler.rolls() else "")
 
     trusted = list(cfg.get("trust_code") or [])
     nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
@@ -92,17 +74,19 @@ def evaluate(cfg: DictConfig) -> list[dict]:
             "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
                                    layout.n_a, cfg.data.action_vocab_size)}
     try:
-        vq = load_vq_for(cfg, device)
+        vq = wm.vq
     except FileNotFoundError as e:
         vq = M.Unavailable(str(e))
     names = action_names(cfg.data, cfg.data.action_vocab_size)
     model_name = cfg.name or resolve_ckpt(cfg.ckpt).parent.name
 
-    gen, speed = generate_clips(module.model, sampler, gt, cfg.batch_size, cfg.warmup)
-    speed["loss_tf"] = teacher_forced_loss(module.model, sampler, gt, cfg.batch_size)
-    outputs = {sampler_label(sampler): (gen, speed)}
+    gen, stats = wm.generate(gt, sampler, cfg.batch_size, cfg.warmup, progress=True)
+    generated_frames = len(gt) * (frames - P)
+    speed = {"fps": generated_frames / stats.seconds, "tp": stats.tokens / stats.seconds, "step": stats.passes,
+             "seconds": stats.seconds, "loss_tf": wm.teacher_forced_loss(gt, sampler, cfg.batch_size)}
+    outputs = {sampler.label: (gen, speed)}
     for kind in cfg.references:
-        outputs[kind] = (reference_clips(kind, gt, sampler.schedule().gen_slots.to(device), cb, cfg.seed), {})
+        outputs[kind] = (reference_clips(kind, gt, layout, P, cb, cfg.seed), {})
 
     common = {"model": model_name, "clips": len(ids), "frames": frames, "prompt_frames": P}
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names, seed=cfg.seed)

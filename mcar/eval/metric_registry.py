@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mcar.core.agreement import generated_agreement
 from mcar.eval import metrics as M
 from mcar.eval.idm import MOVES
-from mcar.tokenizer.quality import generated_token_accuracy, psnr_from_mse
+from mcar.tokenizer.quality import psnr_from_mse
 
 CI_RESAMPLES, CI_LEVEL = 1000, 0.95  # the bootstrap interval: resamples of the clips, central share
 
@@ -43,7 +44,7 @@ class Column:
 
 
 def _token_acc(gen, gt, layout, codebook_size, prompt_frames):
-    return generated_token_accuracy(gen, gt, layout, prompt_frames)
+    return generated_agreement(gen, gt, layout, prompt_frames)
 
 
 def _unchanged(gen, gt, layout, codebook_size, prompt_frames):

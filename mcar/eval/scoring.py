@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcar.core.agreement import nothing_moves
 from mcar.core.layout import Layout
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
@@ -110,3 +111,25 @@ def score_rows(outputs: dict, gt: torch.Tensor, *, scorer: Scorer, common: dict)
                                                    f"(scored as code 0)", row["notes"]]))
         rows.append({**common, "sampler": label, **row, **{k: spd.get(k) for k in ("loss_tf", "fps", "tp", "step")}})
     return rows, curves, extras
+
+
+REFERENCES = ("ground_truth", "noise", "copy_last")
+
+
+def reference_clips(kind: str, clips: torch.Tensor, layout: Layout, prompt_frames: int, codebook_size: int,
+                    seed: int = 0) -> torch.Tensor:
+    """Reference rows: 'ground_truth' (the clips themselves: PSNR inf, the ceiling), 'noise' (random tokens in every
+    generated image slot, the floor) or 'copy_last' (every generated frame is the last prompt frame's image:
+    "nothing moves"). Prompt frames and every action stay the clips' own."""
+    if kind == "ground_truth":
+        return clips.clone()
+    if kind == "noise":
+        out = clips.clone()
+        generated = layout.is_image(clips.shape[1] // layout.frame_len).to(clips.device)
+        generated[:layout.n_slots(prompt_frames)] = False
+        g = torch.Generator().manual_seed(seed)
+        out[:, generated] = torch.randint(0, codebook_size, (len(clips), int(generated.sum())), generator=g).to(out)
+        return out
+    if kind == "copy_last":
+        return nothing_moves(clips, layout, prompt_frames)
+    raise ValueError(f"references: unknown {kind!r}; choose from {', '.join(REFERENCES)}")

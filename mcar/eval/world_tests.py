@@ -39,13 +39,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mcar.core.agreement import frame_agreement, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
-from mcar.core.sampler import build_sampler
 from mcar.data.crafter_gen import BACK, MOVE_DELTA, ExplorerPolicy, blocked_moves, make_env, walkable
-from mcar.eval.generation import load_for_sampling
 from mcar.eval.metrics import bootstrap_ci
-from mcar.hydra_app import to_dict
+from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
 from mcar.tokenizer.vq_model import encode_tokens, frame_size
@@ -121,11 +120,6 @@ def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, gri
         stay.append((n[known] == p[known]).double().mean())
         move.append((n[known] == s[known]).double().mean())
     return torch.stack(stay), torch.stack(move)
-
-
-def step_agreement(gen: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """(B, T, h, w) generated and real image tokens -> (B, T) share of equal tokens per frame."""
-    return (gen == real).double().flatten(2).mean(2)
 
 
 def interval(per_start: torch.Tensor, seed: int) -> dict:
@@ -263,18 +257,11 @@ def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
     return x.reshape(*x.shape[:2], layout.h, layout.w)
 
 
-def copy_first(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Every frame's image tokens replaced by the first frame's ("nothing moves" from a one-frame prompt)."""
-    x = clips.clone().view(clips.shape[0], -1, layout.frame_len)
-    x[:, 1:, :layout.frame_tokens] = x[:, :1, :layout.frame_tokens]
-    return x.view(clips.shape[0], -1)
-
-
 class WorldTests:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        module, self.hp, self.vq, self.device = load_for_sampling(cfg)
-        self.model, self.layout, self.cb = module.model, module.layout, int(cfg.data.codebook_size)
+        self.wm = WorldModel.load(cfg)
+        self.layout, self.cb, self.vq = self.wm.layout, self.wm.codebook_size, self.wm.vq
         view = cfg.data.get("view")
         if view is None or list(view) != [self.layout.w, self.layout.h]:
             raise ValueError(f"data.view={None if view is None else list(view)}: the world tests need the tile-exact "
@@ -284,21 +271,17 @@ class WorldTests:
         self.view, self.daylight = tuple(int(v) for v in view), cfg.data.get("daylight")
         self.grid = MapGrid(map_rows(self.view), self.layout.w)
         self.tokens = Tokens(self.vq, self.layout, self.cb)
-        self.context = int(cfg.context or self.hp["clip_frames"])
+        self.context = self.wm.context
         self.min_context = 2  # a rolling window needs the frame being made and one before (mcar.core.rolling)
 
-    def sampler(self, frames: int, context: int | None):
-        scfg = to_dict(self.cfg.sampler)
-        scfg["context"] = context
-        return build_sampler(scfg, self.layout, frames, self.cb, schedule=to_dict(self.cfg.schedule))
-
-    def generate(self, clips: torch.Tensor, context: int | None, prompt_frames: int | None = None) -> torch.Tensor:
+    def generate(self, clips: torch.Tensor, context: int | None = None,
+                 prompt_frames: int | None = None) -> torch.Tensor:
+        """clips generated from their first prompt_frames frames (None: the schedule's) on a window of `context`
+        frames (None: the model's)."""
         frames = clips.shape[1] // self.layout.frame_len
-        s = self.sampler(frames, context)
-        out = [s.generate(self.model, b.to(self.device), prompt_frames)[0].cpu()
-               for b in clips.split(int(self.cfg.batch_size))]
-        self.model.clear_cache()
-        return torch.cat(out)
+        schedule = None if prompt_frames is None else {"prompt_frames": prompt_frames}
+        sampler = self.wm.sampler(frames, context=context, schedule=schedule)
+        return self.wm.generate(clips, sampler, int(self.cfg.batch_size))[0]
 
     def record(self) -> list[StartRecord]:
         cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
@@ -336,7 +319,7 @@ class WorldTests:
         """{row: (B, N) clips}: the model on its context and on the smallest window, copy_last, real."""
         return {f"model context={self.context}": self.generate(clips, self.context),
                 f"model context={self.min_context}": self.generate(clips, self.min_context),
-                "copy_last": copy_first(clips, self.layout), "real": clips}
+                "copy_last": nothing_moves(clips, self.layout, 1), "real": clips}
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
         clips = torch.stack([self.tokens.clip(r) for r in recs])
@@ -370,7 +353,7 @@ class WorldTests:
             clips = torch.stack([self.tokens.clip(Recording(r.frames[t - P + 1:t + 2], r.actions[t - P + 1:t + 2],
                                                             r.pos[t - P + 1:t + 2])) for r, t, _ in evs])
             moves = torch.tensor([a for _, _, a in evs])
-            gen = self.generate(clips, None, prompt_frames=P)
+            gen = self.generate(clips, prompt_frames=P)
             real, made = (self.grid.maps(images_of(c, self.layout)) for c in (clips, gen))
             stay, move = stay_or_move(real[:, -2], made[:, -1], moves, self.grid)
             real_stay, real_move = stay_or_move(real[:, -2], real[:, -1], moves, self.grid)
@@ -387,12 +370,11 @@ class WorldTests:
     def rollout_test(self, recs: list[Recording]) -> tuple[dict, dict]:
         T = int(self.cfg.rollout_frames) + 1
         clips = torch.stack([self.tokens.clip(Recording(r.frames[:T], r.actions[:T], r.pos[:T])) for r in recs])
-        real = images_of(clips, self.layout)
         out, curves = {}, {}
         rows = self.rows_for(clips)
         rows.pop("real")
         for name, gen in rows.items():
-            per = step_agreement(images_of(gen, self.layout)[:, 1:], real[:, 1:])  # (B, T-1)
+            per = frame_agreement(gen, clips, self.layout)[:, 1:]  # (B, T-1)
             curves[name] = [interval(per[:, k], self.cfg.seed) for k in range(per.shape[1])]
             out[name] = {"mean": interval(per.mean(1), self.cfg.seed),
                          "last": interval(per[:, -1], self.cfg.seed)}

@@ -29,27 +29,3 @@ def split_clip(clips: torch.Tensor, layout: Layout, codebook_size: int) -> tuple
     x = rearrange(clips, "b (t slot) -> b t slot", slot=layout.frame_len)
     images = rearrange(x[..., : layout.frame_tokens], "b t (h w) -> b t h w", h=layout.h, w=layout.w)
     return images, x[..., layout.frame_tokens:] - codebook_size
-
-
-def copy_last(clips: torch.Tensor, gen_slots: torch.Tensor) -> torch.Tensor:
-    """clips (B, N) -> each generated frame's image tokens replaced by the last prompt frame's.
-
-    The geometry comes from gen_slots (the image slots of frames P..T-1, in layout order, the last frame
-    included): a frame's image slots are one contiguous run of frame_tokens, and the last generated frame ends
-    at slot N, so frame_len = N - (its first slot). The last prompt frame's image sits one frame_len before
-    the first generated frame's."""
-    gen_slots = gen_slots.to(clips.device)
-    out = clips.clone()
-    if len(gen_slots) == 0:
-        return out
-    breaks = torch.nonzero(gen_slots[1:] - gen_slots[:-1] != 1)
-    ft = int(breaks[0]) + 1 if len(breaks) else len(gen_slots)  # image tokens per frame
-    if len(gen_slots) % ft:
-        raise ValueError(f"copy_last: {len(gen_slots)} generated slots are not whole frames of {ft} tokens")
-    frame_len = clips.shape[1] - int(gen_slots[-ft])
-    first = gen_slots[:ft]
-    if int(first[0]) < frame_len:
-        raise ValueError("copy_last: no prompt frame before the first generated frame")
-    last_prompt = clips[:, first - frame_len]  # (B, ft)
-    out[:, gen_slots] = last_prompt.repeat(1, len(gen_slots) // ft)
-    return out

@@ -1,10 +1,8 @@
-"""Quality numbers shared by the tokenizer tools, training and evaluation: the one home of the PSNR formula and of
-token accuracy (generated image tokens equal to the real ones)."""
+"""Quality numbers shared by the tokenizer tools, training and evaluation: the one home of the PSNR formula (token
+agreement lives in mcar.core.agreement)."""
 from __future__ import annotations
 
 import torch
-
-from mcar.core.layout import Layout
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float, dim: int | tuple[int, ...] | None = None,
@@ -26,16 +24,6 @@ def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float, dim: int | tuple[i
 def psnr_from_mse(mse: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
     """10 log10(data_range^2 / MSE): +inf where the MSE is 0."""
     return 10 * torch.log10(data_range**2 / mse)
-
-
-def generated_token_accuracy(generated: torch.Tensor, real: torch.Tensor, layout: Layout,
-                             prompt_frames: int) -> torch.Tensor:
-    """Clips (B, N) x2 -> (B,) float64: per clip, the share of image tokens of frames >= prompt_frames (the ones a
-    sampler generates) equal to the real clip's. Prompt frames and action tokens are not counted."""
-    frames = generated.shape[1] // layout.frame_len
-    counted = layout.is_image(frames).to(generated.device)
-    counted[: layout.n_slots(prompt_frames)] = False
-    return (generated[:, counted] == real[:, counted]).double().mean(1)
 
 
 def frame_scores(x: torch.Tensor, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
-"""`mcar bench sampler|train|memory|gpu|data|tokenizer [hydra overrides]`: speed and memory on random weights
-(conf/bench.yaml).
+"""`mcar bench sampler|train|memory|gpu|data|tokenizer|play [hydra overrides]`: speed and memory on random weights
+(conf/bench.yaml); play: a trained checkpoint's game (ckpt=...).
 
 sampler, train: mcar/bench/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/bench/gpu_check.py;
 data (the input pipeline at VPT scale): mcar/bench/data_speed.py; tokenizer (VQ-encoding cost):
-mcar/bench/tokenize_speed.py.
+mcar/bench/tokenize_speed.py; play (steps per k, many games, held-out rollouts): mcar/bench/play.py.
 The last line printed is one JSON object; it is also written to bench.out (the run's output dir).
 """
 from __future__ import annotations
@@ -15,16 +15,17 @@ from omegaconf import DictConfig
 
 from mcar.bench.data_speed import run_data
 from mcar.bench.gpu_check import run_gpu, run_memory
+from mcar.bench.play import run_play
 from mcar.bench.speed import run_sampler, run_train
 from mcar.bench.tokenize_speed import run_tokenizer
 from mcar.hydra_app import hydra_tool
 
 MODES = {"sampler": run_sampler, "train": run_train, "memory": run_memory, "gpu": run_gpu, "data": run_data,
-         "tokenizer": run_tokenizer}
+         "tokenizer": run_tokenizer, "play": run_play}
 
 
 def mode_words(argv: list[str]) -> list[str]:
-    """`sampler|train|memory|gpu|data|tokenizer` as the first word -> the bench.mode override Hydra understands."""
+    """`sampler|train|memory|gpu|data|tokenizer|play` as the first word -> the bench.mode override Hydra understands."""
     return [f"bench.mode={argv[0]}", *argv[1:]] if argv and argv[0] in MODES else argv
 
 

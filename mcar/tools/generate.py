@@ -18,17 +18,15 @@ A held-out prompt limits frames to its episodes' length; prompt_image + actions 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from mcar.checkpoint.load import warn_past_trained_length
 from mcar.core.devices import set_threads
-from mcar.core.sampler import build_sampler
-from mcar.eval.generation import load_for_sampling, sampler_label
-from mcar.eval.prompts import prompt_clip
 from mcar.hydra_app import hydra_tool, to_dict
+from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, invalid_image_tokens, write_video
 
 log = logging.getLogger("mcar.generate")
@@ -37,33 +35,27 @@ log = logging.getLogger("mcar.generate")
 def generate(cfg: DictConfig) -> dict:
     set_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    module, hp, vq, device = load_for_sampling(cfg)
-    layout, cb = module.layout, cfg.data.codebook_size
-    frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or hp["clip_frames"])
-    scfg, schedule = to_dict(cfg.sampler), to_dict(cfg.schedule)
-    scfg["context"] = scfg.get("context") or int(hp["clip_frames"])
-    warn_past_trained_length(min(frames, scfg["context"]), hp)  # a rolling window sees `context` frames at once
-    if cfg.prompt_image:
-        schedule["prompt_frames"] = 1
-    sampler = build_sampler(scfg, layout, frames, cb, schedule=schedule)
-    clip, has_gt, stem = prompt_clip(cfg, layout, frames, vq)
-    tokens, stats = sampler.generate(module.model, clip[None].to(device))
-    tokens = tokens.cpu()
-    label = sampler_label(sampler)
+    wm = WorldModel.load(cfg)
+    layout, cb = wm.layout, wm.codebook_size
+    frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or wm.trained_frames)
+    sampler = wm.sampler(frames, schedule={"prompt_frames": 1} if cfg.prompt_image else None)
+    clip, has_gt, stem = wm.prompt(frames)
+    tokens, stats = wm.generate(clip[None], sampler)
     n_bad = invalid_image_tokens(tokens, layout, cb)[1]
     if n_bad:
         log.warning("%d generated image tokens were action ids: shown as code 0", n_bad)
-    clips = ({"ground truth": clip} if has_gt else {}) | {label: tokens[0]}
-    video = comparison_frames(clips, layout, cb, vq, data_action_space(cfg.data))
+    clips = ({"ground truth": clip} if has_gt else {}) | {sampler.label: tokens[0]}
+    video = comparison_frames(clips, layout, cb, wm.vq, data_action_space(cfg.data))
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
     mp4, gif = write_video(video, base, cfg.fps)
-    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": scfg, "schedule": schedule,
-                "passes": stats.passes, "seconds": stats.seconds}, base.with_suffix(".pt"))
+    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": to_dict(cfg.sampler),
+                "context": sampler.context, "schedule": asdict(sampler.config), "passes": stats.passes,
+                "seconds": stats.seconds}, base.with_suffix(".pt"))
     generated = frames - sampler.prompt_frames
     log.info("%s: %d frames (%d prompt) with %s in %d passes (%.1f per frame), %.2fs (%.2f frames/s)%s -> %s and %s",
-             stem, frames, sampler.prompt_frames, label, stats.passes, stats.passes / generated, stats.seconds,
-             generated / max(stats.seconds, 1e-9),
+             stem, frames, sampler.prompt_frames, sampler.label, stats.passes, stats.passes / generated,
+             stats.seconds, generated / max(stats.seconds, 1e-9),
              f", a rolling window of {sampler.context} frames" if sampler.rolls() else "", mp4, gif)
     log.info("longer: frames=N (held-out prompts: up to their episodes' length; prompt_image=... actions=[...]: any)")
     return {"mp4": mp4, "gif": gif, "passes": stats.passes, "passes_per_frame": stats.passes / generated}

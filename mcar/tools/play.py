@@ -1,20 +1,18 @@
 """Play a trained world model in the browser: keys and buttons pick the action, DiagD draws the next frame.
 
     pip install -e '.[play]'                                  # gradio, an optional extra
-    mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860] [context=N]
+    mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860] [sampler.context=N]
     mcar play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
-
-    mcar play ckpt=... bench.steps=20               # no page: time the steps per k, print JSON
-    mcar play ckpt=... bench.sessions=[1,4,16]      # no page: n games stepping together, frames/s each and in all
+    mcar bench play ckpt=...                        # no page: the step's speed, many games, rollouts (mcar.bench.play)
 
 Then open http://127.0.0.1:7860. Crafter keys: arrows or WASD move, space is `do`; buttons take the other
 actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, the k radio sets schedule.k.
 
-Each step draws the frame the chosen action leads to on the rolling KV cache: the model sees `context` frames (null:
-the checkpoint's clip_frames, the longest clips it was trained on), the last context - 1 frames and the new one.
-The start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in mcar.generate), or
-`prompt_image`. The engine (games, batching the games of several tabs, the benches) is mcar.eval.play_engine; this
-module is the page and the command.
+Each step draws the frame the chosen action leads to on the rolling KV cache: the model sees `sampler.context`
+frames (null: the checkpoint's clip_frames, the longest clips it was trained on), the last context - 1 frames and
+the new one. The start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in
+mcar.generate), or `prompt_image`. The engine (games, batching the games of several tabs) is mcar.sampling.play;
+this module is the page and the command.
 """
 from __future__ import annotations
 
@@ -23,17 +21,11 @@ import json
 import logging
 import threading
 from functools import partial
-from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from mcar.core.devices import set_threads
-from mcar.core.layout import Layout
-from mcar.eval.play_engine import PlayServer, PlaySession, bench_session, bench_sessions, rollout_agreement
-from mcar.eval.prompts import prompt_clip
-from mcar.hydra_app import hydra_tool, to_dict
-from mcar.tokenizer.pictures import data_action_space
+from mcar.hydra_app import hydra_tool
+from mcar.sampling.play import GamesFull, PlaySession, open_game
 
 log = logging.getLogger("mcar.play")
 
@@ -41,47 +33,6 @@ log = logging.getLogger("mcar.play")
 KEYS = {"ArrowLeft": "move_left", "a": "move_left", "ArrowRight": "move_right", "d": "move_right",
         "ArrowUp": "move_up", "w": "move_up", "ArrowDown": "move_down", "s": "move_down", " ": "do"}
 MOVES = ["move_left", "move_right", "move_up", "move_down"]
-
-
-def named_actions(space: str | None) -> dict[str, list[int]]:
-    """name -> ids of every action of the data's action space, when that space names its actions ({}: it does not)."""
-    from mcar.tokenizer.actions import action_space
-
-    names = action_space(space).names if space else None
-    return {name: action_space(space).encode_name(name) for name in names or ()}
-
-
-def start_clip(cfg: DictConfig, layout: Layout, frames: int, vq, prompt_frames: int) -> torch.Tensor:
-    """The start frames: the first `prompt_frames` frames of held-out clip / episode `prompt`, or the tokens of
-    `prompt_image` (then one start frame) -> (P, frame_len)."""
-    if cfg.prompt_image:
-        if prompt_frames != 1:
-            raise ValueError(f"prompt_image gives one start frame: use schedule.prompt_frames=1 (not {prompt_frames})")
-        cfg = cfg.copy()
-        with open_dict(cfg):  # generate's image prompt: the image, then one (unused) action
-            cfg.actions = [[0] * layout.n_a] if layout.n_a > 1 else [0]
-    clip, _, _ = prompt_clip(cfg, layout, frames, vq)
-    return clip.reshape(-1, layout.frame_len)[:prompt_frames]
-
-
-def build_session(cfg: DictConfig) -> PlaySession:
-    """play.yaml -> a game (PlaySession) on a PlayServer of the checkpoint, its data's VQ and the start frame(s)."""
-    from mcar.eval.generation import load_for_sampling
-
-    torch.manual_seed(cfg.seed)
-    set_threads(cfg.threads)
-    module, hp, vq, device = load_for_sampling(cfg)
-    layout, cb = module.layout, cfg.data.codebook_size
-    context = int(cfg.context or hp["clip_frames"])
-    schedule = to_dict(cfg.schedule)
-    P = int(schedule.get("prompt_frames", 1))
-    if P >= context:
-        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a context of {context} frames: "
-                         f"set context={P + 1} or more (null: the checkpoint's {hp['clip_frames']})")
-    start = start_clip(cfg, layout, context, vq, P)
-    server = PlayServer(module.model, vq, layout, cb, context=context, sampler=to_dict(cfg.sampler),
-                        schedule=schedule, actions=named_actions(data_action_space(cfg.data)), device=device)
-    return server.join(start, seed=cfg.seed)
 
 
 # ---- the page ---------------------------------------------------------------------------------------------
@@ -111,16 +62,21 @@ class Games:
     shared, and games stepping at once are batched); `live` counts the games a session still holds (gradio drops
     one after the session's idle time)."""
 
-    def __init__(self, base: PlaySession):
-        self.base, self.live, self._lock = base, 0, threading.Lock()
+    def __init__(self, base: PlaySession, refuse=RuntimeError):
+        self.base, self.live, self.refuse, self._lock = base, 0, refuse, threading.Lock()
 
     def of(self, game: PlaySession | None) -> PlaySession:
-        """The session's game; a new one (from the start frame) for a session that has none yet."""
+        """The session's game; a new one (from the start frame) for a session that has none yet; `refuse` (the
+        page's error, a message to the player) when the server holds max_games games."""
         if game is not None:
             return game
+        try:
+            game = self.base.fork()
+        except GamesFull as e:
+            raise self.refuse(str(e)) from None
         with self._lock:
             self.live += 1
-        return self.base.fork()
+        return game
 
     def dropped(self, game: PlaySession | None) -> None:
         if game is not None:
@@ -163,7 +119,7 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
         [str(i) for i in range(len(session.actions) or 0)]
     keys = {k: v for k, v in KEYS.items() if v in names}
     ks = sorted({int(k) for k in ks} | {session.k})
-    games = Games(session)
+    games = Games(session, refuse=gr.Error)
 
     def take(name, game):
         game = games.of(game)
@@ -239,55 +195,20 @@ def serving_port(host: str, port: int, tries: int = 100) -> int:
     raise OSError(f"port={port}: it and the {tries - 1} after it are taken on {host}; pick another (port=...)")
 
 
-def print_bench(result: dict, out: str) -> None:
-    """One JSON line to stdout and to `out`."""
-    line = json.dumps(result)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(line + "\n")
-    print(line, flush=True)
-
-
 def play(cfg: DictConfig, block: bool = True):
-    """Build the session and serve its page on cfg.host:cfg.port; -> (demo, session). With bench.rollouts,
-    bench.sessions or bench.steps, measure instead (no page, no gradio): prints one JSON line, also written to
-    bench.out; -> (None, session)."""
-    measure = {"ckpt": str(cfg.ckpt), "sampler": cfg.sampler.name}
-    if cfg.bench.rollouts:
-        from mcar.eval.generation import held_out_source, pick_clips
-
-        session = build_session(cfg)
-        source = held_out_source(cfg, int(cfg.bench.rollout_steps) + 1)
-        clips = [source.clip(i) for i in pick_clips(source, int(cfg.bench.rollouts))]
-        result = {**measure, "k": session.k, "temperature": session.temperature, "top_k": session.top_k,
-                  "context": session.context, "steps": int(cfg.bench.rollout_steps),
-                  **rollout_agreement(session, clips)}
-        return print_bench(result, cfg.bench.out), session
-    sessions = cfg.bench.sessions
-    if sessions:
-        session = build_session(cfg)
-        counts = [int(sessions)] if isinstance(sessions, int) else [int(n) for n in sessions]
-        result = {**measure, "device": str(session.server.device),
-                  **bench_sessions(session, counts, list(cfg.bench.actions), int(cfg.bench.steps or 10),
-                                   int(cfg.bench.repeats))}
-        return print_bench(result, cfg.bench.out), session
-    if cfg.bench.steps:
-        session = build_session(cfg)
-        result = {**measure, "device": str(session.server.device),
-                  **bench_session(session, list(cfg.bench.ks or cfg.ks), list(cfg.bench.actions),
-                                  int(cfg.bench.steps), int(cfg.bench.repeats))}
-        return print_bench(result, cfg.bench.out), session
+    """Open the game and serve its page on cfg.host:cfg.port; -> (demo, session)."""
     try:
         import gradio  # noqa: F401
     except ImportError:
         raise RuntimeError("mcar play needs gradio: pip install -e '.[play]'") from None
-    session = build_session(cfg)
+    session = open_game(cfg)
     log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
     log.info("mcar.play: warm-up took %.1f s", session.warm_up())
     demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks), idle_minutes=cfg.idle_minutes,
                      cache_seconds=cfg.cache_seconds)
     port = serving_port(cfg.host, int(cfg.port))
-    log.info("mcar.play: %s, context %d frames, k=%d, temperature %g: http://%s:%d", cfg.ckpt, session.context,
-             session.k, session.temperature, cfg.host, port)
+    log.info("mcar.play: %s, context %d frames, k=%d, temperature %g, at most %s games: http://%s:%d", cfg.ckpt,
+             session.context, session.k, session.temperature, cfg.max_games, cfg.host, port)
     demo.queue().launch(server_name=cfg.host, server_port=port, prevent_thread_lock=not block,
                         inbrowser=False, share=False, quiet=True)
     return demo, session

@@ -56,7 +56,7 @@ def compose_experiment(overrides: list[str]) -> DictConfig:
         if missing:
             raise ValueError(f"table3.finetune.runs.{label}.samplers: {missing} are not in table3.samplers "
                              f"({list(t.samplers)})")
-    from mcar.eval.generation import REFERENCES
+    from mcar.eval.scoring import REFERENCES
 
     bad = [k for k in t.get("references", []) if k not in REFERENCES]
     if bad:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mcar.core.agreement import generated_agreement
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler
 from mcar.tokenizer.pictures import (
@@ -23,7 +24,6 @@ from mcar.tokenizer.pictures import (
     write_png,
     write_video,
 )
-from mcar.tokenizer.quality import generated_token_accuracy
 from mcar.train.parallel import is_sharded
 
 log = logging.getLogger("mcar")
@@ -141,7 +141,7 @@ class ValDashboard(Callback):
         self.save_tokens(clips, generated, frames, step)
         samplers = self.samplers(pl_module, frames)
         acc = {f"val_gen/{label.split()[0]}_token_acc":
-               float(generated_token_accuracy(t, clips, lay, samplers[label].prompt_frames).mean())
+               float(generated_agreement(t, clips, lay, samplers[label].prompt_frames).mean())
                for label, t in generated.items()}
         pl_module.log_dict({**acc, **{f"val_speed/{r[1].split()[0]}_{k}": float(v) for r in rows
                                       for k, v in zip(("passes", "fps", "tp"), r[2:5])}}, rank_zero_only=True)

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mcar.core.agreement import generated_agreement, nothing_moves
 from mcar.core.sampler import build_sampler
-from mcar.tokenizer.clips import copy_last
-from mcar.tokenizer.quality import generated_token_accuracy
 from mcar.train.dashboard import generate_eager, wandb_run
 from mcar.train.parallel import is_sharded
 
@@ -42,12 +41,10 @@ def held_out_agreement(model, layout, schedule, clips: torch.Tensor, frames: int
     sampler = build_sampler({"name": sampler, "temperature": 0.0}, layout, frames, codebook_size, schedule)
     generated = torch.cat([generate_eager(sampler, model, b)[0] for b in clips.split(batch_size)])
     model.clear_cache()
-    still = copy_last(clips, sampler.schedule().gen_slots)
     lay, P = sampler.layout, sampler.prompt_frames
-    return Agreement(float(generated_token_accuracy(generated, clips, lay, P).mean()),
-                     float(generated_token_accuracy(still, clips, lay, P).mean()), len(clips),
-                     frames - sampler.prompt_frames,
-                     "greedy " + ("NTP" if sampler.name == "ntp" else f"DiagD k={sampler.config.k}"))
+    return Agreement(float(generated_agreement(generated, clips, lay, P).mean()),
+                     float(generated_agreement(nothing_moves(clips, lay, P), clips, lay, P).mean()), len(clips),
+                     frames - P, f"greedy {sampler.label}")
 
 
 def exact_sampler(mask: dict) -> str:

@@ -90,7 +90,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     set_threads(cfg.get("threads"))
     L.seed_everything(cfg.seed, workers=True)
 
-    layout = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a)
+    layout = Layout.of(cfg.data)
     # bad sampler or schedule values fail now, not at the first validation
     build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames, schedule=to_dict(cfg.schedule))
     datamodule = build_datamodule(cfg.data)

@@ -5,68 +5,95 @@ section 7); `PlaySession` is one game (one browser tab): its last frames, k, tem
 `context` frames at once (the checkpoint's clip length by default): the last `context - 1` frames and the one it
 draws; nothing older reaches it.
 
-Batching. The sessions that step at the same time (a tick: the actions collected while the previous tick ran)
-share forward passes as batch rows of one rollout. Rows of a rollout advance together on one schedule from one
-frame index, so a tick's sessions are grouped by (k, temperature, top_k, frames held): a group that is exactly an
-existing rollout's rows advances it (d passes, no prefill); any other group starts a new rollout from each
-member's last frames (one prefill of the window: what every step cost before the rolling cache). Each rollout keeps
-its own KV cache, swapped into the model while it runs (the cache is the model's: one rollout in it at a time), so
-a session stepping alone between others' steps continues its own rollout exactly. Chosen over restarting one
-shared rollout whenever membership changes (players press keys at different times: every tick would restart) and
-over rows at different frame indices (a schedule pass is one frame index for every row). A restart recomputes the
-window's cached keys from its tokens, which from the second layer on differ from the kept ones (section 7): a
-session's frames depend on when its rollout (re)started, never on the other rows. Noise is keyed by the session's
-seed and frames, not by its batch row.
+Batching. The games that step at the same time (a tick: the actions collected while the previous tick ran) share
+forward passes as the rows of one rollout. A game keeps its rollout while every other game still in it steps with
+it: a game that left or reset leaves a ghost row behind (fed its last action, its frames thrown away), so nobody
+else restarts because of it. A game whose rollout cannot advance (new, reset, k or temperature changed, or a
+partner of its rollout not stepping in this tick) starts a new rollout from its last frames, together with the
+other games of the tick that need one at the same settings (one prefill of the window). Each rollout keeps its own
+KV cache (`Transformer.swap_caches`), dropped when its last game leaves. A restart recomputes the window's cached
+keys from its tokens, which from the second layer on differ from the kept ones (section 7): a game's frames depend
+on when its rollout (re)started, never on its batch row, and a game that others join is never restarted by them.
+Noise is keyed by the game's seed and each frame's index in the game, whenever its rollout began.
 """
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, open_dict
 
-from mcar.core.keyed_rng import mix32, seed_key
+from mcar.core.devices import set_threads
+from mcar.core.keyed_rng import seed_key
 from mcar.core.layout import Layout
 from mcar.core.sampler import Rollout, ScheduleSampler, build_sampler
-from mcar.tokenizer.pictures import decode_frames, to_u8
+from mcar.hydra_app import to_dict
+from mcar.sampling.world_model import WorldModel
+from mcar.tokenizer.pictures import data_action_space, decode_frames, to_u8
+
+
+class GamesFull(RuntimeError):
+    """The server holds `max_games` games: a new one waits for one to leave."""
 
 
 class _Group:
-    """One rollout and its KV cache (one per layer), its rows the sessions `members` in order."""
+    """One rollout and its KV caches; its rows the games `rows` in order (None: a ghost row, its game gone), each
+    row's last action ids (a ghost keeps taking its own)."""
 
-    def __init__(self, members: tuple, settings: tuple, run: Rollout, caches: list):
-        self.members, self.settings, self.run, self.caches = members, settings, run, caches
+    def __init__(self, rows: list, settings: tuple, run: Rollout, caches: list, actions: list):
+        self.rows, self.settings, self.run, self.caches, self.actions = rows, settings, run, caches, actions
+
+    @property
+    def members(self) -> set:
+        return {s for s in self.rows if s is not None}
 
 
 class PlayServer:
-    """The model, its VQ and the rollouts of every session (`join` makes one); `step_together` runs one tick,
-    `step` is a session's step from any thread, batched with the steps other threads are waiting on."""
+    """The model, its VQ and the rollouts of every game (`join` makes one); `step_together` runs one tick, `step`
+    is a game's step from any thread, batched with the steps other threads are waiting on. At most `max_games`
+    games at once (None: no cap); a game's memory (its rollout's KV cache) goes when it leaves."""
 
     def __init__(self, model, vq, layout: Layout, codebook_size: int, *, context: int, sampler: dict | None = None,
-                 schedule: dict | None = None, actions: dict | None = None, device: str | torch.device = "cpu"):
+                 schedule: dict | None = None, actions: dict | None = None, device: str | torch.device = "cpu",
+                 max_games: int | None = None):
         if context < 2:
-            raise ValueError(f"context={context} is invalid: the model must see >= 2 frames (the previous and the new)")
+            raise ValueError(f"sampler.context={context} is invalid: the model must see >= 2 frames (the previous "
+                             f"and the new)")
+        if max_games is not None and max_games < 1:
+            raise ValueError(f"max_games={max_games} is invalid: it must be >= 1 or null (no cap)")
         self.model, self.vq, self.layout, self.cb, self.context = model, vq, layout, codebook_size, context
         self.device = torch.device(device)
         self.sampler_cfg = dict(sampler or {"name": "diagd"})
         self.schedule_cfg = dict(schedule or {})
         self.actions = dict(actions or {})
+        self.max_games = max_games
+        self.games: set[PlaySession] = set()  # joined and not yet gone
         self._samplers: dict[tuple[int, int], ScheduleSampler] = {}
-        self._live: _Group | None = None  # the group whose caches are in the model
+        self._groups: list[_Group] = []  # rollouts with at least one game
+        self._model_lock = threading.RLock()  # a tick, a leave: one at a time (the model has one cache slot)
         self._cv = threading.Condition()
         self._waiting: dict[PlaySession, tuple[str, list[int]]] = {}
         self._done: dict[PlaySession, object] = {}
         self._busy = False
         self.ticks = self.restarts = 0
 
-    def join(self, start: torch.Tensor, seed: int = 0) -> "PlaySession":
-        """A new game from `start` ((P, frame_len) tokens, their actions included)."""
-        return PlaySession(self, start, seed)
+    def join(self, start: torch.Tensor, seed: int = 0, template: bool = False) -> "PlaySession":
+        """A new game from `start` ((P, frame_len) tokens, their actions included); GamesFull at `max_games`.
+        template: the game the page forks each player's from (not counted)."""
+        with self._model_lock:
+            if not template and self.max_games is not None and len(self.games) >= self.max_games:
+                raise GamesFull(f"all {self.max_games} games are taken: try again when a player leaves "
+                                f"(max_games={self.max_games})")
+            game = PlaySession(self, start, seed)
+            if not template:
+                self.games.add(game)
+            return game
 
     def sampler(self, k: int, prompt_frames: int) -> ScheduleSampler:
-        """The sampler of a rollout at `k` from `prompt_frames` frames (built once; its rolling schedule checked)."""
+        """The sampler of a rollout at `k` from `prompt_frames` frames (built once; its rolling schedule checked).
+        Temperature and top_k are a rollout's own (`ScheduleSampler.rollout`): nothing here changes per game."""
         key = (k, prompt_frames)
         if key not in self._samplers:
             sched = {**self.schedule_cfg, "k": k, "prompt_frames": prompt_frames}
@@ -78,7 +105,7 @@ class PlayServer:
 
     # ---- a tick -----------------------------------------------------------------------------------------
     def step_together(self, moves: list[tuple["PlaySession", object]]) -> list[tuple[np.ndarray, dict]]:
-        """One tick: each (session, action) takes its step, sessions of one group as rows of one batch.
+        """One tick: each (game, action) takes its step, games of one rollout as rows of one batch.
         -> [(frame, info)] in the order given."""
         steps = {}
         for session, action in moves:
@@ -89,8 +116,8 @@ class PlayServer:
         return [results[s] for s, _ in moves]
 
     def step(self, session: "PlaySession", action) -> tuple[np.ndarray, dict]:
-        """`session` takes `action`; blocks until its frame is drawn, in the next tick, with whichever sessions
-        are waiting then (the caller that finds no tick running runs it)."""
+        """`session` takes `action`; blocks until its frame is drawn, in the next tick, with whichever games are
+        waiting then (the caller that finds no tick running runs it)."""
         move = session.action_ids(action)
         with self._cv:
             self._waiting[session] = move
@@ -98,11 +125,13 @@ class PlayServer:
                 if self._busy:
                     self._cv.wait()
                     continue
+                if session not in self._waiting:  # taken by a tick that gave no answer: never wait for ever
+                    raise RuntimeError("play: this step was lost by its tick; step again")
                 self._busy, batch, self._waiting = True, self._waiting, {}
                 self._cv.release()
                 try:
                     results = self._tick(batch)
-                except Exception as e:  # every session of the tick hears of it
+                except Exception as e:  # every game of the tick hears of it
                     results = {s: e for s in batch}
                 finally:
                     self._cv.acquire()
@@ -116,63 +145,82 @@ class PlayServer:
 
     @torch.no_grad()
     def _tick(self, steps: dict["PlaySession", tuple[str, list[int]]]) -> dict:
-        t0 = time.perf_counter()
-        groups: dict[tuple, list[PlaySession]] = {}
-        for s in steps:
-            held = min(len(s.history), self.context - 1)
-            groups.setdefault((s.k, s.temperature, s.top_k, held), []).append(s)
-        frames, passes = {}, {}
-        for key, members in groups.items():
-            group = members[0]._group
-            if group is None or group.settings != key[:3] or set(group.members) != set(members) or \
-                    any(s._group is not group for s in members):
-                group = self._start(members)
-            self._install(group)
-            ids = torch.tensor([steps[s][1] for s in group.members], device=self.device) + self.cb
-            before = group.run.passes
-            tokens = group.run.advance(ids).cpu()
-            for s, row in zip(group.members, tokens):
-                frames[s], passes[s] = row, group.run.passes - before
-        images = {s: s.decode(tokens) for s, tokens in frames.items()}  # one by one: a frame's image never
-        dt = time.perf_counter() - t0  # depends on the batch it was decoded in (a batched conv rounds differently)
-        self.ticks += 1
-        return {s: s._took(steps[s], frames[s], images[s], passes[s], dt, len(frames)) for s in frames}
+        with self._model_lock:
+            t0 = time.perf_counter()
+            frames, passes = {}, {}
+            kept = self._advancing(steps)
+            restart: dict[tuple, list[PlaySession]] = {}
+            for s in steps:
+                if s._group not in kept:
+                    restart.setdefault((s.settings(), s.held), []).append(s)
+            groups = kept + [self._start(members) for members in restart.values()]
+            for group in groups:
+                for r, s in enumerate(group.rows):
+                    if s is not None:
+                        group.actions[r] = steps[s][1]
+                self.model.swap_caches(group.caches)
+                ids = torch.tensor(group.actions, device=self.device) + self.cb
+                before = group.run.passes
+                tokens = group.run.advance(ids).cpu()
+                for s, row in zip(group.rows, tokens):
+                    if s is not None:
+                        frames[s], passes[s] = row, group.run.passes - before
+            images = {s: s.decode(tokens) for s, tokens in frames.items()}  # one by one: a frame's image never
+            dt = time.perf_counter() - t0  # depends on the batch it was decoded in (a batched conv rounds differently)
+            self.ticks += 1
+            return {s: s._took(steps[s], frames[s], images[s], passes[s], dt, len(frames)) for s in steps}
+
+    def _advancing(self, steps: dict) -> list[_Group]:
+        """The rollouts every game of which steps in this tick, at the settings they started with."""
+        groups = {id(s._group): s._group for s in steps if s._group is not None}.values()
+        return [g for g in groups if g.members <= steps.keys() and all(s.settings() == g.settings for s in g.members)]
 
     def _start(self, members: list["PlaySession"]) -> _Group:
         """A new rollout for `members` from their last frames (each leaves the rollout it had)."""
-        held = min(len(members[0].history), self.context - 1)
-        s0 = members[0]
-        sampler = self.sampler(s0.k, held)
-        sampler.temperature, sampler.top_k = s0.temperature, s0.top_k
-        prompt = torch.stack([s.history[-held:].reshape(-1) for s in members]).to(self.device)
-        self.model.clear_cache()  # the live group keeps its caches: a fresh one for this rollout
-        run = sampler.rollout(self.model, prompt)
-        bases = torch.tensor([seed_key(s.seed) ^ (s.frames_played - held) for s in members], device=self.device)
-        run.rows = mix32(bases)[:, None]  # noise keyed by the session's seed and frame, not its batch row
-        group = _Group(tuple(members), (s0.k, s0.temperature, s0.top_k), run,
-                       [layer.attention.cache for layer in self.model.layers])
         for s in members:
-            if s._group is not None and s._group is not group:
-                s._group.members = tuple(m for m in s._group.members if m is not s)
+            self._drop_row(s)
+        s0 = members[0]
+        held = s0.held
+        prompt = torch.stack([s.history[-held:].reshape(-1) for s in members]).to(self.device)
+        self.model.swap_caches(None)  # the other rollouts keep their caches: a fresh one for this rollout
+        run = self.sampler(s0.k, held).rollout(
+            self.model, prompt, temperature=s0.temperature, top_k=s0.top_k,
+            noise_keys=torch.tensor([seed_key(s.seed) for s in members]),
+            first_frames=torch.tensor([s.frames_played - held for s in members]))
+        group = _Group(list(members), s0.settings(), run, self.model.kv_caches(), [None] * len(members))
+        for s in members:
             s._group = group
-        self._live = group
+        self._groups.append(group)
         self.restarts += 1
         return group
 
-    def _install(self, group: _Group) -> None:
-        if self._live is not group:
-            for layer, cache in zip(self.model.layers, group.caches):
-                layer.attention.cache = cache
-            self._live = group
+    def _drop_row(self, session: "PlaySession") -> None:
+        """`session`'s row of its rollout becomes a ghost; a rollout left with no game goes, its memory with it."""
+        group, session._group = session._group, None
+        if group is None:
+            return
+        group.rows = [None if s is session else s for s in group.rows]
+        if not group.members:
+            self._groups.remove(group)
+            live = self.model.kv_caches()
+            if live is not None and live[0] is group.caches[0]:
+                self.model.swap_caches(None)
+            group.caches = group.run = None
+
+    def detach(self, session: "PlaySession") -> None:
+        """`session` leaves its rollout (a reset: it restarts at its next step); waits for a running tick."""
+        with self._model_lock:
+            self._drop_row(session)
 
     def leave(self, session: "PlaySession") -> None:
-        """`session` ends: its rollout row is dropped (the others restart without it at their next step)."""
-        group, session._group = session._group, None
-        if group is not None:
-            group.members = tuple(m for m in group.members if m is not session)
-            if self._live is group and not group.members:
-                self._live = None
-                self.model.clear_cache()
+        """`session` ends: its rollout row becomes a ghost, its place is free; waits for a running tick."""
+        with self._model_lock:
+            self._drop_row(session)
+            self.games.discard(session)
+
+    def leaves_nothing(self) -> bool:
+        """No game and no rollout is held (what a server whose players all left must come back to)."""
+        return not self.games and not self._groups and self.model.kv_caches() is None
 
 
 class PlaySession:
@@ -208,6 +256,15 @@ class PlaySession:
     def layout(self) -> Layout:
         return self.server.layout
 
+    @property
+    def held(self) -> int:
+        """Frames a rollout started now would take as its prompt: the last context - 1 at most."""
+        return min(len(self.history), self.context - 1)
+
+    def settings(self) -> tuple:
+        """What the games of one rollout share: (k, temperature, top_k)."""
+        return self.k, self.temperature, self.top_k
+
     def fork(self, start: torch.Tensor | None = None, seed: int | None = None) -> "PlaySession":
         """A new game on the same server from this game's start frames (or `start`; at most context - 1 kept)."""
         start = self.start if start is None else torch.as_tensor(start).reshape(-1, self.layout.frame_len)
@@ -218,7 +275,7 @@ class PlaySession:
 
     def sampler(self) -> ScheduleSampler:
         """The sampler of this game's next restart (its k, its frames held)."""
-        return self.server.sampler(self.k, min(len(self.history), self.context - 1))
+        return self.server.sampler(self.k, self.held)
 
     def set_k(self, k: int) -> dict:
         """schedule.k for the next steps (>= 1: how far each row runs ahead of the one below)."""
@@ -263,7 +320,7 @@ class PlaySession:
     def reset(self) -> tuple[np.ndarray, dict]:
         """Back to the start frame(s) (a new rollout at the next step); -> (the last start frame, info)."""
         with self._lock:
-            self.server.leave(self)
+            self.server.detach(self)
             self.history = self.start.clone()
             self.frames_played = len(self.start)  # frames of the game so far, the start frames included
             self.steps = 0
@@ -311,79 +368,40 @@ class PlaySession:
         return time.perf_counter() - t0
 
 
-# ---- measurements ---------------------------------------------------------------------------------------------
-def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -> dict:
-    """The page's speed without the page: for each k, `repeats` rounds of `steps` steps (the actions in turn), each
-    round from a reset after an untimed warm-up -> {"ks": {k: {"frames_per_s": median of the rounds' steps /
-    seconds, "rounds": [...], "passes": per frame}}, "context", "threads", "steps"}. Rounds replay the same frames."""
-    _check(steps, repeats)
-    actions = list(actions) if session.actions else [[0] * session.layout.n_a]  # no action names: local id 0
-    out = {}
-    for k in ks:
-        session.set_k(k)
-        rounds = []
-        for _ in range(repeats):
-            session.warm_up(actions[0])  # untimed, ends with a reset
-            t0 = time.perf_counter()
-            for i in range(steps):
-                _, info = session.step(actions[i % len(actions)])
-            rounds.append(round(steps / (time.perf_counter() - t0), 2))
-        out[str(k)] = {"frames_per_s": statistics.median(rounds), "rounds": rounds, "passes": info["passes"]}
-    return {"ks": out, "context": session.context, "threads": torch.get_num_threads(), "steps": steps}
+def named_actions(space: str | None) -> dict[str, list[int]]:
+    """name -> ids of every action of the data's action space, when that space names its actions ({}: it does not)."""
+    from mcar.tokenizer.actions import action_space
+
+    names = action_space(space).names if space else None
+    return {name: action_space(space).encode_name(name) for name in names or ()}
 
 
-def bench_sessions(session: PlaySession, counts, actions, steps: int, repeats: int) -> dict:
-    """Many players: for each n of `counts`, n games (forks of `session`, seeds seed + i) step together `steps`
-    ticks, `repeats` rounds from a reset after one untimed tick -> {"sessions": {n: {"per_session_frames_per_s":
-    each game's frames/s (median round), "frames_per_s": all games' together, "rounds": [...]}}, "k", "context",
-    "threads", "steps"}."""
-    _check(steps, repeats)
-    actions = list(actions) if session.actions else [[0] * session.layout.n_a]
-    out = {}
-    for n in counts:
-        games = [session.fork(seed=session.seed + i) for i in range(int(n))]
-        rounds = []
-        for _ in range(repeats):
-            for g in games:
-                g.reset()
-            session.server.step_together([(g, actions[0]) for g in games])  # untimed: builds the batch's rollout
-            t0 = time.perf_counter()
-            for i in range(steps):
-                session.server.step_together([(g, actions[(i + j) % len(actions)]) for j, g in enumerate(games)])
-            rounds.append(round(steps / (time.perf_counter() - t0), 3))
-        for g in games:
-            session.server.leave(g)
-        per = statistics.median(rounds)
-        out[str(n)] = {"per_session_frames_per_s": per, "frames_per_s": round(per * int(n), 2), "rounds": rounds}
-    return {"sessions": out, "k": session.k, "context": session.context, "threads": torch.get_num_threads(),
-            "steps": steps}
+def start_frames(wm: WorldModel, prompt_frames: int) -> torch.Tensor:
+    """The start frames: the first `prompt_frames` frames of held-out clip / episode `prompt`, or the tokens of
+    `prompt_image` (then one start frame) -> (P, frame_len)."""
+    cfg = wm.cfg
+    if cfg.prompt_image:
+        if prompt_frames != 1:
+            raise ValueError(f"prompt_image gives one start frame: use schedule.prompt_frames=1 (not {prompt_frames})")
+        with open_dict(cfg):  # generate's image prompt: the image, then one (unused) action
+            cfg.actions = [[0] * wm.layout.n_a] if wm.layout.n_a > 1 else [0]
+    clip, _, _ = wm.prompt(wm.context)
+    return clip.reshape(-1, wm.layout.frame_len)[:prompt_frames]
 
 
-def _check(steps: int, repeats: int) -> None:
-    if steps < 1 or repeats < 1:
-        raise ValueError(f"bench.steps={steps} and bench.repeats={repeats} must be >= 1")
-
-
-def rollout_agreement(session: PlaySession, clips: list[torch.Tensor]) -> dict:
-    """How well play holds together at the session's settings: each clip (F frames of a held-out episode) starts
-    a game at its first frame and takes the episode's own next F - 1 actions; each generated frame is compared
-    with the real one. -> {"agreement": per step, the mean fraction of image tokens equal to the real frame's;
-    "copy_first": the same for the unchanged start frame (nothing moves: the floor a model must beat);
-    "final", "mean": of agreement; "clips"}."""
-    L, ft = session.layout.frame_len, session.layout.frame_tokens
-    agree, still = [], []
-    for clip in clips:
-        frames = clip.reshape(-1, L)
-        game = session.fork(start=frames[:1])
-        row, row_still = [], []
-        for t in range(1, len(frames)):
-            ids = (frames[t - 1, ft:] - session.server.cb).tolist()  # the real action, as local ids
-            game.step(ids if len(ids) > 1 else ids[0])
-            real = frames[t, :ft]
-            row.append((game.history[-1, :ft] == real).float().mean().item())
-            row_still.append((frames[0, :ft] == real).float().mean().item())
-        session.server.leave(game)
-        agree.append(row), still.append(row_still)
-    per_step = [round(statistics.fmean(col), 4) for col in zip(*agree)]
-    return {"agreement": per_step, "copy_first": [round(statistics.fmean(col), 4) for col in zip(*still)],
-            "final": per_step[-1], "mean": round(statistics.fmean(per_step), 4), "clips": len(clips)}
+def open_game(cfg: DictConfig) -> PlaySession:
+    """A play config (conf/play.yaml) -> a game (PlaySession) on a PlayServer of the checkpoint, its data's VQ and
+    the start frame(s)."""
+    torch.manual_seed(cfg.seed)
+    set_threads(cfg.threads)
+    wm = WorldModel.load(cfg)
+    schedule = to_dict(cfg.schedule)
+    P = int(schedule.get("prompt_frames", 1))
+    if P >= wm.context:
+        raise ValueError(f"schedule.prompt_frames={P} start frames leave no room in a context of {wm.context} frames: "
+                         f"set sampler.context={P + 1} or more (null: the checkpoint's {wm.trained_frames})")
+    server = PlayServer(wm.model, wm.vq, wm.layout, wm.codebook_size, context=wm.context,
+                        sampler=to_dict(cfg.sampler), schedule=schedule,
+                        actions=named_actions(data_action_space(cfg.data)), device=wm.device,
+                        max_games=cfg.get("max_games"))
+    return server.join(start_frames(wm, P), seed=cfg.seed, template=True)

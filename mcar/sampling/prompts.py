@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcar.core.layout import Layout
 from mcar.data.common import build_datamodule
-from mcar.eval.generation import held_out_folder, held_out_source
+from mcar.sampling.held_out import held_out_folder, held_out_source
 from mcar.tokenizer.actions import action_space
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import data_action_space

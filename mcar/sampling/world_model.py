@@ -1,0 +1,134 @@
+"""A checkpoint ready to sample: one object every sampling tool shares (litgpt's `LLM.load`, gpt-fast's
+`_load_model` + `generate`).
+
+    wm = WorldModel.load(cfg)              # cfg: a sampling tool's config (conf/sampling.yaml and the tool's keys)
+    sampler = wm.sampler(frames=32)        # rolls a KV cache past wm.context frames, as every tool does
+    tokens, stats = wm.generate(clips, sampler)
+
+`WorldModel.load` reads the checkpoint (weights only), adopts its data, VQ and schedule config, checks the data
+fits and puts the model on `cfg.device` in `cfg.dtype`. The window a sampler sees at once has one default,
+`context` (`sampler.context`, null: the checkpoint's clip length): generate, evaluate, play and the world tests all
+roll past it the same way.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from mcar.checkpoint.config import adopt_checkpoint_config
+from mcar.checkpoint.load import check_data_fits, load_model, sampling_dtype, warn_past_trained_length
+from mcar.core.devices import resolve_device, sync
+from mcar.core.layout import Layout
+from mcar.core.sampler import SampleStats, ScheduleSampler, build_sampler
+from mcar.hydra_app import to_dict
+from mcar.sampling.held_out import held_out_data, pick_clips
+from mcar.sampling.prompts import prompt_clip
+
+
+@dataclass
+class WorldModel:
+    """The model (a plain Transformer in eval mode), the layout it was trained on, its hyper-parameters, the device
+    and the tool's config with the checkpoint's data, VQ and schedule adopted (`cfg`)."""
+
+    model: torch.nn.Module
+    layout: Layout
+    hp: dict
+    device: torch.device
+    cfg: DictConfig
+
+    @classmethod
+    def load(cls, cfg: DictConfig) -> "WorldModel":
+        """cfg.ckpt on cfg.device in cfg.dtype, checked against cfg.data (which takes the checkpoint's own data, VQ
+        and schedule config where the command line does not set them)."""
+        device = resolve_device(cfg.device)
+        module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
+        adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
+        check_data_fits(module.layout, hp, cfg.data)
+        wm = cls(module.model, module.layout, hp, device, cfg)
+        wm.context  # noqa: B018  a bad sampler.context fails now, not at the first sample
+        return wm
+
+    @property
+    def codebook_size(self) -> int:
+        return int(self.cfg.data.codebook_size)
+
+    @property
+    def trained_frames(self) -> int:
+        """The clip length the checkpoint was trained on."""
+        return int(self.hp["clip_frames"])
+
+    @property
+    def context(self) -> int:
+        """Frames the model sees at once (`sampler.context`; null: the trained clip length): longer clips roll a
+        KV cache of the last `context` frames (docs/diagd.md section 7)."""
+        value = OmegaConf.select(self.cfg, "sampler.context", default=None)
+        context = self.trained_frames if value is None else int(value)
+        if context < 2:
+            raise ValueError(f"sampler.context={value} is invalid: the model must see >= 2 frames (the previous and "
+                             f"the new); null: the checkpoint's {self.trained_frames}")
+        return context
+
+    @functools.cached_property
+    def vq(self):
+        """The VQ that decodes the data's tokens (vq.path; the committed small VQ when the data names none), loaded
+        on first use (FileNotFoundError when absent: a tool that can do without it catches that)."""
+        from mcar.tokenizer.vq_model import load_vq
+
+        return load_vq(OmegaConf.select(self.cfg, "vq.path", default=None)).to(self.device)
+
+    def sampler(self, frames: int, *, context: int | None = None, schedule: dict | None = None,
+                **settings) -> ScheduleSampler:
+        """The configured sampler (cfg.sampler on cfg.schedule) for clips of `frames` frames, rolling past `context`
+        frames (None: `self.context`). schedule: schedule fields over cfg.schedule (k, prompt_frames, ...);
+        settings: sampler fields over cfg.sampler (name, temperature, top_k, ...)."""
+        scfg = to_dict(self.cfg.sampler) | settings
+        scfg["context"] = self.context if context is None else int(context)
+        warn_past_trained_length(min(frames, scfg["context"]), self.hp)  # a rolling window sees `context` at once
+        return build_sampler(scfg, self.layout, frames, self.codebook_size,
+                             schedule=to_dict(self.cfg.schedule) | (schedule or {}))
+
+    @torch.no_grad()
+    def generate(self, clips: torch.Tensor, sampler: ScheduleSampler, batch_size: int | None = None,
+                 warmup: bool = False, progress: bool = False) -> tuple[torch.Tensor, SampleStats]:
+        """clips (n, N) (prompt frames + every action) -> generated (n, N) on CPU and the stats of all batches
+        (passes: the most of any batch). warmup: one untimed batch first (allocation, caches, kernels)."""
+        batches = clips.split(batch_size or len(clips))
+        if warmup:
+            sampler.generate(self.model, batches[0].to(self.device))
+        out, seconds, tokens, passes = [], 0.0, 0, 0
+        for batch in tqdm(batches, desc=f"generate {sampler.label}", mininterval=5, disable=not progress):
+            sync(self.device)
+            generated, stats = sampler.generate(self.model, batch.to(self.device))  # times itself, synchronised
+            out.append(generated.cpu())
+            seconds, tokens, passes = seconds + stats.seconds, tokens + stats.tokens, max(passes, stats.passes)
+        self.model.clear_cache()
+        return torch.cat(out), SampleStats(passes, tokens, seconds)
+
+    @torch.no_grad()
+    def teacher_forced_loss(self, clips: torch.Tensor, sampler: ScheduleSampler,
+                            batch_size: int | None = None) -> float:
+        """Mean cross-entropy of every generated image token, the clips' own tokens fed on the sampler's schedule."""
+        nll = torch.cat([sampler.teacher_forced(self.model, b.to(self.device), keep_logits=False).nll.cpu()
+                         for b in clips.split(batch_size or len(clips))])
+        self.model.clear_cache()
+        return float(nll.double().mean())
+
+    def held_out(self, frames: int):
+        """The held-out clips of `frames` frames (`.val_source`): the checkpoint's shipped ones, else its data's
+        validation episodes (built on first use)."""
+        return held_out_data(self.cfg, frames)
+
+    def held_out_clips(self, frames: int, n_clips: int, ids=None) -> tuple[list[int], torch.Tensor]:
+        """`n_clips` evenly spaced held-out clips (or those `ids`) -> (ids, (n, N) clips)."""
+        source = self.held_out(frames).val_source
+        ids = pick_clips(source, n_clips, ids)
+        return ids, torch.stack([source.clip(i) for i in ids])
+
+    def prompt(self, frames: int) -> tuple[torch.Tensor, bool, str]:
+        """The configured prompt (cfg.prompt: a held-out clip id or episode[:frame]; or cfg.prompt_image + actions)
+        as a clip of `frames` frames -> (clip (N,), has ground truth, a file-name stem)."""
+        return prompt_clip(self.cfg, self.layout, frames, self.vq if self.cfg.get("prompt_image") else None)

@@ -1,0 +1,39 @@
+"""mcar.sampling.WorldModel: one loaded checkpoint every sampling tool shares, and its one window default."""
+import pytest
+import torch
+
+from .conftest import SMALL_DATA, compose
+from .test_cached_attention import tiny_checkpoint
+
+
+@pytest.mark.parametrize("tool", ["generate", "evaluate", "play", "worldtest"])
+def test_every_sampling_tool_rolls_past_the_same_window(tmp_path, tool):
+    """The window is sampler.context (null: the checkpoint's clip_frames) for every tool: a clip longer than it
+    rolls a KV cache of the last `context` frames (evaluate sampled one window at untrained positions before)."""
+    from mcar.sampling.world_model import WorldModel
+
+    ckpt = tiny_checkpoint(tmp_path)  # clip_frames 3
+    wm = WorldModel.load(compose(tool, [*SMALL_DATA, f"ckpt={ckpt}"]))
+    assert wm.context == wm.trained_frames == 3
+    long, short = wm.sampler(8), wm.sampler(3)
+    assert long.rolls() and long.context == 3 and not short.rolls()
+    assert wm.sampler(8, context=2).context == 2 and wm.sampler(8, temperature=0.0).temperature == 0.0
+    assert wm.sampler(8, schedule={"k": 1}).config.k == 1 and wm.sampler(8).config.k == 2  # per call, not kept
+    narrow = WorldModel.load(compose(tool, [*SMALL_DATA, f"ckpt={ckpt}", "sampler.context=2"]))
+    assert narrow.context == 2 and narrow.sampler(8).context == 2
+    with pytest.raises(ValueError, match="sampler.context=1"):
+        WorldModel.load(compose(tool, [*SMALL_DATA, f"ckpt={ckpt}", "sampler.context=1"]))
+
+
+def test_generate_batches_and_scores_teacher_forced_on_cpu_tensors(tmp_path):
+    from mcar.sampling.world_model import WorldModel
+
+    wm = WorldModel.load(compose("evaluate", [*SMALL_DATA, f"ckpt={tiny_checkpoint(tmp_path)}", "sampler.seed=0"]))
+    clips = torch.randint(0, 32, (3, wm.layout.n_slots(5)))
+    sampler = wm.sampler(5)
+    whole, stats = wm.generate(clips, sampler)
+    split, split_stats = wm.generate(clips, sampler, batch_size=2)
+    assert torch.equal(whole[:2], split[:2])  # noise keyed by (seed, batch row, slot): the first batch's rows agree
+    assert whole.shape == clips.shape and whole.device.type == "cpu"
+    assert stats.tokens == split_stats.tokens == 3 * 4 * 12 and wm.model.kv_caches() is None  # cache released
+    assert wm.teacher_forced_loss(clips, sampler) == pytest.approx(wm.teacher_forced_loss(clips, sampler, 1))
