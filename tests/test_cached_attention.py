@@ -153,9 +153,9 @@ def test_entry_points_sample_in_bfloat16_on_cuda(monkeypatch, tmp_path, entry, o
         seen.update(device=torch.device(device), dtype=dtype)
         raise Loaded
 
-    import mcar.checkpoint.load
+    import mcar.sampling.world_model
 
-    for where in (mod, mcar.checkpoint.load):  # evaluate imports it; generate loads through load_for_sampling
+    for where in (mod, mcar.sampling.world_model):  # every sampling tool loads through WorldModel.load
         if hasattr(where, "load_model"):
             monkeypatch.setattr(where, "load_model", fake_load_model)
     cfg = compose(entry, [*SMALL_DATA, "ckpt=unused.ckpt", f"device={device}", f"dtype={dtype}",
