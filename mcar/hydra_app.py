@@ -298,6 +298,13 @@ def remove_unused_run_dir() -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def command_line_overrides() -> list[str]:
+    """The Hydra job's command-line overrides, in their order ([] outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def hydra_job() -> tuple[bool, int, str]:
     """(is multirun, job number, group name) of the current Hydra job; (False, 0, 'mcar') outside Hydra."""
     from hydra.core.hydra_config import HydraConfig

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from mcar.data.common import StepBatches
 from mcar.data.crafter import CrafterDataModule
@@ -14,8 +13,6 @@ from mcar.data.crafter_gen import ACTIONS, generate, play_episode
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import save_vq
 from tests.test_data_vpt import tiny_vq
-
-CRAFTER_CONF = OmegaConf.load(Path(__file__).parents[1] / "mcar" / "conf" / "data" / "crafter.yaml")
 
 
 def test_generator_is_seeded_and_cached(tmp_path):
@@ -135,8 +132,10 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
             "vq.arch.latent_channels=4", "vq.arch.num_vq_embeddings=16", "vq.arch.vq_embed_dim=4"]
     dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
                            vq_train=True, vq_train_overrides=tiny, h=14, w=24, n_a=1, codebook_size=16,
-                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1,
-                           vq_trainer=CRAFTER_CONF.vq_trainer, view=view)  # its config, as data=crafter gives it
+                           action_vocab_size=17, clip_frames=4, batch_size=2, val_episodes=1, view=view)
+    from mcar.train.vq_training import train_for_data
+
+    dm.vq_trainer = train_for_data  # as a training job (mcar.train.task) lends it
     dm.prepare_data()
     vq_root = tmp_path / "crafter" / ("view24x14" if view else "")
     assert (vq_root / "vq" / "best" / "config.json").exists()
@@ -151,12 +150,15 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
     assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")
 
 
-def test_vq_train_without_a_trainer_names_the_field(tmp_path):
+def test_vq_train_outside_a_training_job_trains_nothing(tmp_path):
+    """data.vq_train=true (a checkpoint's data config, say) in a tool that is not a training job: one line saying
+    how to train the VQ, and nothing trained or generated."""
     dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
                            vq_train=True, h=14, w=24, n_a=1, codebook_size=16, action_vocab_size=17, clip_frames=4,
                            batch_size=2, val_episodes=1)
-    with pytest.raises(ValueError, match="data.vq_trainer"):
+    with pytest.raises(FileNotFoundError, match="a training job trains it first"):
         dm.prepare_data()
+    assert not (tmp_path / "crafter").exists()
 
 
 def test_fewer_episodes_reuse_the_cache(crafter_dm, capsys):
@@ -271,6 +273,7 @@ def test_view_gets_its_own_episode_folder_and_vq_folder(tmp_path):
     with pytest.raises(ValueError, match=r"data.view=\[24\]"):
         CrafterDataModule(**kw, view=[24])
     seen = {}
-    CrafterDataModule(**kw, view=[24, 14], vq_train=True, vq_train_overrides=["steps=2"],
-                      vq_trainer=lambda **a: seen.update(a)).train_vq()
+    dm = CrafterDataModule(**kw, view=[24, 14], vq_train=True, vq_train_overrides=["steps=2"])
+    dm.vq_trainer = lambda **a: seen.update(a)
+    dm.train_vq()
     assert seen == {"root": tmp_path / "view24x14", "overrides": ["generate.view=[24,14]", "steps=2"], "grid": (14, 24)}

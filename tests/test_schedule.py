@@ -184,3 +184,20 @@ def test_prompt_proxy_reads_the_first_prompt_frame_at_the_predecessor_slot(P):
     expect = {t * L + i * w: 0 * L + (i - 1) * w + (w - 1) for t in range(P, T) for i in range(1, h)}
     got = dict(zip(s.proxy_target.tolist(), s.proxy_source.tolist()))
     assert got == expect
+
+
+def test_one_schedule_object_per_configuration():
+    """Training's check, its DiagD mask and every sampler of a run share one Schedule (and its cached plans)."""
+    from mcar.core.layout import Layout
+    from mcar.core.masks import build_mask_factory
+    from mcar.core.sampler import build_sampler, check_sampler_config
+
+    layout, sched = Layout(3, 4, 2), {"k": 2, "prompt_frames": 1}
+    checked = check_sampler_config({"name": "diagd", "temperature": 0.0}, layout, 4, sched)
+    assert build_mask_factory("diagd", layout, 4, sched).schedule is checked
+    assert build_sampler({"name": "diagd"}, layout, 4, schedule=sched).schedule() is checked
+    assert build_sampler({"name": "diagd"}, layout, 4, schedule={**sched, "k": 1}).schedule() is not checked
+    with pytest.raises(ValueError, match="temperature=-1"):
+        check_sampler_config({"name": "diagd", "temperature": -1}, layout, 4, sched)
+    with pytest.raises(ValueError, match="schedule.k"):
+        check_sampler_config({"name": "diagd", "k": 2}, layout, 4, sched)

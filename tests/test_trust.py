@@ -281,7 +281,7 @@ def test_a_checkpoint_never_decides_where_data_is_built_or_how_its_vq_trains():
 
 @pytest.mark.parametrize("where", ["vq_trainer", "nested", "unknown_group", "args", "schedule"])
 def test_code_keys_a_checkpoint_adds_anywhere_are_refused(where):
-    """Nested `_target_` / `_args_` nodes (the crafter data's vq_trainer is instantiated recursively), a data
+    """Nested `_target_` / `_args_` nodes (a vq_trainer mcar's crafter config no longer has, a policy), a data
     config whose name no packaged group has, and groups without code (schedule): each refused by field."""
     from mcar.checkpoint.config import checkpoint_group_config
     from mcar.checkpoint.io import load_checkpoint
@@ -297,19 +297,6 @@ def test_code_keys_a_checkpoint_adds_anywhere_are_refused(where):
         "schedule": ("schedule", hp["schedule"] | {"_target_": "os.getcwd"}, "schedule._target_")}[where]
     with pytest.raises(ValueError, match=rf"ckpt=/x/last.ckpt: refused the checkpoint's {re.escape(field)}"):
         checkpoint_group_config(group, node, "ckpt=/x/last.ckpt")
-
-
-def test_crafter_builds_only_a_plain_vq_trainer(tmp_path):
-    """The data module's own guard: vq_trainer is one function taken partially, nothing nested is built."""
-    from mcar.data.crafter import CrafterDataModule
-
-    marker = tmp_path / "PWNED"
-    trainer = {"_target_": "builtins.print", "_partial_": True} | {"x": writes_file(marker)["config"]["x"]}
-    dm = CrafterDataModule(root=str(tmp_path / "crafter"), vq_train=True, vq_trainer=trainer, h=14, w=24, n_a=1,
-                           codebook_size=16, action_vocab_size=17, clip_frames=4, batch_size=2)
-    with pytest.raises(ValueError, match="data.vq_trainer must be"):
-        dm.train_vq()
-    assert not marker.exists()
 
 
 # ----------------------------------------------------------------------------------- vq_train ckpt_path=<file>

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import threading
 import time
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import torch
 from hydra import compose
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.bench.speed import run_sampler
@@ -52,7 +50,8 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
-from mcar.hydra_app import to_dict
+from mcar.data.files import write_atomic, write_json
+from mcar.hydra_app import command_line_overrides, to_dict
 
 
 def training_shape(cfg: DictConfig) -> dict:
@@ -140,7 +139,7 @@ def step_times(warmup: int):
 def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
     """The bench command's own overrides (experiment, model, data, trainer...) plus what a timing run needs."""
     g = cfg.bench.gpu
-    user = [o for o in command_overrides() if not o.split("=")[0].lstrip("+~").startswith("bench.")]
+    user = [o for o in command_line_overrides() if not o.split("=")[0].lstrip("+~").startswith("bench.")]
     if not any(o.startswith("data=") for o in user):
         user = [f"data={cfg.data.name}"] + user  # the bench's default data (synthetic), not train.py's
     on_cuda = torch.cuda.is_available() and OmegaConf.select(cfg, "trainer.accelerator") != "cpu"
@@ -148,11 +147,6 @@ def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
     return user + [f"mask={mask}", "logger=csv", f"trainer.max_steps={int(g.steps)}", "trainer.limit_val_batches=0",
                    "val_dashboard.n_clips=0", "checkpoint.every_n_steps=null", "++trainer.enable_progress_bar=false",
                    f"compile={compile_}", f"run_name=gpucheck-{mask}", f"paths.checkpoint_root={out}/ckpt"]
-
-
-def command_overrides() -> list[str]:
-    """The bench command's Hydra overrides (hydra.* ones excluded), in their order; none outside a Hydra app."""
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 # overrides that change where a stage writes, what merge compares against, or the script's budget: not what it
@@ -250,7 +244,7 @@ def plan_text(plan: dict, arithmetic: dict[str, str], done: list[str]) -> str:
 
 def run_plan(cfg: DictConfig, out: Path) -> dict:
     """bench.gpu.stage=plan: the stages not done in `out`, packed into calls of bench.gpu.budget_s seconds."""
-    names, fp = stages(cfg), fingerprint(cfg, command_overrides())
+    names, fp = stages(cfg), fingerprint(cfg, command_line_overrides())
     states, cached = stage_states(out, names, fp), cached_stages(out)
     todo = [n for n in names if states[n] != "done"]
     arithmetic = {}
@@ -310,7 +304,7 @@ def save_compile_cache(out: Path, stage: str) -> str:
 
 def write_compile_cache(out: Path, stage: str, artifacts: bytes) -> str:
     """compile_cache.zip with `artifacts` as the stage's member, the other stages' kept (a damaged file: dropped)."""
-    path, tmp = out / COMPILE_CACHE, out / (COMPILE_CACHE + ".tmp")
+    path = out / COMPILE_CACHE
     kept = {}
     with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(path) as z:
         kept = {m: z.read(m) for m in z.namelist() if m != f"{stage}.bin"}
@@ -318,8 +312,7 @@ def write_compile_cache(out: Path, stage: str, artifacts: bytes) -> str:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
         for member, data in (kept | {f"{stage}.bin": artifacts}).items():
             z.writestr(member, data)
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, path)  # whole or not at all, as the stage JSONs
+    write_atomic(path, buffer.getvalue())  # whole or not at all, as the stage JSONs
     return f"saved {len(artifacts) / 2**20:.1f} MiB of artifacts ({path.stat().st_size / 2**20:.1f} MiB compressed, " \
         f"{len(kept) + 1} stages)"
 
@@ -478,9 +471,9 @@ def run_stage(cfg: DictConfig, stage: str, out: Path) -> dict:
             cache["saved"] = save_compile_cache(out, stage)
             print(f"compile cache: {cache['loaded']}; {cache['saved']}", flush=True)
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
-              "torch": torch.__version__, "fingerprint": fingerprint(cfg, command_overrides()),
+              "torch": torch.__version__, "fingerprint": fingerprint(cfg, command_line_overrides()),
               "seconds": round(time.perf_counter() - t0, 1), "compile_cache": cache, "result": result}
-    write_json(result, out / f"{stage}.json")
+    write_json(out / f"{stage}.json", result)  # whole or not at all: a stage killed while writing runs again
     return result
 
 
@@ -500,7 +493,7 @@ def run_gpu(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stage = cfg.bench.gpu.stage
     if stage == "list":
-        names, fp = stages(cfg), fingerprint(cfg, command_overrides())
+        names, fp = stages(cfg), fingerprint(cfg, command_line_overrides())
         return {"stages": names, "state": stage_states(out, names, fp),
                 "estimate_s": stage_estimates(cfg, names, cached_stages(out)), "fingerprint": fp}
     if stage == "plan":
@@ -531,7 +524,7 @@ def merge(cfg: DictConfig, out: Path) -> dict:
     if {"causal", "diagd"} <= r["train"].keys():
         r["diagd_over_causal_step"] = round(r["train"]["diagd"]["ms_per_step"] / r["train"]["causal"]["ms_per_step"], 3)
     r["targets"] = check_targets(r, cfg.bench.gpu.targets)
-    write_json(r, out / "bench_gpu.json")
+    write_json(out / "bench_gpu.json", r)
     (out / "bench_gpu.md").write_text(markdown(r))
     return r
 
@@ -605,8 +598,3 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_json(result: dict, path: Path) -> None:
-    """Written whole or not at all (a stage killed while writing leaves no JSON, so it runs again)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, path)

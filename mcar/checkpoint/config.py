@@ -8,14 +8,9 @@ import re
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.hydra_app import CONF_DIR
+from mcar.hydra_app import CONF_DIR, command_line_overrides
 
 log = logging.getLogger("mcar")
-
-
-def command_line_overrides() -> list[str]:
-    """The Hydra job's command-line overrides ([] outside a Hydra app)."""
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def relocate_assets(node):

@@ -22,7 +22,7 @@ def sync(device: torch.device | str) -> None:
 
 def set_threads(n: int | None) -> int:
     """threads=N: torch's CPU threads for this process (0 or null: torch's default, one per core) -> those in use.
-    On a shared 2-core machine 1 thread is the faster choice for sampling (BENCHMARKS.md, "threads")."""
+    On a small shared machine 1 thread is the faster choice for sampling (BENCHMARKS.md, "threads")."""
     if n:
         torch.set_num_threads(int(n))
     return torch.get_num_threads()

@@ -138,18 +138,8 @@ class ScheduleSampler:
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  static: bool = False, compile: bool | str = False, static_widths: int = 3,
                  codebook_size: int | None = None, context: int | None = None, **schedule_fields):
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k={top_k} is invalid: it must be >= 1 or null (off)")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} is invalid: it must be in (0, 1] or null (off)")
-        if codebook_size is not None and codebook_size < 1:
-            raise ValueError(f"codebook_size={codebook_size} is invalid: it must be >= 1 or null (whole vocabulary)")
-        if compile not in (True, False, "auto"):
-            raise ValueError(f"compile={compile!r} is invalid: choose true, false or auto (on for CUDA)")
-        if static_widths < 1:
-            raise ValueError(f"static_widths={static_widths} is invalid: it must be >= 1")
+        check_settings(temperature=temperature, top_k=top_k, top_p=top_p, codebook_size=codebook_size,
+                       compile=compile, static_widths=static_widths)
         self.config = ScheduleConfig.of(schedule, prompt_frames=prompt_frames, **schedule_fields)
         self.name, self.layout, self.frames, self.full = name, layout, frames, self.config.full
         # image slots may only take image codes: ids >= codebook_size are action tokens (an undertrained model
@@ -454,14 +444,30 @@ class Rollout:
         return [self.advance(self._last_actions) for _ in range(self.plan.in_flight - 1)]
 
 
+def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   codebook_size: int | None = None, compile: bool | str = False, static_widths: int = 3,
+                   **_) -> None:
+    """A sampler's own settings, each checked (ValueError naming the field): what ScheduleSampler refuses."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} is invalid: it must be >= 1 or null (off)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} is invalid: it must be in (0, 1] or null (off)")
+    if codebook_size is not None and codebook_size < 1:
+        raise ValueError(f"codebook_size={codebook_size} is invalid: it must be >= 1 or null (whole vocabulary)")
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile={compile!r} is invalid: choose true, false or auto (on for CUDA)")
+    if static_widths < 1:
+        raise ValueError(f"static_widths={static_widths} is invalid: it must be >= 1")
+
+
 SAMPLERS = ("ntp", "diagd")
 
 
-def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = None,
-                  schedule: ScheduleConfig | dict | None = None) -> ScheduleSampler:
-    """sampler=<name> (a dict or DictConfig of the sampler group) on the run's `schedule` (the schedule group)
-    -> a sampler for clips of `frames` frames. codebook_size (the data's): image slots sample image codes only.
-    compile: auto is resolved per device at generate time (`ScheduleSampler.compiles`)."""
+def sampler_fields(cfg, codebook_size: int | None = None) -> tuple[str, dict]:
+    """sampler=<name> (a dict or DictConfig of the sampler group) -> (its name, its other fields), the name and
+    the fields that belong to the schedule group checked."""
     kw = dict(cfg)
     if codebook_size is not None:
         kw.setdefault("codebook_size", codebook_size)
@@ -472,6 +478,26 @@ def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = 
     if moved:
         raise ValueError(f"sampler.{moved[0]} is a schedule setting: set schedule.{moved[0]} (conf/schedule/), which "
                          f"the training mask, validation and every sampler share")
+    return name, kw
+
+
+def check_sampler_config(cfg, layout: Layout, frames: int, schedule: ScheduleConfig | dict | None = None) -> Schedule:
+    """What build_sampler checks, without building a sampler (training, before its data) -> the run's schedule
+    (`Schedule.of`: the one object its mask and samplers share)."""
+    check_settings(**sampler_fields(cfg)[1])
+    config = ScheduleConfig.of(schedule)
+    sched = Schedule.of(layout, frames, config)
+    if config.full:
+        sched.check_full()
+    return sched
+
+
+def build_sampler(cfg, layout: Layout, frames: int, codebook_size: int | None = None,
+                  schedule: ScheduleConfig | dict | None = None) -> ScheduleSampler:
+    """sampler=<name> (a dict or DictConfig of the sampler group) on the run's `schedule` (the schedule group)
+    -> a sampler for clips of `frames` frames. codebook_size (the data's): image slots sample image codes only.
+    compile: auto is resolved per device at generate time (`ScheduleSampler.compiles`)."""
+    name, kw = sampler_fields(cfg, codebook_size)
     if name == "ntp":
         return ScheduleSampler.ntp(layout, frames, schedule=schedule, **kw)
     return ScheduleSampler(layout, frames, schedule=schedule, **kw)

@@ -21,6 +21,7 @@ recomputes any of this.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -106,9 +107,11 @@ class Schedule:
 
     @classmethod
     def of(cls, layout: Layout, frames: int, cfg: ScheduleConfig, prompt_frames: int | None = None) -> "Schedule":
-        """The schedule of `cfg` (prompt_frames overrides cfg.prompt_frames); full is the table's, see table()."""
-        return cls(layout, frames, cfg.prompt_frames if prompt_frames is None else prompt_frames, cfg.k, cfg.d,
-                   cfg.proxy)
+        """The schedule of `cfg` (prompt_frames overrides cfg.prompt_frames); full is the table's, see table().
+        One object per configuration in a process (read-only once built): the training mask, validation and every
+        sampler of a run share it and its cached plans."""
+        return _shared_schedule(cls, layout, frames, cfg.prompt_frames if prompt_frames is None else prompt_frames,
+                                cfg.k, cfg.d, cfg.proxy)
 
     @classmethod
     def ntp(cls, layout: Layout, frames: int, prompt_frames: int = 1) -> "Schedule":
@@ -234,3 +237,9 @@ class Schedule:
                 out_rows=out_rows.to(device), out_slots=out_slots.to(device),
                 out_index=gen_index[out_slots].to(device), n_out=len(out_rows), n_vis=n_vis, index=int(F[rows[a]]),
             )
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_schedule(cls, layout: Layout, frames: int, prompt_frames: int, k: int, d: int | None,
+                     proxy: str) -> Schedule:
+    return cls(layout, frames, prompt_frames, k, d, proxy)

@@ -1,9 +1,8 @@
 """Crafter episodes, made on first use: `python train.py data=crafter` (data=crafter_tiles_small: the main job).
 
 prepare_data() runs three cached stages under `root` (each skipped when its output is there, each with progress):
-    1. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true, by
-                               the injected `vq_trainer`: conf/data/crafter.yaml names
-                               mcar.train.vq_training.train_for_data)
+    1. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true: a
+                               training job lends the module its `vq_trainer`; a sampling tool never trains one)
     2. <setting>/episodes/     generated Crafter episodes (mp4 + jsonl)   mcar.data.crafter_gen
     3. <setting>/tokens_<vq>/  token shards + index                       mcar.data.tokenize
 Frames are rendered at the token grid (data.h, data.w) times the VQ's downsampling (x16: 224x384).
@@ -13,7 +12,6 @@ changing them never mixes episodes; more episodes extend the same folder.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -23,18 +21,18 @@ from mcar.data.token_clips import TokenDataModule
 class CrafterDataModule(TokenDataModule):
     def __init__(self, root: str, episodes: int = 12, frames_per_episode: int = 128, gen_seed: int = 0,
                  policy_mix: dict | None = None, workers: int = 2, vq_path: str | None = None,
-                 vq_train: bool = False, vq_train_overrides: list | None = None, vq_trainer: Callable | None = None,
-                 tokenize_batch: int = 16, view: list | tuple | None = None, daylight: float | None = None,
-                 lossless: bool = False, **kw):
-        """vq_trainer(root, overrides, grid): trains a VQ into root/vq/best when vq_train=true (a callable, or its
-        Hydra config with `_partial_: true`, instantiated on first use). view: Crafter's grid in tiles (W, H), None
+                 vq_train: bool = False, vq_train_overrides: list | None = None, tokenize_batch: int = 16,
+                 view: list | tuple | None = None, daylight: float | None = None, lossless: bool = False, **kw):
+        """vq_train: tokenise with a VQ trained under root/vq/best, by `vq_trainer` (root=, overrides=, grid=): set in
+        code by a training job (mcar.train.task), never by a config. view: Crafter's grid in tiles (W, H), None
         for its default 9x9. daylight: a fixed light level in (0, 1] (1: always noon), None for Crafter's cycle.
         lossless: episodes as bit-exact RGB video (default: yuv444p at crf 12)."""
         super().__init__(**kw)
         self.root, self.n_episodes, self.frames_per_episode = Path(root), episodes, frames_per_episode
         self.gen_seed, self.policy_mix, self.workers = gen_seed, dict(policy_mix or {}), workers
         self.vq_path, self.vq_train, self.vq_train_overrides = vq_path, vq_train, list(vq_train_overrides or [])
-        self.vq_trainer, self.tokenize_batch = vq_trainer, tokenize_batch
+        self.tokenize_batch = tokenize_batch
+        self.vq_trainer: Callable | None = None  # a training job's to set
         self.view = None if view is None else tuple(int(v) for v in view)
         if self.view is not None and (len(self.view) != 2 or min(self.view) < 3):
             raise ValueError(f"data.view={list(view)}: Crafter's grid in tiles, [W, H], each >= 3 (e.g. [24, 14])")
@@ -107,20 +105,11 @@ class CrafterDataModule(TokenDataModule):
         print(f"crafter data: generation {t1 - t0:.0f}s, tokenisation {time.time() - t1:.0f}s")
 
     def train_vq(self) -> None:
-        """Train a VQ into root/vq with the injected vq_trainer (on Crafter episodes under root/vq_episodes)."""
+        """Train a VQ into root/vq with the training job's vq_trainer (on Crafter episodes under root/vq_episodes)."""
         trainer = self.vq_trainer
         if trainer is None:
-            raise ValueError("data.vq_train=true needs data.vq_trainer, the function that trains the VQ "
-                             "(conf/data/crafter.yaml: {_target_: mcar.train.vq_training.train_for_data, "
-                             "_partial_: true})")
-        if not callable(trainer):  # its config: this module is instantiated with _recursive_=False
-            import hydra
-
-            # one function taken partially (conf/data/crafter.yaml), nothing nested built or called with its own args
-            if (not isinstance(trainer, Mapping) or set(trainer) - {"_target_", "_partial_"}
-                    or trainer.get("_partial_") is not True):
-                raise ValueError(f"data.vq_trainer must be {{_target_: <function>, _partial_: true}} (conf/data/"
-                                 f"crafter.yaml: mcar.train.vq_training.train_for_data), not {trainer!r}")
-            trainer = hydra.utils.instantiate(trainer, _recursive_=False)
+            raise FileNotFoundError(f"data.vq_train=true: no trained VQ in {self.vq_root / 'vq' / 'best'} yet; a "
+                                    f"training job trains it first (python train.py data=<this data> "
+                                    f"data.vq_train=true); other tools only use one")
         view = [] if self.view is None else [f"generate.view=[{self.view[0]},{self.view[1]}]"]
         trainer(root=self.vq_root, overrides=[*view, *self.vq_train_overrides], grid=(self.layout.h, self.layout.w))

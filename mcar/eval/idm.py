@@ -27,6 +27,7 @@ from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 from mcar.checkpoint.io import load_weights_only
+from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.lr_schedule import warmup_cosine
 from mcar.data.common import build_datamodule
@@ -317,8 +318,7 @@ def idm_codebook(datamodule, codebook_size: int, code_dim: int) -> tuple[torch.T
 
 def train_idm(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     with open_dict(cfg):  # every consecutive pair is a 2-frame clip (synthetic clips have no stride: independent)
         cfg.data.clip_frames = 2
         if "clip_stride" in cfg.data:

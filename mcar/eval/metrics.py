@@ -36,10 +36,6 @@ class Unavailable:
         return f"unavailable: {self.reason}"
 
 
-def value_or_none(x) -> float | None:
-    return None if isinstance(x, Unavailable) else float(x)
-
-
 # ------------------------------------------------------------------------------------------------ PSNR / SSIM
 def _flat(gen: torch.Tensor, gt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if gen.shape != gt.shape or gen.dim() != 5:

@@ -9,14 +9,14 @@ import logging
 import math
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mcar.data.files import write_atomic, writing_into
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
 from mcar.hydra_app import hydra_job
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
+from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.eval.evaluate")
 
@@ -130,25 +130,15 @@ def _finite(v):
 
 def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: dict) -> None:
     """Results table, per-frame PSNR curves, videos and the mask image to the configured W&B run."""
-    if not cfg.get("logger") or "wandb" not in str(cfg.logger.get("_target_", "")).lower():
+    run = open_run(cfg)
+    if run is None:
         return
-    import wandb
-
-    run = hydra.utils.instantiate(cfg.logger).experiment
-    run.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
     keys = R.csv_keys()
-    run.log({"eval/results": wandb.Table(columns=keys, data=[[r.get(k) if R.kind_of(k) == "text" else _finite(r.get(k))
-                                                              for k in keys] for r in rows])})
-    frames_table = wandb.Table(columns=per_frame_header(),
-                               data=[[_finite(x) for x in r] for r in per_frame])
-    run.log({"eval/per_frame": frames_table,
-             "eval/psnr_per_frame": wandb.plot.line(frames_table, "frame", "psnr", stroke="row",
-                                                    title="PSNR per frame index")})
-    for key, path in media.items():
-        if path.suffix == ".png":
-            run.log({key: wandb.Image(str(path))})
-        else:
-            run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
+    log_table(run, "eval/results", keys, [[r.get(k) if R.kind_of(k) == "text" else _finite(r.get(k)) for k in keys]
+                                          for r in rows])
+    log_table(run, "eval/per_frame", per_frame_header(), [[_finite(x) for x in r] for r in per_frame],
+              curve=("frame", "psnr", "row", "PSNR per frame index"))
+    log_media(run, media)
     for r in rows:
         for c in R.COLUMNS:
             if c.summary and _finite(r.get(c.key)) is not None:

@@ -34,10 +34,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mcar.core.agreement import frame_agreement, nothing_moves
 from mcar.core.devices import set_threads
@@ -48,6 +47,7 @@ from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
 from mcar.tokenizer.vq_model import encode_tokens, frame_size
+from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.eval.world_tests")
 
@@ -414,18 +414,12 @@ def write_curves(curves: dict, path: Path) -> list[list]:
 
 def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> None:
     """The curve, the summary numbers and the loop videos to the configured W&B run (as mcar evaluate logs)."""
-    if not cfg.get("logger") or "wandb" not in str(cfg.logger.get("_target_", "")).lower():
+    run = open_run(cfg)
+    if run is None:
         return
-    import wandb
-
-    run = hydra.utils.instantiate(cfg.logger).experiment
-    run.config.update(OmegaConf.to_container(cfg, resolve=True), allow_val_change=True)
-    t = wandb.Table(columns=["row", "step", "agreement", "lo", "hi"], data=table)
-    run.log({"world/rollout_agreement": t,
-             "world/rollout_curve": wandb.plot.line(t, "step", "agreement", stroke="row",
-                                                    title="token agreement per rollout step")})
-    for key, path in media.items():
-        run.log({key: wandb.Video(str(path), format=path.suffix[1:])})
+    log_table(run, "world/rollout_agreement", ["row", "step", "agreement", "lo", "hi"], table,
+              curve=("step", "agreement", "row", "token agreement per rollout step"))
+    log_media(run, media)
     for n, rows in res["loops"].items():
         for name, v in rows.items():
             run.summary[f"loop{n}/{name}/recall"] = v["recall"]["mean"]

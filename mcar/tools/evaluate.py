@@ -3,10 +3,10 @@ from omegaconf import DictConfig
 
 from mcar.eval.evaluate import evaluate
 from mcar.hydra_app import hydra_tool
-from mcar.train.jobs import finish_wandb
+from mcar.wandb_run import finishing
 
 
 @hydra_tool("evaluate")
-@finish_wandb
+@finishing
 def main(cfg: DictConfig) -> None:
     evaluate(cfg)

@@ -2,7 +2,7 @@
 the DiagD mask (proxy slots), the paper's plain DiagD mask and the causal mask (the control), evaluate each with
 the sampler it was tuned for, and write the table to RESULTS.md.
 
-    mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h on 2 cores
+    mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h (RESULTS.md)
     mcar table3 experiment=crafter_table3            # GPU scale
     mcar table3 experiment=crafter_table3_cpu trainer.max_steps=50 table3.finetune.steps=10  # smoke
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mcar.core.devices import set_threads
 from mcar.data.episodes import episode_files
 from mcar.data.files import write_atomic
 from mcar.eval.vq_scores import evaluate
@@ -23,7 +24,7 @@ from mcar.train.vq_training import load_frames, save_grid
 
 def main(argv: list[str] | None = None) -> dict:
     c = compose_tool("vq_eval", argv)
-    torch.set_num_threads(int(c.threads))
+    set_threads(int(c.threads))
     vq = load_vq(c.vq)
     if c.export:
         save_vq(vq, c.export, half=True)

@@ -3,10 +3,10 @@ from omegaconf import DictConfig
 
 from mcar.eval.world_tests import world_tests
 from mcar.hydra_app import hydra_tool
-from mcar.train.jobs import finish_wandb
+from mcar.wandb_run import finishing
 
 
 @hydra_tool("worldtest")
-@finish_wandb
+@finishing
 def main(cfg: DictConfig) -> None:
     world_tests(cfg)

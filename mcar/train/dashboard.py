@@ -25,17 +25,10 @@ from mcar.tokenizer.pictures import (
     write_video,
 )
 from mcar.train.parallel import is_sharded
+from mcar.wandb_run import log_media, log_table, run_of
 
 log = logging.getLogger("mcar")
 SPEED_COLUMNS = ["step", "sampler", "passes", "fps", "tp", "seconds"]
-
-
-def wandb_run(trainer):
-    """The W&B run behind the trainer's logger, or None."""
-    for lg in trainer.loggers:
-        if type(lg).__name__ == "WandbLogger":
-            return lg.experiment
-    return None
 
 
 def sampling_autocast(device: torch.device):
@@ -103,11 +96,9 @@ class ValDashboard(Callback):
                                            self.out / "mask_train.png"),
                   f"masks/sampler_{sampler.name}": write_png(mask_image(schedule_table(sampler)),
                                                              self.out / f"mask_sampler_{sampler.name}.png")}
-        run = wandb_run(trainer)
+        run = run_of(trainer)
         if run is not None:
-            import wandb
-
-            run.log({k: wandb.Image(str(v)) for k, v in images.items()})
+            log_media(run, images)
 
     # ---- each validation ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,14 +141,11 @@ class ValDashboard(Callback):
         except Exception as e:  # noqa: BLE001
             log.warning("validation video at step %d failed: %s: %s", step, type(e).__name__, e)
             video = None
-        run = wandb_run(trainer)
+        run = run_of(trainer)
         if run is not None:
-            import wandb
-
-            payload = {"val/speed": wandb.Table(columns=SPEED_COLUMNS, data=self._speed_rows)}
+            log_table(run, "val/speed", SPEED_COLUMNS, self._speed_rows)
             if video is not None:
-                payload["val/video"] = wandb.Video(str(video), format="gif")
-            run.log(payload)
+                log_media(run, {"val/video": video})
 
     def save_tokens(self, clips: torch.Tensor, generated: dict, frames: int, step: int) -> None:
         """Ground truth and every sampler's tokens -> val_generations/step<N>.pt (for evaluation offline)."""

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from mcar.checkpoint.config import adopt_checkpoint_config, command_line_overrides
+from mcar.checkpoint.config import adopt_checkpoint_config
 from mcar.checkpoint.io import load_checkpoint
-from mcar.hydra_app import to_dict
+from mcar.hydra_app import command_line_overrides, to_dict
 
 log = logging.getLogger("mcar")
 

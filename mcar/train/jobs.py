@@ -1,8 +1,7 @@
-"""One Hydra job of a training run: its name (a multirun job's number, its W&B group), its checkpoint dir, the
-checkpoint it resumes, and its W&B run closed whatever happens."""
+"""One Hydra job of a training run: its name (a multirun job's number, its W&B group), its checkpoint dir and the
+checkpoint it resumes."""
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from pathlib import Path
@@ -14,25 +13,6 @@ from mcar.checkpoint.io import is_sharded_checkpoint
 from mcar.hydra_app import hydra_job
 
 log = logging.getLogger("mcar")
-
-def finish_wandb(fn):
-    """Task wrapper: whatever happens, close the W&B run so the next multirun job opens its own."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            try:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.finish()
-            except ImportError:
-                pass
-
-    return wrapped
-
 
 def finalize_run_name(cfg: DictConfig) -> None:
     multi, num, group = hydra_job()

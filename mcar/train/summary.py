@@ -16,8 +16,9 @@ from lightning.pytorch.callbacks import Callback
 
 from mcar.core.agreement import generated_agreement, nothing_moves
 from mcar.core.sampler import build_sampler
-from mcar.train.dashboard import generate_eager, wandb_run
+from mcar.train.dashboard import generate_eager
 from mcar.train.parallel import is_sharded
+from mcar.wandb_run import finish, run_of
 
 
 @dataclass
@@ -63,7 +64,7 @@ class HeldOutAgreement(Callback):
 
     @torch.no_grad()
     def on_train_end(self, trainer, pl_module) -> None:
-        run = wandb_run(trainer)
+        run = run_of(trainer)
         if run is not None and trainer.is_global_zero:
             self.wandb_dir = Path(run.dir).parent  # <save_dir>/wandb/offline-run-<time>-<id>
         if not (trainer.is_global_zero or is_sharded(pl_module.model)) or trainer.datamodule is None:
@@ -133,9 +134,7 @@ def print_summary(trainer, cfg, output_dir, checkpoint: Path | None, seconds: fl
     measured = next((c for c in trainer.callbacks if isinstance(c, HeldOutAgreement)), None)
     lines = summary_lines(measured and measured.result, trainer.global_step, seconds / 60, checkpoint,
                           Path(output_dir), measured and measured.wandb_dir, cfg.task)
-    if wandb_run(trainer) is not None:  # W&B's own closing lines come before these, not after
-        import wandb
-
-        wandb.finish()
+    if run_of(trainer) is not None:  # W&B's own closing lines come before these, not after
+        finish()
     print("\n" + "\n".join(lines), flush=True)
 

@@ -24,7 +24,7 @@ from mcar.checkpoint.io import (
 )
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
-from mcar.core.sampler import build_sampler
+from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import Checkpoints, build_callbacks
@@ -32,7 +32,6 @@ from mcar.train.jobs import (
     check_run_name,
     checkpoint_dir,
     finalize_run_name,
-    finish_wandb,
     resolve_ckpt_path,
     take_free_run_name,
     write_hydra_record,
@@ -41,6 +40,7 @@ from mcar.train.module import MCARModule
 from mcar.train.ownership import check_fresh_checkpoint_dir, claim, release
 from mcar.train.quiet import quiet_lightning
 from mcar.train.summary import print_summary
+from mcar.wandb_run import finishing
 
 log = logging.getLogger("mcar")
 
@@ -77,7 +77,7 @@ def use_tensor_cores_for_fp32(device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
 
 
-@finish_wandb
+@finishing
 def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback] = ()) -> dict:
     """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning); callbacks:
     added to the configured ones (benchmarks)."""
@@ -91,9 +91,14 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     L.seed_everything(cfg.seed, workers=True)
 
     layout = Layout.of(cfg.data)
-    # bad sampler or schedule values fail now, not at the first validation
-    build_sampler(to_dict(cfg.sampler), layout, cfg.data.clip_frames, schedule=to_dict(cfg.schedule))
+    # bad sampler or schedule values fail now, not at the first validation (the schedule is built once: the mask
+    # factory and the samplers take the same object)
+    check_sampler_config(to_dict(cfg.sampler), layout, cfg.data.clip_frames, to_dict(cfg.schedule))
     datamodule = build_datamodule(cfg.data)
+    if getattr(datamodule, "vq_train", False):  # training jobs train the VQ their data needs (diffusers: imported then)
+        from mcar.train.vq_training import train_for_data
+
+        datamodule.vq_trainer = train_for_data
     with torch.device("cpu"):
         module = build_module(cfg)
     resumed = None  # the resumed checkpoint, read once (shards: torch.distributed.checkpoint checks each tensor)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from mcar.checkpoint.io import AtomicCheckpointIO, load_checkpoint
+from mcar.core.devices import set_threads
 from mcar.core.lr_schedule import warmup_linear_decay
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
@@ -243,7 +244,7 @@ def make_data(cfg: DictConfig):
 
 
 def train(cfg: DictConfig) -> VQLit:
-    torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     L.seed_everything(cfg.seed)
     train_frames, val_frames = make_data(cfg)
     lit = VQLit(cfg)
@@ -289,4 +290,4 @@ def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]
     try:
         return train(cfg)
     finally:
-        torch.set_num_threads(threads)  # vq_train's thread count is for its own background runs
+        set_threads(threads)  # vq_train's thread count is for its own background runs
