@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None):
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
     from mcar.hydra_app import plain_errors, readable_progress
+    from mcar.stopping import stop_signals_end
 
-    with readable_progress(), plain_errors():  # for the tools that compose their config themselves (hydra_tool's
-        return importlib.import_module(f"mcar.tools.{name}").main(rest)  # do both inside Hydra too)
+    # the tools that compose their config themselves get these here (hydra_tool's get them inside Hydra too)
+    with readable_progress(), plain_errors(), stop_signals_end(name):
+        return importlib.import_module(f"mcar.tools.{name}").main(rest)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mcar.core.precision import trainer_precision
+from mcar.stopping import stop_signals_end
 
 CONFIG_PATH = "pkg://mcar.conf"
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs, as files
@@ -218,7 +219,7 @@ def hydra_tool(config_name: str, words=None):
             user["full_error"] = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"  # a failed composition reaches us (said in one line, below)
             try:
-                with readable_progress():
+                with readable_progress(), stop_signals_end(config_name):
                     return app()
             except COMPOSE_ERRORS as e:  # the job's own errors went through Hydra's handler (said_plainly)
                 if user["full_error"] == "1":

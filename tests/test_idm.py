@@ -3,9 +3,12 @@ code grids whose action is a known shift, and the per-action precision / recall 
 import pytest
 import torch
 
-from mcar.eval.idm import MOVES, PR_COLUMNS, InverseDynamics, action_pr, fit, load_idm, random_codebook, save_idm
+from mcar.eval.idm import InverseDynamics, action_pr, data_moves, fit, load_idm, pr_keys, random_codebook, save_idm
+from mcar.tokenizer.actions import CrafterActions
 
 NAMES = {0: "noop", 1: "move_left", 2: "move_right", 3: "move_up", 4: "move_down"}
+MOVES = CrafterActions.moves
+PR_COLUMNS = pr_keys(MOVES)
 
 
 def test_forward_on_tiny_shapes_and_the_codebook_is_frozen_and_saved(tmp_path):
@@ -45,7 +48,8 @@ def test_a_seeded_tiny_training_reads_a_shift_from_the_code_vectors():
     train, val = shifted_pairs(256, g), shifted_pairs(100, g)
     torch.manual_seed(0)
     idm = InverseDynamics(32, 1, 5, hidden=16, max_shift=(1, 1), grid=(2, 2), codebook=random_codebook(32, 8))
-    history = fit(idm, train, val, NAMES, steps=60, batch_size=32, lr=3e-3, weight_decay=0.05, eval_every=30)
+    history = fit(idm, train, val, NAMES, steps=60, batch_size=32, lr=3e-3, weight_decay=0.05, eval_every=30,
+                  moves=MOVES)
     assert [h["step"] for h in history] == [30, 60]
     assert history[-1]["val_accuracy"] >= 0.95 and history[-1]["val_moves"] >= 0.95  # measured 1.00 (from step 20)
 
@@ -53,23 +57,24 @@ def test_a_seeded_tiny_training_reads_a_shift_from_the_code_vectors():
 def test_per_action_precision_and_recall_by_hand():
     pred = torch.tensor([[1], [1], [2], [0], [3], [1]])
     true = torch.tensor([[1], [2], [2], [1], [0], [0]])
-    pr = action_pr(pred, true, NAMES)
+    pr = action_pr(pred, true, NAMES, MOVES)
     assert list(pr) == PR_COLUMNS
     # move_left: predicted 3 times (right once), true twice (found once); move_right: predicted once (right),
     # true twice; move_up: predicted once (wrong), never true; move_down: neither
     assert pr == {"prec_move_left": 1 / 3, "rec_move_left": 1 / 2, "prec_move_right": 1.0, "rec_move_right": 1 / 2,
                   "prec_move_up": 0.0, "rec_move_up": None, "prec_move_down": None, "rec_move_down": None}
-    assert set(action_pr(pred, true, {0: "0", 1: "1"}).values()) == {None}  # data without movement actions
-    assert len(PR_COLUMNS) == 2 * len(MOVES)
+    assert set(action_pr(pred, true, {0: "0", 1: "1"}, MOVES).values()) == {None}  # names without those moves
+    assert action_pr(pred, true, {0: "0", 1: "1"}, ()) == {}  # data without movement actions: no columns
+    assert data_moves({"name": "crafter"}) == MOVES and data_moves({"name": "synthetic"}) == ()
 
 
 def test_the_results_table_has_the_precision_recall_columns(tmp_path):
     from mcar.eval.metric_registry import csv_keys
     from mcar.eval.reporting import read_table, write_table
 
-    assert set(PR_COLUMNS) <= set(csv_keys())
-    row = {"model": "m", "sampler": "ntp", "prec_move_left": 0.5, "rec_move_left": 1.0, "prec_move_up": None,
+    row = {"model": "m", "sampler": "ntp", **dict.fromkeys(PR_COLUMNS), "prec_move_left": 0.5, "rec_move_left": 1.0,
            "rec_move_up": 0.25, "notes": ""}
+    assert set(PR_COLUMNS) <= set(csv_keys([row])) and not set(PR_COLUMNS) & set(csv_keys())
     write_table([row], tmp_path)
     md = (tmp_path / "results.md").read_text().splitlines()
     head = [c.strip() for c in md[0].strip("|").split("|")]

@@ -108,6 +108,7 @@ def test_fsdp_on_two_gloo_processes_matches_ddp_and_resumes_exactly(tmp_path):
     uninterrupted one exactly."""
     common = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "logger=csv",
               "log_every_n_steps=1", "trainer.val_check_interval=3", "val_dashboard.videos=false",
+              "val_dashboard.min_steps=0",
               "checkpoint.every_n_steps=3", *SMALL_DATA]
     full = run_script("train.py", "trainer=fsdp", "trainer.max_steps=6", *common, *job_overrides(tmp_path / "full"))
     assert "FSDP2: 4 blocks + root sharded over 2 processes" in full.stdout + full.stderr

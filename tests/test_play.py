@@ -615,7 +615,7 @@ def test_games_are_capped_and_their_memory_returned(crafter_files):
     with pytest.raises(GamesFull, match="all 2 games are taken"):
         base.fork()
     base.server.step_together([(a, "do"), (b, "noop")])
-    a.step("do")  # a alone: a restart into its own rollout; b's row of the shared one is now a ghost
+    a.step("do")  # a alone: split off into its own rollout; b's row of the shared one stays, a's is a ghost
     assert len(base.server._groups) == 2
     base.server.leave(a)
     c = base.fork()  # a's place is free
@@ -623,3 +623,15 @@ def test_games_are_capped_and_their_memory_returned(crafter_files):
     assert base.server.leaves_nothing()
     with pytest.raises(ValueError, match="max_games=0"):
         crafter_session(crafter_files, "max_games=0")
+
+
+def test_a_soak_of_players_coming_and_going_draws_every_frame_as_played_alone(crafter_files):
+    """Players join, step, reset, change k and leave at random (batched in ticks); every game, replayed alone
+    with the same events, draws the same frames token for token (mcar bench play bench.play.soak_ticks=N)."""
+    from mcar.bench.play import soak_games
+
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    r = soak_games(base, ticks=14, max_players=3, seed=3)
+    assert r["mismatched"] == 0 and r["frames"] >= 10 and r["games"] >= 3, r
+    assert r["splits"] >= 1  # partners stepping apart were split, not restarted
+    assert base.server.leaves_nothing()  # every game gone, every rollout's cache with it

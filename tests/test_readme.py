@@ -45,3 +45,25 @@ def test_what_is_inside_names_every_module():
     modules = sorted({p.stem for p in (REPO / "mcar").rglob("*.py") if p.stem != "__init__"})
     unnamed = [m for m in modules if not re.search(rf"\b{re.escape(m)}\b", inside)]
     assert not unnamed, f"README's 'What is inside' does not name: {unnamed}"
+
+
+def test_a_sampler_option_lives_in_the_sampler_and_its_config():
+    """README "Where do I add X": a sampler option is a ScheduleSampler keyword checked by check_settings, with its
+    default in conf/sampler/shared.yaml; every sampler config takes it, and nothing else lists options."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from mcar.core.sampler import ScheduleSampler, check_settings
+
+    conf = REPO / "mcar" / "conf" / "sampler"
+    shared = set(OmegaConf.load(conf / "shared.yaml"))
+    given = {"self", "layout", "frames", "prompt_frames", "schedule", "name", "schedule_fields",
+             "codebook_size"}  # the clip, the schedule group and the data's codebook: not sampler options
+    own = set(inspect.signature(ScheduleSampler.__init__).parameters) - given
+    assert shared == own, f"conf/sampler/shared.yaml and ScheduleSampler differ: {sorted(shared ^ own)}"
+    checked = set(inspect.signature(check_settings).parameters) - {"_", "codebook_size"}
+    assert checked <= own and {"temperature", "top_k", "top_p"} <= checked
+    for option in sorted(p.stem for p in conf.glob("*.yaml") if p.stem != "shared"):
+        cfg = OmegaConf.load(conf / f"{option}.yaml")
+        assert list(cfg.defaults) == ["shared", "_self_"] and set(cfg) - {"defaults"} == {"name"}, option

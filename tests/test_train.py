@@ -115,7 +115,7 @@ def val_losses(config_name: str, overrides: list[str], ckpt: Path, **schedule) -
 def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path, tiny_checkpoint):
     """Issue 13 item 1: `finetune.py mask=diagd schedule.k=4` trains, validates (val/loss_diagd) and samples the
     dashboard's DiagD on k=4, the one schedule."""
-    overrides = ["mask=diagd", "steps=20", *SMALL_DATA, "schedule.k=4"]
+    overrides = ["mask=diagd", "steps=20", *SMALL_DATA, "schedule.k=4", "val_dashboard.min_steps=0"]
     run_script("finetune.py", *overrides, *job_overrides(tmp_path, "ft"), f"init_from={tiny_checkpoint}", "logger=csv",
                "trainer.val_check_interval=10")
     val = [r for r in metrics_rows(tmp_path / "ft") if r.get("val/loss")]
@@ -318,7 +318,7 @@ def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
     process."""
     crafter = ["data=crafter", f"paths.data_dir={tmp_path}/data", "data.episodes=3", "data.frames_per_episode=12",
                "data.workers=1", "data.val_episodes=1", "data.val_clips=1", "data.clip_frames=3",
-               "data.batch_size=2", "val_dashboard.max_frames=2"]
+               "data.batch_size=2", "val_dashboard.max_frames=2", "val_dashboard.min_steps=0"]
     from mcar.tools.finetune import main as finetune
     from mcar.tools.train import main as train
 
@@ -392,3 +392,20 @@ def test_dashboard_token_accuracy_counts_generated_frames_only():
     tokens[:, image & (torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))] = clips[:, image & (
         torch.arange(lay.n_slots(frames)) >= lay.n_slots(3))]  # the last frame right: half of what was generated
     assert generated_agreement(tokens, clips, lay, 2).tolist() == [0.5, 0.5]
+
+
+def test_a_smoke_run_skips_the_held_out_measurement_and_says_how_to_run_it():
+    """End-of-run work in proportion to the run: fewer than min_steps steps measure nothing (the summary says how
+    to), and a measured run samples at most max_clips clips."""
+    from types import SimpleNamespace
+
+    from mcar.train.summary import HeldOutAgreement, summary_lines
+
+    cb = HeldOutAgreement(min_steps=50, max_clips=2)
+    trainer = SimpleNamespace(global_step=3, is_global_zero=True, loggers=[], datamodule=object())
+    cb.on_train_end(trainer, SimpleNamespace(model=torch.nn.Linear(1, 1)))
+    assert cb.result is None and "3 steps < callbacks.held_out_agreement.min_steps=50" in cb.skipped
+    lines = summary_lines(None, 3, 0.1, None, Path("."), None, "train", cb.skipped)
+    assert lines[1] == cb.skipped and "mcar evaluate" in lines[1]
+    with pytest.raises(ValueError, match="max_clips=0"):
+        HeldOutAgreement(max_clips=0)

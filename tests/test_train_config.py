@@ -147,6 +147,7 @@ def test_every_default_callback_is_instantiated(tmp_path, monkeypatch):
     assert (dash.sampler_cfg["name"], dash.out, dash.data_name, dash.codebook_size, dash.vq_path, dash.n_clips,
             dash.max_frames, dash.fps, dash.videos) == ("diagd", tmp_path / "out" / "dashboard", "synthetic", 32,
                                                         None, 1, 2, 4, True)
+    assert dash.min_steps == 50  # val_dashboard.min_steps: a smoke run samples nothing at its end
     assert by_type["SeenClips"].output_dir == tmp_path / "out"
     assert by_type["TQDMProgressBar"].refresh_rate == 3
     assert cbs.count(marker) == 1

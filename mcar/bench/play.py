@@ -110,8 +110,65 @@ def run_play(cfg: DictConfig) -> dict:
     if b.sessions:
         counts = [int(b.sessions)] if isinstance(b.sessions, int) else [int(n) for n in b.sessions]
         out["sessions"] = bench_sessions(session, counts, actions, int(b.session_steps), int(cfg.bench.repeats))
+    if b.soak_ticks:
+        out["soak"] = soak_games(session, int(b.soak_ticks), int(b.soak_players), int(cfg.seed))
     if b.rollouts:
         source = held_out_data(play_cfg, int(b.rollout_steps) + 1).val_source
         clips = [source.clip(i) for i in pick_clips(source, int(b.rollouts))]
         out["rollouts"] = {"k": session.k, "steps": int(b.rollout_steps), **rollout_agreement(session, clips)}
     return out
+
+
+def soak_games(session: PlaySession, ticks: int, max_players: int, seed: int = 0) -> dict:
+    """Players join, step, reset, change k and leave at random for `ticks` ticks on `session`'s server (the games
+    stepping in a tick batched); then each game is played again alone, the same events in order, and every frame
+    compared token for token. -> {"games", "frames", "mismatched" (frames that differ: 0), "ticks", "restarts",
+    "splits", "seconds"}."""
+    import random
+
+    if ticks < 1 or max_players < 1:
+        raise ValueError(f"soak: ticks={ticks} and max_players={max_players} must be >= 1")
+    rng, server, t0 = random.Random(seed), session.server, time.perf_counter()
+    actions = list(session.actions) or [[0] * session.layout.n_a]
+    restarts, splits = server.restarts, server.splits
+    live: dict[PlaySession, list] = {}  # game -> [(event, value, the frame it drew)]
+    done: list[tuple[int, list]] = []  # (game seed, its events)
+    for _ in range(ticks):
+        if len(live) < max_players and rng.random() < 0.5:
+            live[session.fork(seed=seed + len(live) + len(done) + 1)] = []
+        moves = []
+        for game, events in list(live.items()):
+            r = rng.random()
+            if r < 0.05:
+                server.leave(game)
+                done.append((game.seed, live.pop(game)))
+            elif r < 0.12:
+                game.reset()
+                events.append(("reset", None, None))
+            elif r < 0.15:
+                events.append(("k", game.set_k(rng.choice([1, 2]))["k"], None))
+            elif r < 0.75:
+                moves.append((game, rng.choice(actions)))
+        if moves:
+            server.step_together(moves)
+        for game, action in moves:
+            live[game].append(("step", action, game.history[-1].clone()))
+    for game, events in live.items():
+        server.leave(game)
+        done.append((game.seed, events))
+    frames = mismatched = 0
+    for game_seed, events in done:  # each game again, alone
+        game = session.fork(seed=game_seed)
+        for event, value, drawn in events:
+            if event == "reset":
+                game.reset()
+            elif event == "k":
+                game.set_k(value)
+            else:
+                game.step(value)
+                frames += 1
+                mismatched += not torch.equal(game.history[-1], drawn)
+        server.leave(game)
+    return {"games": len(done), "frames": frames, "mismatched": mismatched, "ticks": ticks,
+            "restarts": server.restarts - restarts, "splits": server.splits - splits,
+            "seconds": round(time.perf_counter() - t0, 1)}

@@ -109,6 +109,15 @@ class KVCache(nn.Module):
         self.register_buffer("k_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache holding copies of batch rows `rows` (a batch of games split: each row's keys exactly)."""
+        out = KVCache.__new__(KVCache)
+        nn.Module.__init__(out)
+        out.staging = self.staging
+        out.register_buffer("k_buf", self.k_buf[rows].clone(), persistent=False)
+        out.register_buffer("v_buf", self.v_buf[rows].clone(), persistent=False)
+        return out
+
     @property
     def k(self) -> torch.Tensor:
         return self.k_buf[:, :, self.staging:]

@@ -21,6 +21,7 @@ Reading order: `forward_rows` (one pass), `sample_slots` (its outputs -> tokens 
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -435,6 +436,22 @@ class Rollout:
             return None
         c = plan.column(done)
         return self.tokens[:, c:c + lay.frame_tokens].clone()
+
+    def split(self, rows: list[int]) -> "Rollout":
+        """A new rollout of batch rows `rows` of this one, with copies of their KV cache (installed in the model):
+        it goes on exactly as those rows would have here. This rollout's cache must be the model's (the caller
+        swaps it back in afterwards when both go on)."""
+        caches = self.model.kv_caches()
+        if caches is None or caches[0] is not self._cache:
+            raise RuntimeError("split: this rollout's KV cache is not the model's: swap it in first")
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.tokens.device)
+        out = copy.copy(self)
+        out.tokens, out.rows, out.first_slots = self.tokens[index].clone(), self.rows[index], self.first_slots[index]
+        out._last_actions = None if self._last_actions is None else self._last_actions[index]
+        self.model.swap_caches([c.select(index) for c in caches])
+        out._cache = self.model.kv_caches()[0]
+        out._cache_version = out._cache.k_buf._version
+        return out
 
     def finish(self) -> list[torch.Tensor]:
         """The frames still in flight, completed by `in_flight - 1` more advances on the last action (the frames

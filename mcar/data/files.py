@@ -130,9 +130,11 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # a stop signal too: no temp file left behind
         tmp.unlink(missing_ok=True)
-        raise no_space_error(path, e) from e
+        if isinstance(e, OSError):
+            raise no_space_error(path, e) from e
+        raise
     return path
 
 

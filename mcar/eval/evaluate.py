@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from mcar.checkpoint.load import resolve_ckpt
 from mcar.core.devices import set_threads
 from mcar.eval import metrics as M
-from mcar.eval.idm import action_names, check_idm_fits, load_idm, resolve_idm
+from mcar.eval.idm import action_names, check_idm_fits, data_moves, load_idm, resolve_idm
 from mcar.eval.reporting import (
     gather_sweep,
     log_wandb,
@@ -89,7 +89,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
         outputs[kind] = (reference_clips(kind, gt, layout, P, cb, cfg.seed), {})
 
     common = {"model": model_name, "clips": len(ids), "frames": frames, "prompt_frames": P}
-    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names, seed=cfg.seed)
+    scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names, seed=cfg.seed,
+                    moves=data_moves(cfg.data))
     rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common=common)
     media = write_videos(cfg, gt, outputs, layout, cb, vq, out)
     mask = write_png(mask_image(schedule_table(sampler)), out / f"mask_{sampler.name}.png")

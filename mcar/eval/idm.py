@@ -33,7 +33,7 @@ from mcar.core.lr_schedule import warmup_cosine
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_json
 from mcar.eval.metrics import Unavailable
-from mcar.tokenizer.actions import CrafterActions, action_space
+from mcar.tokenizer.actions import action_space
 from mcar.tokenizer.clips import split_clip
 
 log = logging.getLogger("mcar.eval.idm")
@@ -169,12 +169,12 @@ def action_scores(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str
                 macro_f1=sum(f1s) / max(len(f1s), 1), n=len(pred2), per_action=per)
 
 
-MOVES = CrafterActions.moves  # the actions with precision/recall table columns
-PR_COLUMNS = [f"{k}_{name}" for name in MOVES for k in ("prec", "rec")]  # prec_move_left, rec_move_left, ...
+def pr_keys(moves) -> list[str]:
+    """The precision/recall columns of the data's movement actions: prec_move_left, rec_move_left, ..."""
+    return [f"{k}_{name}" for name in moves for k in ("prec", "rec")]
 
 
-def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | None = None,
-              actions=MOVES) -> dict:
+def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | None, actions) -> dict:
     """{prec_<name>, rec_<name>} for each named action (elementwise over all slots): precision = right / predicted,
     recall = right / true; None when undefined (never predicted, never true, or a name the data does not have)."""
     p, t = pred.flatten(), target.flatten()
@@ -188,6 +188,15 @@ def action_pr(pred: torch.Tensor, target: torch.Tensor, names: dict[int, str] | 
         out[f"prec_{name}"] = tp / n_pred if n_pred else None
         out[f"rec_{name}"] = tp / n_true if n_true else None
     return out
+
+
+def data_moves(data) -> tuple[str, ...]:
+    """The movement actions of the data config's action space (its own names: Crafter's move_left, ...), () for
+    data whose space has none: the per-move precision/recall columns are the data's, never another game's."""
+    from mcar.tokenizer.pictures import data_action_space
+
+    space = data_action_space(data)
+    return tuple(action_space(space).moves) if space else ()
 
 
 def action_names(data, action_vocab_size: int) -> dict[int, str]:
@@ -259,9 +268,9 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
 
 
 # ------------------------------------------------------------------------------------------------ training
-def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str]) -> dict:
+def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str], moves=()) -> dict:
     """action_scores on the pairs + majority_baseline and moves_accuracy (pairs whose true action is a movement:
-    the fraction predicted right; None when the data has no movement actions or none in these pairs)."""
+    the fraction predicted right; None when the data has no movement actions, `moves`, or none in these pairs)."""
     was_training = model.training
     model.eval()
     a, b, act = pairs
@@ -269,7 +278,7 @@ def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str]) -> dict:
     scores = action_scores(pred, act, names)
     majority = act.mode(0).values  # (n_a,) the most common action per slot: the trivial baseline
     scores["majority_baseline"] = float((act == majority).all(-1).float().mean())
-    ids = torch.tensor([i for i, n in names.items() if n in MOVES])
+    ids = torch.tensor([i for i, n in names.items() if n in moves])
     is_move = torch.isin(act, ids).flatten() if len(ids) else torch.zeros(act.numel(), dtype=torch.bool)
     scores["moves_accuracy"] = float((pred.flatten() == act.flatten())[is_move].float().mean()) if is_move.any() \
         else None
@@ -278,7 +287,7 @@ def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str]) -> dict:
 
 
 def fit(model: InverseDynamics, train, val, names: dict[int, str], *, steps: int, batch_size: int, lr: float,
-        weight_decay: float, seed: int = 0, eval_every: int = 250) -> list[dict]:
+        weight_decay: float, seed: int = 0, eval_every: int = 250, moves=()) -> list[dict]:
     """AdamW on random batches of the train pairs (a, b, actions), linear warm-up (a 20th of the steps) then cosine
     to 0 (mcar.core.lr_schedule); the held-out pairs are scored every `eval_every` steps and at the end -> history
     [{step, loss, val_accuracy, ...}]."""
@@ -297,7 +306,7 @@ def fit(model: InverseDynamics, train, val, names: dict[int, str], *, steps: int
         opt.step()
         sched.step()
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            s = evaluate_idm(model, val, names)
+            s = evaluate_idm(model, val, names, moves)
             history.append({"step": step + 1, "loss": loss.item(), "val_accuracy": s["accuracy"],
                             "val_macro_f1": s["macro_f1"], "val_moves": s["moves_accuracy"]})
             bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{s['accuracy']:.3f}")
@@ -328,7 +337,7 @@ def train_idm(cfg: DictConfig) -> dict:
     dm.setup("fit")
     lay, cb, V = dm.layout, cfg.data.codebook_size, cfg.data.action_vocab_size
     train, val = source_pairs(dm.train_source, lay, cb), source_pairs(dm.val_source, lay, cb)
-    names = action_names(cfg.data, V)
+    names, moves = action_names(cfg.data, V), data_moves(cfg.data)
     log.info("IDM data: %d train pairs, %d held-out pairs (%s)", len(train[0]), len(val[0]), cfg.data.name)
 
     codebook, vq = idm_codebook(dm, cb, cfg.dim)
@@ -336,10 +345,10 @@ def train_idm(cfg: DictConfig) -> dict:
                             dropout=cfg.dropout, temperature=cfg.temperature, codebook=codebook)
     t0 = time.time()
     history = fit(model, train, val, names, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                  weight_decay=cfg.weight_decay, seed=cfg.seed, eval_every=cfg.eval_every)
+                  weight_decay=cfg.weight_decay, seed=cfg.seed, eval_every=cfg.eval_every, moves=moves)
     seconds = time.time() - t0
-    final = evaluate_idm(model, val, names)
-    final_train = evaluate_idm(model, tuple(x[:len(val[0]) * 4] for x in train), names)
+    final = evaluate_idm(model, val, names, moves)
+    final_train = evaluate_idm(model, tuple(x[:len(val[0]) * 4] for x in train), names, moves)
     meta = {"data": cfg.data.name, "tokens": tokens_name(dm), "vq": vq, "input": "vq code vectors",
             "steps": cfg.steps, "train_pairs": len(train[0]), "val_pairs": len(val[0]),
             "val_accuracy": final["accuracy"], "val_macro_f1": final["macro_f1"],

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from mcar.core.agreement import generated_agreement
 from mcar.eval import metrics as M
-from mcar.eval.idm import MOVES
 from mcar.tokenizer.quality import psnr_from_mse
 
 CI_RESAMPLES, CI_LEVEL = 1000, 0.95  # the bootstrap interval: resamples of the clips, central share
@@ -70,8 +69,6 @@ COLUMNS: tuple[Column, ...] = (
            means="the IDM's macro F1 on generated frame pairs vs the conditioning actions"),
     Column("action_acc", digits=3, better="higher", pool=mean_of, means="the IDM's accuracy on generated pairs"),
     Column("action_f1_gt", digits=3, better="higher", means="the IDM's macro F1 on the real pairs (its ceiling)"),
-    *(Column(f"{k}_{move}", better="higher", means=f"the IDM's {word} of {move} on generated pairs")
-      for move in MOVES for k, word in (("prec", "precision"), ("rec", "recall"))),
     Column("loss_tf", digits=3, better="lower", summary=True,
            means="teacher-forced cross-entropy of the generated image tokens on the sampler's schedule"),
     Column("fps", "FPS", better="higher", terminal=True, summary=True, means="generated frames per second"),
@@ -84,10 +81,33 @@ COLUMNS: tuple[Column, ...] = (
 )
 
 
+MOVE_WORDS = {"prec": "precision", "rec": "recall"}
+
+
+def move_column(key: str) -> Column | None:
+    """prec_<move> / rec_<move>: the IDM's precision / recall of one movement action of the data's action space
+    (its own names; data without movement actions has none of these columns)."""
+    kind, _, move = key.partition("_")
+    if kind not in MOVE_WORDS or not move:
+        return None
+    return Column(key, better="higher", means=f"the IDM's {MOVE_WORDS[kind]} of {move} on generated pairs")
+
+
+def columns(rows: list[dict] = ()) -> list[Column]:
+    """The registry's columns, each data's per-move precision/recall (the prec_/rec_ keys its rows carry) after
+    action_f1_gt."""
+    moves = [move_column(k) for k in (rows[0] if rows else {}) if move_column(k) is not None]
+    at = next(i for i, c in enumerate(COLUMNS) if c.key == "action_f1_gt") + 1
+    return [*COLUMNS[:at], *moves, *COLUMNS[at:]]
+
+
 def column(key: str) -> Column:
     for c in COLUMNS:
         if c.key == key:
             return c
+    moved = move_column(key)
+    if moved is not None:
+        return moved
     raise KeyError(f"{key!r} is not a results column (mcar/eval/metric_registry.py)")
 
 
@@ -96,9 +116,10 @@ def with_ci() -> list[Column]:
     return [c for c in COLUMNS if c.pool is not None]
 
 
-def csv_keys() -> list[str]:
-    """Every column of results.csv and a row of results.json, in order: each CI column followed by its bounds."""
-    return [k for c in COLUMNS for k in ((c.key, f"{c.key}_lo", f"{c.key}_hi") if c.pool else (c.key,))]
+def csv_keys(rows: list[dict] = ()) -> list[str]:
+    """Every column of results.csv and a row of results.json (`columns(rows)`), in order: each CI column followed
+    by its bounds."""
+    return [k for c in columns(rows) for k in ((c.key, f"{c.key}_lo", f"{c.key}_hi") if c.pool else (c.key,))]
 
 
 def kind_of(key: str) -> str:

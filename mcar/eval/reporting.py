@@ -26,13 +26,13 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     """rows -> <stem>.csv (every column, each interval's bounds beside it) and <stem>.md (the paper-style table,
     'n/a' for unavailable metrics, [low, high] after a value with a bootstrap interval)."""
     out.mkdir(parents=True, exist_ok=True)
-    keys = R.csv_keys()
+    keys = R.csv_keys(rows)
     table = io.StringIO(newline="")
     w = csv.DictWriter(table, keys, extrasaction="ignore")
     w.writeheader()
     w.writerows([{k: _csv_cell(r.get(k)) for k in keys} for r in rows])
     write_atomic(out / f"{stem}.csv", table.getvalue())  # a kill or a full disk leaves the last whole table
-    head = md_columns()
+    head = md_columns(rows)
     lines = ["| " + " | ".join(c if c.endswith(" P/R") else R.column(c).header for c in head) + " |",
              "|" + " --- |" * len(head)]
     for r in rows:
@@ -48,9 +48,9 @@ def write_table(rows: list[dict], out: Path, stem: str = "results") -> None:
     write_atomic(out / f"{stem}.md", "\n".join(lines) + "\n")
 
 
-def md_columns() -> list[str]:
+def md_columns(rows: list[dict]) -> list[str]:
     """The results.md header: the columns without notes, each prec_<a> / rec_<a> pair read as one '<a> P/R'."""
-    return [f"{c.key[5:]} P/R" if c.key.startswith("prec_") else c.key for c in R.COLUMNS
+    return [f"{c.key[5:]} P/R" if c.key.startswith("prec_") else c.key for c in R.columns(rows)
             if c.key != "notes" and not c.key.startswith("rec_")]
 
 
@@ -94,7 +94,7 @@ def write_results_json(out: Path, rows: list[dict], curves: dict, clip_ids: list
                        extras: dict) -> None:
     """results.json: every row with the registry's keys in order (an unavailable metric as its reason), the
     per-frame curves, the clips scored, each row's speed, the per-action extras and how the intervals were made."""
-    keys = R.csv_keys()
+    keys = R.csv_keys(rows)
     ordered = [{**{k: r.get(k) for k in keys if k in r}, **{k: v for k, v in r.items() if k not in keys}}
                for r in rows]
     write_atomic(out / "results.json", json.dumps(
@@ -133,7 +133,7 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
     run = open_run(cfg)
     if run is None:
         return
-    keys = R.csv_keys()
+    keys = R.csv_keys(rows)
     log_table(run, "eval/results", keys, [[r.get(k) if R.kind_of(k) == "text" else _finite(r.get(k)) for k in keys]
                                           for r in rows])
     log_table(run, "eval/per_frame", per_frame_header(), [[_finite(x) for x in r] for r in per_frame],

@@ -1,6 +1,7 @@
 """Scoring generated clips against the ground truth: PSNR / SSIM / LPIPS per frame, FVD per clip (frames decoded
 by the VQ) and the inverse-dynamics model's action-following scores (on tokens: the IDM looks them up in its saved
-copy of the VQ codebook): macro F1, accuracy, and precision / recall of each movement action (`prec_move_left`, ...,
+copy of the VQ codebook): macro F1, accuracy, and precision / recall of each of the data's movement actions
+(Crafter's `prec_move_left`, ...,
 from the IDM's predictions on generated pairs against the conditioning actions; on the ground_truth reference row,
 the IDM on ground-truth pairs: the ceiling), and a bootstrap interval over clips for each metric with per-clip
 values. The columns themselves: metric_registry."""
@@ -14,7 +15,7 @@ from mcar.core.agreement import nothing_moves
 from mcar.core.layout import Layout
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
-from mcar.eval.idm import MOVES, PR_COLUMNS, action_pr, action_scores, frame_pairs
+from mcar.eval.idm import action_pr, action_scores, frame_pairs, pr_keys
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
 
@@ -31,6 +32,7 @@ class Scorer:
     nets: dict
     names: dict
     seed: int = 0  # of the bootstrap intervals
+    moves: tuple[str, ...] = ()  # the data's movement actions: their precision/recall columns (idm.data_moves)
 
 
 def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
@@ -71,7 +73,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     idm = nets["idm"]
     if isinstance(idm, M.Unavailable):
         row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
-        row.update(dict.fromkeys(PR_COLUMNS))  # n/a; the reason is noted once, under action_f1
+        row.update(dict.fromkeys(pr_keys(scorer.moves)))  # n/a; the reason is noted once, under action_f1
     else:
         a, b, act = frame_pairs(gen.cpu(), layout, cb, first=P - 1)  # pairs ending in a generated frame
         pred = idm.predict(a, b)
@@ -81,7 +83,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         row.update(action_f1=s["macro_f1"], action_f1_gt=s_gt["macro_f1"])
         per_clip["action_acc"] = (pred.reshape(len(act), -1) == act.reshape(len(act), -1)).all(1).double().view(
             len(gen), -1).mean(1)  # pairs are clip-major
-        row.update(action_pr(pred, act, scorer.names, MOVES))
+        row.update(action_pr(pred, act, scorer.names, scorer.moves))
         extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
     for key, values in per_clip.items():
         pool = R.column(key).pool

@@ -6,15 +6,15 @@ section 7); `PlaySession` is one game (one browser tab): its last frames, k, tem
 draws; nothing older reaches it.
 
 Batching. The games that step at the same time (a tick: the actions collected while the previous tick ran) share
-forward passes as the rows of one rollout. A game keeps its rollout while every other game still in it steps with
-it: a game that left or reset leaves a ghost row behind (fed its last action, its frames thrown away), so nobody
-else restarts because of it. A game whose rollout cannot advance (new, reset, k or temperature changed, or a
-partner of its rollout not stepping in this tick) starts a new rollout from its last frames, together with the
-other games of the tick that need one at the same settings (one prefill of the window). Each rollout keeps its own
-KV cache (`Transformer.swap_caches`), dropped when its last game leaves. A restart recomputes the window's cached
-keys from its tokens, which from the second layer on differ from the kept ones (section 7): a game's frames depend
-on when its rollout (re)started, never on its batch row, and a game that others join is never restarted by them.
-Noise is keyed by the game's seed and each frame's index in the game, whenever its rollout began.
+forward passes as the rows of one rollout. A rollout advances when every game in it steps; when only some do (a
+partner pressed no key, reset, left or changed its k), those that step are split off into a rollout of their own
+(`Rollout.split`: their rows' KV cache copied), so they go on exactly as before. A game starts a new rollout from
+its last frames only on its own account (new, reset, k or temperature changed), together with the other games of
+the tick that need one at the same settings (one prefill of the window). A restart recomputes the window's cached
+keys from its tokens, which from the second layer on differ from the kept ones (section 7), so restarts happen
+only when the game itself asks: **a game draws the frames it draws played alone**, whoever else plays, joins or
+leaves. Each rollout keeps its own KV cache (`Transformer.swap_caches`), dropped when its last game leaves. Noise
+is keyed by the game's seed and each frame's index in the game, whenever its rollout began.
 """
 from __future__ import annotations
 
@@ -39,11 +39,10 @@ class GamesFull(RuntimeError):
 
 
 class _Group:
-    """One rollout and its KV caches; its rows the games `rows` in order (None: a ghost row, its game gone), each
-    row's last action ids (a ghost keeps taking its own)."""
+    """One rollout and its KV caches; its rows the games `rows` in order (None: a ghost row, its game gone on)."""
 
-    def __init__(self, rows: list, settings: tuple, run: Rollout, caches: list, actions: list):
-        self.rows, self.settings, self.run, self.caches, self.actions = rows, settings, run, caches, actions
+    def __init__(self, rows: list, settings: tuple, run: Rollout, caches: list):
+        self.rows, self.settings, self.run, self.caches = rows, settings, run, caches
 
     @property
     def members(self) -> set:
@@ -77,7 +76,7 @@ class PlayServer:
         self._waiting: dict[PlaySession, tuple[str, list[int]]] = {}
         self._done: dict[PlaySession, object] = {}
         self._busy = False
-        self.ticks = self.restarts = 0
+        self.ticks = self.restarts = self.splits = 0
 
     def join(self, start: torch.Tensor, seed: int = 0, template: bool = False) -> "PlaySession":
         """A new game from `start` ((P, frame_len) tokens, their actions included); GamesFull at `max_games`.
@@ -155,25 +154,39 @@ class PlayServer:
                     restart.setdefault((s.settings(), s.held), []).append(s)
             groups = kept + [self._start(members) for members in restart.values()]
             for group in groups:
-                for r, s in enumerate(group.rows):
-                    if s is not None:
-                        group.actions[r] = steps[s][1]
                 self.model.swap_caches(group.caches)
-                ids = torch.tensor(group.actions, device=self.device) + self.cb
+                ids = torch.tensor([steps[s][1] for s in group.rows], device=self.device) + self.cb
                 before = group.run.passes
                 tokens = group.run.advance(ids).cpu()
                 for s, row in zip(group.rows, tokens):
-                    if s is not None:
-                        frames[s], passes[s] = row, group.run.passes - before
+                    frames[s], passes[s] = row, group.run.passes - before
             images = {s: s.decode(tokens) for s, tokens in frames.items()}  # one by one: a frame's image never
             dt = time.perf_counter() - t0  # depends on the batch it was decoded in (a batched conv rounds differently)
             self.ticks += 1
             return {s: s._took(steps[s], frames[s], images[s], passes[s], dt, len(frames)) for s in steps}
 
     def _advancing(self, steps: dict) -> list[_Group]:
-        """The rollouts every game of which steps in this tick, at the settings they started with."""
-        groups = {id(s._group): s._group for s in steps if s._group is not None}.values()
-        return [g for g in groups if g.members <= steps.keys() and all(s.settings() == g.settings for s in g.members)]
+        """The rollouts that advance in this tick: of each rollout, the games stepping at its settings, split off
+        into a rollout of their own (their rows' KV cache copied: they go on exactly) unless they are all of it."""
+        kept = []
+        for group in {id(s._group): s._group for s in steps if s._group is not None}.values():
+            stepping = [s for s in group.rows if s in steps and s.settings() == group.settings]
+            if stepping:
+                kept.append(group if len(stepping) == len(group.rows) else self._split(group, stepping))
+        return kept
+
+    def _split(self, group: _Group, members: list["PlaySession"]) -> _Group:
+        """`members` of `group` as a rollout of their own, going on from where they are (their rows in `group`
+        become ghosts, never advanced: a rollout advances only when every row steps)."""
+        self.model.swap_caches(group.caches)
+        run = group.run.split([group.rows.index(s) for s in members])
+        new = _Group(list(members), group.settings, run, self.model.kv_caches())
+        for s in members:
+            self._drop_row(s)
+            s._group = new
+        self._groups.append(new)
+        self.splits += 1
+        return new
 
     def _start(self, members: list["PlaySession"]) -> _Group:
         """A new rollout for `members` from their last frames (each leaves the rollout it had)."""
@@ -187,7 +200,7 @@ class PlayServer:
             self.model, prompt, temperature=s0.temperature, top_k=s0.top_k,
             noise_keys=torch.tensor([seed_key(s.seed) for s in members]),
             first_frames=torch.tensor([s.frames_played - held for s in members]))
-        group = _Group(list(members), s0.settings(), run, self.model.kv_caches(), [None] * len(members))
+        group = _Group(list(members), s0.settings(), run, self.model.kv_caches())
         for s in members:
             s._group = group
         self._groups.append(group)

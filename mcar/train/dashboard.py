@@ -50,12 +50,14 @@ def generate_eager(sampler, model, clips: torch.Tensor):
 class ValDashboard(Callback):
     def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
                  vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
-                 videos: bool = True, actions: str | None = None):
-        """actions: the data's action space when it is not named by data_name (data.actions: vpt | mineworld)."""
+                 videos: bool = True, actions: str | None = None, min_steps: int = 0):
+        """actions: the data's action space when it is not named by data_name (data.actions: vpt | mineworld).
+        min_steps: validations before this step sample nothing (a smoke run's end costs seconds)."""
         self.sampler_cfg, self.data_name, self.codebook_size = dict(sampler), data_name, codebook_size
         self.action_space = data_action_space({"name": data_name, "actions": actions})
         self.vq_path, self.n_clips, self.max_frames, self.fps, self.videos = vq_path, n_clips, max_frames, fps, videos
         self.out = Path(output_dir) / "dashboard"
+        self.min_steps = min_steps
         self._samplers, self._vq, self._speed_rows, self._layout = None, None, [], None
 
     # ---- setup --------------------------------------------------------------------------------------------
@@ -107,6 +109,10 @@ class ValDashboard(Callback):
         # a sharded model needs every rank in every forward (all-gathers): all ranks sample, rank 0 reports
         sharded = is_sharded(pl_module.model)
         if clips is None or trainer.sanity_checking or not (trainer.is_global_zero or sharded):
+            return
+        if trainer.global_step < self.min_steps:
+            log.info("validation at step %d: no dashboard sampling before step %d (val_dashboard.min_steps)",
+                     trainer.global_step, self.min_steps)
             return
         lay, frames = pl_module.layout, pl_module.hparams.clip_frames
         frames = min(frames, self.max_frames or frames)

@@ -8,6 +8,7 @@ the greedy sampler the training mask is exact for (NTP after causal pre-training
 fine-tuning); `print_summary` prints once the run is done (mcar.train.task)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from mcar.core.sampler import build_sampler
 from mcar.train.dashboard import generate_eager
 from mcar.train.parallel import is_sharded
 from mcar.wandb_run import finish, run_of
+
+log = logging.getLogger("mcar")
 
 
 @dataclass
@@ -55,11 +58,17 @@ def exact_sampler(mask: dict) -> str:
 
 
 class HeldOutAgreement(Callback):
-    """At the end of training: `held_out_agreement` on the validation clips (every rank of a sharded model
-    samples, rank 0 keeps the result in `.result`)."""
+    """At the end of training: `held_out_agreement` on at most `max_clips` validation clips (every rank of a sharded
+    model samples, rank 0 keeps the result in `.result`). A run of fewer than `min_steps` steps (a smoke test)
+    skips it and says how to measure (`.skipped`): end-of-run work costs in proportion to the run."""
 
-    def __init__(self):
+    def __init__(self, min_steps: int = 50, max_clips: int = 16):
+        if min_steps < 0 or max_clips < 1:
+            raise ValueError(f"callbacks.held_out_agreement: min_steps={min_steps} must be >= 0 and "
+                             f"max_clips={max_clips} >= 1")
+        self.min_steps, self.max_clips = min_steps, max_clips
         self.result: Agreement | None = None
+        self.skipped: str | None = None
         self.wandb_dir: Path | None = None
 
     @torch.no_grad()
@@ -69,13 +78,22 @@ class HeldOutAgreement(Callback):
             self.wandb_dir = Path(run.dir).parent  # <save_dir>/wandb/offline-run-<time>-<id>
         if not (trainer.is_global_zero or is_sharded(pl_module.model)) or trainer.datamodule is None:
             return
-        clips = torch.cat([b["tokens"] for b in trainer.datamodule.val_dataloader()]).to(pl_module.device)
+        if trainer.global_step < self.min_steps:
+            self.skipped = (f"held-out agreement skipped: {trainer.global_step} steps < callbacks.held_out_agreement."
+                            f"min_steps={self.min_steps}; measure it with: mcar evaluate ckpt=<the checkpoint below> "
+                            f"'references=[copy_last]'")
+            return
+        clips = torch.cat([b["tokens"] for b in trainer.datamodule.val_dataloader()])[:self.max_clips]
+        clips = clips.to(pl_module.device)
+        mask = pl_module.hparams.mask
+        log.info("held-out agreement: greedy %s on %d held-out clips of %d frames (callbacks.held_out_agreement: "
+                 "max_clips, min_steps)", exact_sampler(mask), len(clips), pl_module.hparams.clip_frames)
         model, was_training = pl_module.model, pl_module.model.training
         model.eval()
         try:
             result = held_out_agreement(model, pl_module.layout, pl_module.schedule, clips,
                                         pl_module.hparams.clip_frames, trainer.datamodule.codebook_size,
-                                        sampler=exact_sampler(pl_module.hparams.mask))
+                                        sampler=exact_sampler(mask))
         finally:
             model.train(was_training)
         if trainer.is_global_zero:
@@ -92,8 +110,10 @@ def shown(path) -> str:
 
 
 def summary_lines(agreement: Agreement | None, steps: int, minutes: float, checkpoint: Path | None,
-                  output_dir: Path, wandb_dir: Path | None, task: str) -> list[str]:
+                  output_dir: Path, wandb_dir: Path | None, task: str, skipped: str | None = None) -> list[str]:
     lines = [f"== {task} done: {steps} steps in {minutes:.1f} min (data build included)"]
+    if skipped:
+        lines.append(skipped)
     if agreement is not None:
         a = agreement
         lines += [f"held-out token agreement (share of generated image tokens equal to the real ones; {a.clips} "
@@ -107,7 +127,7 @@ def summary_lines(agreement: Agreement | None, steps: int, minutes: float, check
         else:
             lines.append(f"  -> the model does not beat \"nothing moves\" ({a.model - a.nothing_moves:+.3f}): "
                          f"train longer (trainer.max_steps) or on more data (data.episodes)")
-    if (output_dir / "dashboard").is_dir():
+    if any((output_dir / "dashboard").glob("val_step*")):  # videos were made (not before val_dashboard.min_steps)
         lines.append(f"videos (real | NTP | DiagD at each validation): {shown(output_dir / 'dashboard')}/")
     if wandb_dir is not None:
         lines.append(f"W&B run: {shown(wandb_dir)}  (an offline run uploads with: wandb sync {shown(wandb_dir)})")
@@ -133,7 +153,7 @@ def print_summary(trainer, cfg, output_dir, checkpoint: Path | None, seconds: fl
         return
     measured = next((c for c in trainer.callbacks if isinstance(c, HeldOutAgreement)), None)
     lines = summary_lines(measured and measured.result, trainer.global_step, seconds / 60, checkpoint,
-                          Path(output_dir), measured and measured.wandb_dir, cfg.task)
+                          Path(output_dir), measured and measured.wandb_dir, cfg.task, measured and measured.skipped)
     if run_of(trainer) is not None:  # W&B's own closing lines come before these, not after
         finish()
     print("\n" + "\n".join(lines), flush=True)

@@ -1,0 +1,61 @@
+"""Stop signals end a run within seconds, in every phase: SIGTERM (SLURM, `docker stop`, `timeout`) and SIGINT
+(Ctrl-C) raise `Stopped` in the main thread wherever it is (data build, training, validation sampling, the
+end-of-run measurement). Work already written stays: checkpoints and token shards are written whole or not at all
+(a write cut short leaves the previous file), so `ckpt_path=last` resumes. The process exits with 128 + the
+signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a killed command.
+
+Lightning keeps its own SIGTERM handling (it calls this one after its own), so a SLURM requeue still saves its
+checkpoint on the cluster's requeue signal first."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived (a BaseException: no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"stopped by {signal.Signals(self.signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stopping_on_signals():
+    """Within: SIGTERM and SIGINT raise Stopped (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, _raise_stopped)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def stop_signals_end(tool: str):
+    """A tool's run: a stop signal raises Stopped inside, and out here becomes one line and the exit status."""
+    import sys
+
+    try:
+        with stopping_on_signals():
+            yield
+    except Stopped as e:
+        print(f"mcar {tool}: {e}: finished work kept (a training run resumes with ckpt_path=last)", file=sys.stderr,
+              flush=True)
+        raise SystemExit(e.exit_code) from None
