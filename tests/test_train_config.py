@@ -196,13 +196,13 @@ def test_trainer_precision_follows_the_precision_policy(monkeypatch):
     assert compose("train", SMALL_DATA).trainer.precision == "bf16-mixed"
 
 
-def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float):
+def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float, stage: str = "train"):
     """A <run>/last.ckpt holding only the hyperparameters finetune's default init_from reads, written at `when`."""
     import os
 
     path = root / run / "last.ckpt"
     path.parent.mkdir(parents=True)
-    torch.save({"hyper_parameters": {"data": {"name": data}, "model_name": model,
+    torch.save({"hyper_parameters": {"data": {"name": data}, "model_name": model, "stage": stage,
                                      "arch": {"vocab_size": 40, "dim": dim, "n_layers": 4, "n_heads": 4,
                                               "n_kv_heads": None, "mlp_dim": 512}}}, path)
     os.utime(path, (when, when))
@@ -210,7 +210,9 @@ def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float
 
 
 def test_finetune_without_init_from_takes_the_newest_checkpoint_of_its_data_and_model(tmp_path):
-    from mcar.train.finetune import newest_pretrained
+    import time
+
+    from mcar.train.finetune import newest_pretrained, pretrained_checkpoints
 
     root = tmp_path / "ckpt"
     cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}"])  # synthetic, tiny (dim 128)
@@ -219,15 +221,24 @@ def test_finetune_without_init_from_takes_the_newest_checkpoint_of_its_data_and_
     fake_pretrained(root, "other-data", "crafter", "tiny", 128, 3000)
     fake_pretrained(root, "other-model", "synthetic", "small", 128, 3000)
     fake_pretrained(root, "other-dims", "synthetic", "tiny", 64, 3000)
-    fake_pretrained(root, "finetune-x", "synthetic", "tiny", 128, 4000)  # a fine-tuning run is never a start
+    fake_pretrained(root, "finetune-x", "synthetic", "tiny", 128, 4000, "finetune")  # never a start ...
+    fake_pretrained(root, "mytune", "synthetic", "tiny", 128, 4000, "finetune")  # ... whatever its folder's name
+    fake_pretrained(root, "tomorrow", "synthetic", "tiny", 128, time.time() + 86400)  # a clock gone wrong
+    (root / "broken").mkdir()
+    (root / "broken" / "last.ckpt").write_bytes(b"not a checkpoint")  # named, never a traceback
+    outside = fake_pretrained(tmp_path / "elsewhere", "run", "synthetic", "tiny", 128, 5000)
+    (root / "linked").mkdir()
+    (root / "linked" / "last.ckpt").symlink_to(outside)  # a link out of the checkpoint root is never followed
     assert newest_pretrained(cfg) == newest
+    for run in ("mytune", "tomorrow", "broken", "linked"):
+        assert any(c.path.parent.name == run and c.skip for c in pretrained_checkpoints(root)), run
     # the same second: ambiguous, refused with the candidates, one per line with data, model and time
     fake_pretrained(root, "twin", "synthetic", "tiny", 128, 2000)
     with pytest.raises(ValueError, match="both the newest pre-trained checkpoint of data=synthetic model=tiny") as e:
         newest_pretrained(cfg)
     lines = str(e.value).splitlines()[1:]
-    assert len(lines) == 6 and all(" data=" in line and " model=" in line for line in lines)
-    assert "other-model/last.ckpt  data=synthetic model=small (dim 128, 4 layers)" in lines[0] + lines[1]
+    assert len(lines) == 11 and all(" data=" in line and " model=" in line for line in lines)
+    assert any("other-model/last.ckpt  data=synthetic model=small (dim 128, 4 layers)" in line for line in lines)
     # none of this data and model: refused, listing what there is
     cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}", "model=small"])
     with pytest.raises(FileNotFoundError, match="no pre-trained checkpoint of data=synthetic model=small"):

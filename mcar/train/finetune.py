@@ -17,47 +17,59 @@ log = logging.getLogger("mcar")
 
 @dataclass
 class Pretrained:
-    """A pre-training run's last.ckpt under the checkpoint root, described by its stored config."""
+    """A run's last.ckpt under the checkpoint root, described by what its stored config says it is; `skip`: why it
+    is never picked (unreadable, not a pre-training run, outside the root, dated in the future)."""
     path: Path
     data: str | None
     model: str | None
     arch: dict
     mtime: float
+    skip: str | None = None
 
     def line(self) -> str:
         dims = f"dim {self.arch.get('dim')}, {self.arch.get('n_layers')} layers" if self.arch else "no model config"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.mtime))
-        return f"  {self.path}  data={self.data} model={self.model} ({dims})  {when}"
+        return f"  {self.path}  data={self.data} model={self.model} ({dims})  {when}" + \
+            (f"  [skipped: {self.skip}]" if self.skip else "")
 
 
 def pretrained_checkpoints(checkpoint_root: str | Path) -> list[Pretrained]:
-    """Every <run>/last.ckpt under checkpoint_root that is not a fine-tuning run, newest first (its hyperparameters
-    only: the weights stay memory-mapped on disk)."""
-    found = []
+    """Every <run>/last.ckpt under checkpoint_root, newest first, each read for its hyperparameters only (the
+    weights stay memory-mapped on disk); those that cannot start a fine-tuning carry why (`skip`)."""
+    root, found, now = Path(checkpoint_root).resolve(), [], time.time()
     for path in Path(checkpoint_root).glob("*/last.ckpt"):
-        if path.parent.name.startswith("finetune"):
+        mtime, skip = path.lstat().st_mtime, None
+        if not path.resolve().is_relative_to(root):
+            found.append(Pretrained(path, None, None, {}, mtime, f"a link out of {checkpoint_root}"))
             continue
         try:
             hp = load_checkpoint(path).get("hyper_parameters") or {}
-        except (OSError, ValueError):
-            hp = {}  # unreadable: listed, never picked
+        except Exception as e:  # noqa: BLE001  truncated, not a checkpoint, refused: named, never picked
+            found.append(Pretrained(path, None, None, {}, mtime, f"unreadable ({str(e).splitlines()[0][:120]})"))
+            continue
+        hp = hp if isinstance(hp, dict) else {}
         data = hp.get("data") if isinstance(hp.get("data"), dict) else {}
-        found.append(Pretrained(path, data.get("name"), hp.get("model_name"), dict(hp.get("arch") or {}),
-                                path.stat().st_mtime))
+        if hp.get("stage") != "train":
+            skip = f"stage={hp.get('stage')}, not a pre-training run"
+        elif mtime > now + 60:
+            skip = "dated in the future"
+        arch = hp.get("arch") if isinstance(hp.get("arch"), dict) else {}
+        found.append(Pretrained(path, data.get("name"), hp.get("model_name"), dict(arch), mtime, skip))
     return sorted(found, key=lambda c: c.mtime, reverse=True)
 
 
 def newest_pretrained(cfg: DictConfig) -> Path:
-    """init_from's default: the newest pre-training checkpoint under paths.checkpoint_root whose stored config has
-    this run's data (data.name) and model (model.name and every model.arch dimension). Refused, with the
-    candidates one per line, when none matches or the two newest matches were written in the same second."""
+    """init_from's default: the newest pre-training checkpoint (stage=train) under paths.checkpoint_root whose
+    stored config has this run's data (data.name) and model (model.name and every model.arch dimension). Refused,
+    with the candidates one per line (and why any is skipped), when none matches or the two newest matches were
+    written in the same second."""
     root = cfg.paths.checkpoint_root
     found = pretrained_checkpoints(root)
     if not found:
         raise FileNotFoundError(f"init_from: no pre-trained checkpoint (*/last.ckpt) under {root}; run train.py "
                                 f"first or pass init_from=/path/to.ckpt")
     arch = to_dict(cfg.model.arch)
-    match = [c for c in found if c.data == cfg.data.name and c.model == cfg.model.name
+    match = [c for c in found if c.skip is None and c.data == cfg.data.name and c.model == cfg.model.name
              and all(c.arch.get(k) == v for k, v in arch.items())]
     listed = "\n".join(c.line() for c in found)
     wanted = f"data={cfg.data.name} model={cfg.model.name} (dim {arch.get('dim')}, {arch.get('n_layers')} layers)"
@@ -67,6 +79,10 @@ def newest_pretrained(cfg: DictConfig) -> Path:
     if len(match) > 1 and int(match[0].mtime) == int(match[1].mtime):
         raise ValueError(f"init_from: {match[0].path} and {match[1].path} are both the newest pre-trained "
                          f"checkpoint of {wanted}; pass init_from=<one of these>:\n{listed}")
+    skipped = [c for c in found if c.skip]
+    if skipped:
+        log.info("init_from: skipped %d checkpoint(s) under %s:\n%s", len(skipped), root,
+                 "\n".join(c.line() for c in skipped))
     return match[0].path
 
 

@@ -108,7 +108,8 @@ class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
-                 lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None):
+                 lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None,
+                 stage: str = "train"):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -116,7 +117,8 @@ class MCARModule(L.LightningModule):
         lr_schedule: the `lr_schedule` group, a `_partial_` lr multiplier f(step, total=max_steps) (None: a
         constant rate). schedule: the run's `schedule` group (None: ScheduleConfig's defaults).
         data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
-        that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config)."""
+        that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config). stage: train
+        (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
