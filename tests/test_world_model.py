@@ -37,3 +37,27 @@ def test_generate_batches_and_scores_teacher_forced_on_cpu_tensors(tmp_path):
     assert whole.shape == clips.shape and whole.device.type == "cpu"
     assert stats.tokens == split_stats.tokens == 3 * 4 * 12 and wm.model.kv_caches() is None  # cache released
     assert wm.teacher_forced_loss(clips, sampler) == pytest.approx(wm.teacher_forced_loss(clips, sampler, 1))
+
+
+def test_a_long_video_is_decoded_and_written_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """generate frames=N: the side-by-side video is decoded `chunk` frames at a time while the mp4 is written (its
+    memory does not grow with N); the gif keeps the first GIF_FRAMES frames, the mp4 every one."""
+    from mcar.core.layout import Layout
+    from mcar.tokenizer import pictures
+    from mcar.tokenizer.video import read_mp4
+
+    from .test_data_vpt import tiny_vq
+
+    layout, T = Layout(2, 3, 1), 40
+    clip = torch.randint(0, 16, (T * layout.frame_len,))
+    clip.view(T, -1)[:, -1] = 16  # the action slots: action 0
+    widest, decode = [], pictures.decode_frames
+    monkeypatch.setattr(pictures, "decode_frames", lambda vq, ids: widest.append(ids.shape[1]) or decode(vq, ids))
+    monkeypatch.setattr(pictures, "GIF_FRAMES", 8)
+    frames = pictures.comparison_stream({"a": clip, "b": clip}, layout, 16, tiny_vq(), None, chunk=16)
+    mp4, gif = pictures.write_video(frames, tmp_path / "long", fps=4)
+    assert max(widest) == 16 and len(widest) == 2 * 3  # two columns, three chunks of at most 16 frames
+    assert len(read_mp4(mp4)[0]) == T
+    from PIL import Image
+
+    assert Image.open(gif).n_frames == 8

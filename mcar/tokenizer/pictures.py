@@ -87,13 +87,14 @@ def caption(img: np.ndarray, text: str, where: str = "below", height: int | None
     return np.concatenate(parts, 0)
 
 
-def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4) -> np.ndarray:
+def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4, first_frame: int = 0) -> np.ndarray:
     """{title: (T, H, W, 3) uint8} -> (T, H', W', 3) uint8: the columns side by side, each frame captioned with
-    its column title above and its action label below."""
+    its column title and index (from `first_frame`) above and its action label below."""
     T = len(next(iter(columns.values())))
     frames = []
     for t in range(T):
-        tiles = [caption(caption(v[t], f"{k}  t={t}", "above"), labels[t] if t < len(labels) else "", "below")
+        tiles = [caption(caption(v[t], f"{k}  t={first_frame + t}", "above"), labels[t] if t < len(labels) else "",
+                         "below")
                  for k, v in columns.items()]
         sep = np.full((tiles[0].shape[0], gap, 3), 255, np.uint8)
         frames.append(np.concatenate([x for tile in tiles for x in (tile, sep)][:-1], 1))
@@ -101,27 +102,49 @@ def side_by_side(columns: dict[str, np.ndarray], labels: list[str], gap: int = 4
 
 
 def comparison_frames(clips: dict[str, torch.Tensor], layout: Layout, codebook_size: int, vq,
-                      action_space: str | None) -> np.ndarray:
+                      action_space: str | None, first_frame: int = 0) -> np.ndarray:
     """{title: (N,) token clip} -> (T, H', W', 3) uint8: the clips VQ-decoded side by side (image slots holding an
-    action id shown as code 0), the first clip's actions under each frame. A ValueError when the VQ cannot
-    decode them."""
+    action id shown as code 0), the first clip's actions under each frame (captioned from `first_frame`). A
+    ValueError when the VQ cannot decode them."""
     columns, actions = {}, None
     for title, clip in clips.items():
         clip = invalid_image_tokens(clip[None].cpu(), layout, codebook_size)[0]
         ids, acts = split_clip(clip, layout, codebook_size)
         actions = acts[0] if actions is None else actions
         columns[title] = to_u8(decode_frames(vq, ids)[0])
-    return side_by_side(columns, action_labels(actions, action_space))
+    return side_by_side(columns, action_labels(actions, action_space), first_frame=first_frame)
+
+
+def comparison_stream(clips: dict[str, torch.Tensor], layout: Layout, codebook_size: int, vq,
+                      action_space: str | None, chunk: int = 16):
+    """`comparison_frames` one frame at a time, decoded `chunk` frames at a time: a clip of any length is never
+    held decoded in memory (generate frames=2000)."""
+    L = layout.frame_len
+    frames = len(next(iter(clips.values()))) // L
+    for t0 in range(0, frames, chunk):
+        part = {title: clip[t0 * L:(t0 + chunk) * L] for title, clip in clips.items()}
+        yield from comparison_frames(part, layout, codebook_size, vq, action_space, first_frame=t0)
 
 
 # ------------------------------------------------------------------------------------------------ writers
-def write_video(frames: np.ndarray, base: str | Path, fps: float = 4) -> tuple[Path, Path]:
-    """(T, H, W, 3) uint8 -> <base>.mp4 (for files) and <base>.gif (for W&B and browsers): both paths."""
+GIF_FRAMES = 256  # a gif holds every frame in memory (PIL): longer videos' gifs stop here, their mp4s do not
+
+
+def write_video(frames, base: str | Path, fps: float = 4) -> tuple[Path, Path]:
+    """(T, H, W, 3) uint8, or an iterable of (H, W, 3) frames (streamed: never all in memory) -> <base>.mp4 (for
+    files, every frame) and <base>.gif (for W&B and browsers, the first GIF_FRAMES): both paths."""
     from mcar.tokenizer.video import write_mp4  # PyAV: only where a video is written (a GPU machine may lack it)
 
-    base = Path(base)
-    return write_mp4(frames, base.with_name(base.name + ".mp4"), fps), write_gif(frames, base.with_name(
-        base.name + ".gif"), fps)
+    base, first = Path(base), []
+
+    def kept(stream):
+        for f in stream:
+            if len(first) < GIF_FRAMES:
+                first.append(f)
+            yield f
+
+    mp4 = write_mp4(kept(frames), base.with_name(base.name + ".mp4"), fps)
+    return mp4, write_gif(np.stack(first), base.with_name(base.name + ".gif"), fps)
 
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from mcar.core.devices import set_threads
 from mcar.hydra_app import hydra_tool, to_dict
 from mcar.sampling.world_model import WorldModel
-from mcar.tokenizer.pictures import comparison_frames, data_action_space, invalid_image_tokens, write_video
+from mcar.tokenizer.pictures import comparison_stream, data_action_space, invalid_image_tokens, write_video
 
 log = logging.getLogger("mcar.generate")
 
@@ -45,7 +45,7 @@ def generate(cfg: DictConfig) -> dict:
     if n_bad:
         log.warning("%d generated image tokens were action ids: shown as code 0", n_bad)
     clips = ({"ground truth": clip} if has_gt else {}) | {sampler.label: tokens[0]}
-    video = comparison_frames(clips, layout, cb, wm.vq, data_action_space(cfg.data))
+    video = comparison_stream(clips, layout, cb, wm.vq, data_action_space(cfg.data))  # decoded as it is written
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
     mp4, gif = write_video(video, base, cfg.fps)
