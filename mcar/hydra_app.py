@@ -254,10 +254,48 @@ def plain_errors():
     try:
         yield
     except SAID_PLAINLY as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not raised_by_mcar(e):
+        said = path_given(e)  # the OS refusing a path the command line gave: the user's to fix, said as such
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (raised_by_mcar(e) or said):
             raise
-        print(f"Error: {e}\n(the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
+        print(f"Error: {said or field_named(e)}\n(the traceback: HYDRA_FULL_ERROR=1)", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def given_overrides() -> list[str]:
+    """key=value words of the command line (Hydra's job overrides, or argv for the tools that compose themselves)."""
+    return [o for o in [*command_line_overrides(), *sys.argv[1:]] if "=" in o]
+
+
+def path_given(e: BaseException) -> str | None:
+    """An OSError on a path under one a key=value of the command line gave -> 'key=value: <the OS's reason>'."""
+    name = getattr(e, "filename", None)
+    if not isinstance(e, OSError) or not name:
+        return None
+    for o in given_overrides():
+        value = o.split("=", 1)[1]
+        inside = [value.rstrip("/") + "/", str(name).rstrip("/") + "/"]  # a path in the given one, or above it
+        if value and "/" in value and (str(name) == value or str(name).startswith(inside[0])
+                                       or value.startswith(inside[1])):
+            return f"{o}: {e.strerror or e} ({name})"
+    return None
+
+
+NOT_A_NUMBER = re.compile(r"invalid literal for int\(\) with base \d+: '(.*)'"
+                          r"|could not convert string to float: '(.*)'")
+
+
+def field_named(e: BaseException) -> str:
+    """A conversion error of a value the command line gave (int('abc') in a tool) said with its key=value: the
+    message itself names no field."""
+    m = NOT_A_NUMBER.fullmatch(str(e))
+    if m is None:
+        return str(e)
+    value = m.group(1) if m.group(1) is not None else m.group(2)
+    given = [o for o in given_overrides() if o.split("=", 1)[1] == value]
+    if not given:
+        return str(e)
+    key = given[0].split("=", 1)[0].lstrip("+~")
+    return f"{given[0]}: {key} takes a number, not {value!r}"
 
 
 def restore_env(name: str, value: str | None) -> None:

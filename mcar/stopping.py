@@ -9,6 +9,7 @@ checkpoint on the cluster's requeue signal first."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -27,7 +28,14 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+_OWNER: list[int] = []  # the pid that installed the handlers (forked workers inherit them)
+
+
 def _raise_stopped(signum, frame) -> None:
+    if _OWNER and os.getpid() != _OWNER[-1]:  # a forked worker (data build, loader): it just ends, by the signal
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise Stopped(signum)
 
 
@@ -40,9 +48,11 @@ def stopping_on_signals():
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s in STOP_SIGNALS:
         signal.signal(s, _raise_stopped)
+    _OWNER.append(os.getpid())
     try:
         yield
     finally:
+        _OWNER.pop()
         for s, handler in before.items():
             signal.signal(s, handler)
 

@@ -2,10 +2,13 @@
 import json
 import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from mcar.core.layout import Layout
 from tests.conftest import REPO, SMALL_DATA, compose
 
 SMALL_VQ = REPO / "mcar" / "assets" / "vq_crafter_small"
@@ -68,3 +71,40 @@ def test_sampling_past_the_trained_length_is_said(caplog):
         assert not caplog.records
         warn_past_trained_length(40, {"clip_frames": 3})
     assert "frames=40 runs past the 3 frames this model was trained on" in caplog.text
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["soak", "kills=abc"], "Error: kills=abc: kills takes a number, not 'abc'"),
+    (["crafter_gen", "out=/proc/nope/x", "episodes=1", "size=[64,64]"],
+     "Error: out=/proc/nope/x: No such file or directory (/proc/nope)"),
+])
+def test_a_value_the_command_line_gave_is_named_when_it_fails(argv, said):
+    """A number that is not one, or a path the OS refuses: one line naming key=value (once a bare int() or
+    mkdir message, or a traceback)."""
+    from tests.conftest import script_env
+
+    env = {k: v for k, v in script_env().items() if k != "HYDRA_FULL_ERROR"}
+    p = subprocess.run([sys.executable, "-m", "mcar.cli", *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[0] == said, p.stderr[-2000:]
+
+
+def test_a_prompt_image_that_is_no_image_is_named(tmp_path):
+    from omegaconf import OmegaConf
+
+    from mcar.core.layout import Layout
+    from mcar.sampling.prompts import image_clip
+    from tests.test_data_vpt import tiny_vq
+
+    (tmp_path / "notes.png").write_text("not a picture")
+    cfg = OmegaConf.create({"prompt_image": str(tmp_path / "notes.png"), "actions": [0], "data": {"name": "x"}})
+    with pytest.raises(ValueError, match=r"prompt_image=.*notes.png: not an image this can read"):
+        image_clip(cfg, Layout(2, 3, 1), tiny_vq())
+
+
+def test_an_unknown_prompt_episode_is_refused_before_any_data_is_built(tmp_path):
+    from mcar.sampling.prompts import episode_clip
+
+    cfg = compose("generate", ["ckpt=x", "data=crafter", f"paths.data_dir={tmp_path}/data", "held_out=data"])
+    with pytest.raises(ValueError, match="prompt=nosuch: data=crafter has no such episode; episodes: crafter_s0_e0"):
+        episode_clip(cfg, "nosuch", 0, 3, Layout.of(cfg.data))
+    assert not (tmp_path / "data").exists()

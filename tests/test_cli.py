@@ -123,3 +123,22 @@ def test_a_built_wheel_runs_a_tool_from_a_fresh_venv(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["model"] == "tiny"
     assert (work / "run" / ".hydra" / "config.yaml").is_file()
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_folders():
+    """Hydra's default run and sweep folders carry microseconds: a second run started in the same second as
+    another gets a folder of its own instead of being refused at the first run's."""
+    import datetime
+    import re
+
+    from omegaconf import OmegaConf
+
+    a = datetime.datetime(2026, 11, 28, 5, 1, 2, 100)
+    b = a + datetime.timedelta(microseconds=1)
+    for path in sorted((REPO / "mcar" / "conf").glob("*.yaml")):
+        dirs = OmegaConf.to_container(OmegaConf.load(path)).get("hydra", {})
+        for kind in ("run", "sweep"):
+            pattern = (dirs.get(kind) or {}).get("dir")
+            if pattern and "${now:" in pattern:
+                fmt = re.search(r"\$\{now:([^}]*)\}", pattern).group(1)
+                assert a.strftime(fmt) != b.strftime(fmt), f"{path.name}: hydra.{kind}.dir={pattern}"

@@ -29,6 +29,10 @@ def episode_clip(cfg: DictConfig, name: str, start: int, frames: int, layout: La
         if not hasattr(dm, "tokens_dir"):
             raise ValueError(f"prompt={name}: data={cfg.data.name} has no episodes; give a held-out clip id "
                              f"(prompt=0)")
+        known = dm.episode_names() if hasattr(dm, "episode_names") else None  # before anything is built
+        if known is not None and name not in known:
+            raise ValueError(f"prompt={name}: data={cfg.data.name} has no such episode; episodes: "
+                             f"{', '.join(known[:20])}" + (" ..." if len(known) > 20 else ""))
         dm.prepare_data()
         folder = Path(dm.tokens_dir)
     f = folder / f"{name}.frames.npy"
@@ -56,7 +60,11 @@ def image_clip(cfg: DictConfig, layout: Layout, vq) -> torch.Tensor:
     if not cfg.actions:
         raise ValueError("prompt_image needs actions=[...]: one action per frame to generate")
     H, W = frame_size(vq, layout.h, layout.w)
-    img = Image.open(path).convert("RGB").resize((W, H), Image.BICUBIC)
+    try:
+        img = Image.open(path).convert("RGB").resize((W, H), Image.BICUBIC)
+    except (OSError, Image.DecompressionBombError) as e:  # UnidentifiedImageError is an OSError
+        raise ValueError(f"prompt_image={path}: not an image this can read ({type(e).__name__}); give a PNG or "
+                         f"JPEG frame") from None
     ids = encode_tokens(vq, torch.from_numpy(np.array(img))[None].to(vq.device))[0].flatten().cpu()  # (h*w,)
     if int(ids.max()) >= cfg.data.codebook_size:
         raise ValueError(f"prompt_image: the VQ gave token {int(ids.max())} but data.codebook_size="

@@ -201,6 +201,7 @@ def play(cfg: DictConfig, block: bool = True):
         import gradio  # noqa: F401
     except ImportError:
         raise RuntimeError("mcar play needs gradio: pip install -e '.[play]'") from None
+    int(cfg.port)  # a port that is no number is said (port=abc) before the model loads
     session = open_game(cfg)
     log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
     log.info("mcar.play: warm-up took %.1f s", session.warm_up())
