@@ -148,6 +148,7 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
         assert np.abs(first - tiled).mean() < 3 < np.abs(first - default).mean()
     dm.setup()
     assert len(dm.train_source) > 0 and dm.tokens_dir.name.startswith("tokens_best_")
+    assert dm.vq_ready() and (vq_root / "vq" / "done.json").is_file()  # finished: used from now on
 
 
 def test_vq_train_outside_a_training_job_trains_nothing(tmp_path):
@@ -277,3 +278,26 @@ def test_view_gets_its_own_episode_folder_and_vq_folder(tmp_path):
     dm.vq_trainer = lambda **a: seen.update(a)
     dm.train_vq()
     assert seen == {"root": tmp_path / "view24x14", "overrides": ["generate.view=[24,14]", "steps=2"], "grid": (14, 24)}
+
+
+def test_a_vq_training_cut_off_is_trained_on_never_used(tmp_path, monkeypatch):
+    """A VQ training killed after its first validation leaves best/ without done.json: the data is not "done";
+    the next training job goes on from the VQ training's last checkpoint instead of tokenising with it."""
+    from mcar.train import vq_training
+
+    dm = CrafterDataModule(root=str(tmp_path / "crafter"), vq_train=True, h=14, w=24, n_a=1, codebook_size=16,
+                           action_vocab_size=17, clip_frames=4, batch_size=2)
+    vq = dm.vq_root / "vq"
+    (vq / "best").mkdir(parents=True)
+    (vq / "best" / "config.json").write_text("{}")
+    (vq / "lightning").mkdir()
+    (vq / "lightning" / "last.ckpt").write_bytes(b"")
+    assert not dm.vq_ready()
+    seen = []
+    monkeypatch.setattr(vq_training, "train", lambda cfg: seen.append(cfg.ckpt_path))
+    monkeypatch.setattr(vq_training, "frame_size", lambda *a, **k: (224, 384))
+    dm.vq_trainer = vq_training.train_for_data
+    dm.train_vq()
+    assert seen == ["last"]  # resumed, not started over and not skipped
+    (vq / "done.json").write_text('{"steps": 2}')
+    assert dm.vq_ready()

@@ -332,3 +332,27 @@ def test_a_pack_cut_off_by_a_full_disk_leaves_the_old_stream_whole(stream, tmp_p
         pack_stream(tokens, str(copy), clip_frames=3, val_episodes=1, workers=1)
     assert {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream"]  # no partial stream, no lock left
+
+
+def test_a_pack_removes_what_a_killed_pack_left_behind(stream, tmp_path):
+    """kill -9 during a pack leaves its staging folder beside the stream and its /tmp/mcar-pack-<pid>-* folder; the
+    next pack of that stream removes both (a live pack's cache folder stays)."""
+    import subprocess
+    import tempfile
+
+    from mcar.data.stream import pack_stream
+
+    tokens, _, _ = stream
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no process has now
+    staged = tmp_path / f".out.host.{dead.pid}.packing"
+    staged.mkdir()
+    (staged / "chunk-0-0.bin").write_bytes(b"partial")
+    killed_cache = Path(tempfile.mkdtemp(prefix=f"mcar-pack-{dead.pid}-"))
+    live_cache = Path(tempfile.mkdtemp(prefix=f"mcar-pack-{os.getpid()}-"))
+    try:
+        pack_stream(tokens, str(tmp_path / "out"), clip_frames=3, val_episodes=1, chunk_bytes="8kB", workers=1)
+        assert not staged.exists() and not killed_cache.exists() and live_cache.exists()
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["out"]
+    finally:
+        shutil.rmtree(live_cache, ignore_errors=True)

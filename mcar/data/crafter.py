@@ -84,7 +84,7 @@ class CrafterDataModule(TokenDataModule):
         from mcar.data.tokenize import tokenize_dir
         from mcar.tokenizer.vq_model import frame_size, load_vq, vq_id
 
-        if self.vq_train and not (self.vq_root / "vq" / "best" / "config.json").exists():
+        if self.vq_train and not self.vq_ready():
             self.train_vq()
         path = self.resolved_vq_path()
         vq = load_vq(path)
@@ -103,6 +103,13 @@ class CrafterDataModule(TokenDataModule):
         tokenize_dir(self.episodes_dir, self.tokens_dir, "crafter", vq, vq_id(path), self.tokenize_batch,
                      min_frames=self.clip_frames, size=frame_size(vq, self.layout.h, self.layout.w))
         print(f"crafter data: generation {t1 - t0:.0f}s, tokenisation {time.time() - t1:.0f}s")
+
+    def vq_ready(self) -> bool:
+        """data.vq_train=true: the VQ under root/vq finished its training (a training cut off after its first
+        validation leaves an under-trained best/ with no done.json: it is trained on, never used)."""
+        from mcar.tokenizer.vq_model import vq_finished
+
+        return vq_finished(self.vq_root / "vq")
 
     def train_vq(self) -> None:
         """Train a VQ into root/vq with the training job's vq_trainer (on Crafter episodes under root/vq_episodes)."""

@@ -112,6 +112,9 @@ def packing_into(out: str):
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     with writing_into(target.parent, f"the stream {target.name}", f".{target.name}.mcar-pack.lock"):
+        for suffix in ("packing", "replaced"):  # a killed pack's: we hold the name's lock, so no pack runs
+            for stale in target.parent.glob(f".{target.name}.*.{suffix}"):
+                shutil.rmtree(stale, ignore_errors=True)
         staging, old = temp_path(target, ".packing"), temp_path(target, ".replaced")
         try:
             yield str(staging)
@@ -136,7 +139,8 @@ def own_litdata_cache():
     two packs at once broke each other (one crashed, one left a stream with a chunk missing). Each pack gets its own
     folder, removed afterwards however the pack ends (a full disk left 31 MB behind)."""
     saved = {v: os.environ.get(v) for v in LITDATA_CACHE_VARS}
-    own = tempfile.mkdtemp(prefix="mcar-pack-")
+    remove_dead_packs_caches()
+    own = tempfile.mkdtemp(prefix=f"mcar-pack-{os.getpid()}-")
     try:
         os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = os.path.join(own, "chunks")
         os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = os.path.join(own, "data")
@@ -148,6 +152,24 @@ def own_litdata_cache():
             else:
                 os.environ[var] = value
         shutil.rmtree(own, ignore_errors=True)
+
+
+def remove_dead_packs_caches() -> None:
+    """/tmp/mcar-pack-<pid>-* folders of packs whose process is gone (kill -9: no `finally` ran)."""
+    for folder in Path(tempfile.gettempdir()).glob("mcar-pack-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
 
 
 def is_url(location: str) -> bool:

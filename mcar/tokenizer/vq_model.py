@@ -157,3 +157,11 @@ def vq_id(path: str | Path | None = None) -> str:
         raise FileNotFoundError(f"no VQ weights (*.safetensors) in {path}")
     digest = hashlib.sha256(weights[0].read_bytes()).hexdigest()[:12]
     return f"{path.name}@{digest}"
+
+
+VQ_DONE = "done.json"  # written when a VQ training reached its steps: a folder without it holds an unfinished VQ
+
+
+def vq_finished(out: str | Path) -> bool:
+    """Whether the VQ training into `out` finished (its best/ alone is written at the first validation)."""
+    return (Path(out) / VQ_DONE).is_file() and (Path(out) / "best" / "config.json").is_file()

@@ -30,9 +30,11 @@ from mcar.core.devices import set_threads
 from mcar.core.lr_schedule import warmup_linear_decay
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
+from mcar.data.files import write_json
 from mcar.tokenizer import quality
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import (
+    VQ_DONE,
     L2Quantizer,
     build_vq,
     check_frame_size,
@@ -43,6 +45,7 @@ from mcar.tokenizer.vq_model import (
     to_input,
     to_uint8,
     use_l2_quantizer,
+    vq_finished,
 )
 
 
@@ -250,6 +253,7 @@ def train(cfg: DictConfig) -> VQLit:
     lit = VQLit(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / VQ_DONE).unlink(missing_ok=True)  # until this run finishes, the VQ here is not one to tokenise with
     OmegaConf.save(cfg, out / "config.yaml")
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "lightning", every_n_train_steps=cfg.ckpt_every,
                                                save_last=True, save_top_k=0)
@@ -268,7 +272,10 @@ def train(cfg: DictConfig) -> VQLit:
     loader = DataLoader(crops, batch_size=None, sampler=StepsFrom(start))
     val_loader = DataLoader([to_input(b) for b in val_frames.split(cfg.val_batch)], batch_size=None)
     trainer.fit(lit, loader, val_loader, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    if trainer.global_step >= cfg.steps:
+        write_json(out / VQ_DONE, {"steps": trainer.global_step})
     return lit
+
 
 
 def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]) -> VQLit:
@@ -280,6 +287,8 @@ def train_for_data(root: str | Path, overrides: list[str], grid: tuple[int, int]
     root = Path(root)
     args = [f"paths.data_dir={root.parent}", f"paths.checkpoint_root={root}", f"episodes={root / 'vq_episodes'}",
             f"out={root / 'vq'}", *overrides]
+    if (root / "vq" / "lightning" / "last.ckpt").is_file() and not vq_finished(root / "vq"):
+        args.append("ckpt_path=last")  # a training that was cut off goes on from its last checkpoint
     if GlobalHydra.instance().is_initialized():  # inside a Hydra job (mcar train): its search path holds conf/
         cfg = compose("vq_train", overrides=args)
     else:
