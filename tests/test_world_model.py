@@ -61,3 +61,19 @@ def test_a_long_video_is_decoded_and_written_a_chunk_at_a_time(tmp_path, monkeyp
     from PIL import Image
 
     assert Image.open(gif).n_frames == 8
+
+
+def test_what_a_checkpoint_asks_for_is_checked_against_this_machine(tmp_path):
+    """5/5 item 4: a checkpoint's clip length asking for a KV cache larger than the machine, and a data config
+    asking a sampling tool to build 100,000 episodes, are each refused in one line before any allocation or build."""
+    from mcar.sampling.held_out import held_out_data
+    from mcar.sampling.world_model import WorldModel
+
+    ckpt = tiny_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"a window of 100000000 frames x 14 slots needs a .* GiB KV cache"):
+        WorldModel.load(compose("generate", [*SMALL_DATA, f"ckpt={ckpt}", "sampler.context=100000000"]))
+    cfg = compose("generate", ["ckpt=x", "data=crafter", "data.episodes=100000", f"paths.data_dir={tmp_path}/d",
+                               "held_out=data"])
+    with pytest.raises(ValueError, match="data.episodes=100000: reading held-out clips would build 100000"):
+        held_out_data(cfg, 3)
+    assert not (tmp_path / "d").exists()

@@ -125,7 +125,7 @@ def checkpoint_group_config(group: str, node, source: str) -> dict:
 # where a config group builds and writes: this install's own settings, never a checkpoint's (a checkpoint's data.root
 # decided where generate / evaluate / play built data, anywhere on disk; its vq_train_overrides are Hydra override
 # strings: a VQ `out=` anywhere, 1e6 episodes on 64 workers, a hydra.searchpath)
-OWN_LOCATIONS = {"data": ("root", "vq_train_overrides")}
+OWN_LOCATIONS = {"data": ("root", "vq_train_overrides", "workers", "num_workers")}  # processes: this machine's
 
 
 def own_locations(group: str, adopted: dict, packaged: dict | None) -> dict:

@@ -1,6 +1,8 @@
 """Device helpers shared by every layer above core: the `device=auto` choice and a CUDA synchronisation point."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -26,3 +28,9 @@ def set_threads(n: int | None) -> int:
     if n:
         torch.set_num_threads(int(n))
     return torch.get_num_threads()
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device`: the GPU's total, or this machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

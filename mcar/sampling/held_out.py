@@ -47,14 +47,22 @@ def held_out_folder(cfg: DictConfig) -> Path | None:
     return folder
 
 
+BUILD_LIMIT = 2000  # episodes a sampling tool builds at most to read held-out clips (a checkpoint's data may say more)
+
+
 def held_out_data(cfg: DictConfig, frames: int):
     """The held-out clips, `frames` frames long, in `.val_source`: the checkpoint's shipped ones (held_out=auto
-    finds them; nothing to build), else the configured data's module, built on first use and set up."""
+    finds them; nothing to build), else the configured data's module, built on first use and set up (at most
+    BUILD_LIMIT episodes: a checkpoint's data config decides what it trained on, not what a sampling tool builds)."""
     with open_dict(cfg):
         cfg.data.clip_frames = frames
     shipped = held_out_folder(cfg)
     if shipped is not None:
         return ShippedHeldOut(shipped, cfg.data, frames)
+    episodes = OmegaConf.select(cfg, "data.episodes", default=None)
+    if episodes is not None and int(episodes) > BUILD_LIMIT:
+        raise ValueError(f"data.episodes={episodes}: reading held-out clips would build {episodes} episodes first "
+                         f"(more than {BUILD_LIMIT}); pass held_out=<a token folder of its validation episodes>")
     dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("validate")

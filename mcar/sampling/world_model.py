@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from mcar.checkpoint.config import adopt_checkpoint_config
 from mcar.checkpoint.load import check_data_fits, load_model, sampling_dtype, warn_past_trained_length
-from mcar.core.devices import resolve_device, sync
+from mcar.core.devices import device_memory, resolve_device, sync
 from mcar.core.layout import Layout
 from mcar.core.sampler import SampleStats, ScheduleSampler, build_sampler
 from mcar.hydra_app import to_dict
@@ -49,8 +49,21 @@ class WorldModel:
         adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
         check_data_fits(module.layout, hp, cfg.data)
         wm = cls(module.model, module.layout, hp, device, cfg)
-        wm.context  # noqa: B018  a bad sampler.context fails now, not at the first sample
+        wm.check_fits_memory()  # a bad sampler.context or a checkpoint's huge clip fails now, in one line
         return wm
+
+    def check_fits_memory(self) -> None:
+        """The KV cache of one clip at `context` frames against the device's memory: a checkpoint whose clip_frames
+        or layout asks for more is refused in one line (an allocator error or a MemoryError traceback before)."""
+        arch, context = self.model.cfg, self.context
+        slots = context * self.layout.frame_len
+        dtype = next(self.model.parameters()).dtype
+        need = 2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * slots * torch.finfo(dtype).bits // 8
+        have = device_memory(self.device)
+        if need > have // 2:
+            raise ValueError(f"ckpt={self.cfg.ckpt}: a window of {context} frames x {self.layout.frame_len} slots "
+                             f"needs a {need / 2**30:.1f} GiB KV cache, more than half of this device's "
+                             f"{have / 2**30:.1f} GiB: set sampler.context=<fewer frames>")
 
     @property
     def codebook_size(self) -> int:
