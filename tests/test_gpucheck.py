@@ -414,10 +414,12 @@ def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, m
 
 def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monkeypatch):
     """`timeout` stops a stage with SIGTERM, 30 s before its kill: the stage's compile artifacts are saved first
-    (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back."""
+    (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back (the stop
+    itself is every tool's: mcar.stopping, as hydra_tool runs a stage)."""
     import signal
 
     from mcar.bench import gpu_check
+    from mcar.stopping import stop_signals_end
 
     saved = []
 
@@ -428,7 +430,7 @@ def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monke
     monkeypatch.setattr(gpu_check, "memory_check", stopped_by_timeout)
     monkeypatch.setattr(gpu_check, "save_compile_cache", lambda out, stage: saved.append(stage) or "saved")
     previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, stop_signals_end("bench"):
         gpu_check.run_stage(compose("bench", TINY), "memory", tmp_path)
     assert stop.value.code == 128 + signal.SIGTERM and saved == ["memory"]
     assert not (tmp_path / "memory.json").exists() and signal.getsignal(signal.SIGTERM) is previous

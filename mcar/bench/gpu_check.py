@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import signal
-import threading
 import time
 import warnings
 import zipfile
@@ -317,24 +315,6 @@ def write_compile_cache(out: Path, stage: str, artifacts: bytes) -> str:
         f"{len(kept) + 1} stages)"
 
 
-@contextlib.contextmanager
-def exit_on_sigterm():
-    """`timeout` stops a stage with SIGTERM: raised as SystemExit, so the stage's `finally` still saves what it
-    compiled (the redo then compiles from cache) before the kill 30 s later."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def compiled_graphs() -> int:
     """Graphs dynamo compiled in this process so far (each one is a compile: the stage's start-up cost)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -456,20 +436,19 @@ def run_stage(cfg: DictConfig, stage: str, out: Path) -> dict:
     if stage not in stages(cfg):
         raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all, list, plan or merge")
     cache = {"loaded": load_compile_cache(out)}
-    with exit_on_sigterm():
-        try:
-            if stage.startswith("train_"):
-                result = train_check(cfg, stage.removeprefix("train_"), out)
-            elif stage == "flex":
-                result = flex_check(cfg)
-            elif stage.startswith("sampler_"):
-                _, name, frames = stage.split("_")
-                result = sampler_check(cfg, name, int(frames.removesuffix("f")))
-            else:
-                result = memory_check(cfg, out)
-        finally:
-            cache["saved"] = save_compile_cache(out, stage)
-            print(f"compile cache: {cache['loaded']}; {cache['saved']}", flush=True)
+    try:  # `timeout` stops a stage with SIGTERM (mcar.stopping): what it compiled is saved first, for the redo
+        if stage.startswith("train_"):
+            result = train_check(cfg, stage.removeprefix("train_"), out)
+        elif stage == "flex":
+            result = flex_check(cfg)
+        elif stage.startswith("sampler_"):
+            _, name, frames = stage.split("_")
+            result = sampler_check(cfg, name, int(frames.removesuffix("f")))
+        else:
+            result = memory_check(cfg, out)
+    finally:
+        cache["saved"] = save_compile_cache(out, stage)
+        print(f"compile cache: {cache['loaded']}; {cache['saved']}", flush=True)
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
               "torch": torch.__version__, "fingerprint": fingerprint(cfg, command_line_overrides()),
               "seconds": round(time.perf_counter() - t0, 1), "compile_cache": cache, "result": result}
