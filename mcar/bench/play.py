@@ -99,7 +99,8 @@ def run_play(cfg: DictConfig) -> dict:
     b = cfg.bench.play
     play_cfg = cfg.copy()
     with open_dict(play_cfg):
-        play_cfg.device, play_cfg.dtype, play_cfg.threads = cfg.bench.device, cfg.bench.dtype, cfg.bench.threads
+        play_cfg.device, play_cfg.dtype = cfg.bench.device, cfg.bench.dtype
+        play_cfg.threads = 1 if cfg.bench.threads is None else cfg.bench.threads  # play's own default (play.yaml)
         play_cfg.sampler.temperature = float(b.temperature)
     session = open_game(play_cfg)
     out = {"ckpt": str(cfg.ckpt), "sampler": cfg.sampler.name, "device": str(session.server.device),
