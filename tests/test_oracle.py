@@ -434,8 +434,15 @@ def patch_mask_mod(monkeypatch, wrap):
 
 
 def assert_detected(monkeypatch, mutate, configs=MUTATION_CONFIGS):
+    import functools
+
+    from mcar.core import schedule
+
     assert not oracle_mismatches(configs, min_accepted=len(configs)), "the unmutated factory must agree"
     mutate(monkeypatch)
+    # Schedule.of shares one object per configuration: the mutated code builds its own, the shared ones stay
+    monkeypatch.setattr(schedule, "_shared_schedule", functools.lru_cache(maxsize=64)(
+        schedule._shared_schedule.__wrapped__))
     mism = oracle_mismatches(configs, min_accepted=len(configs))
     assert mism, "the oracle comparison did not notice the mutation"
     return mism

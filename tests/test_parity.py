@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from mcar.checkpoint.config import packaged_group_config
 from mcar.core.keyed_rng import keyed_exponential
 from mcar.core.layout import Layout
 from mcar.core.masks import IGNORE, CausalMask, DiagDMask, build_mask_factory, next_token_targets
@@ -226,8 +227,8 @@ def test_configs_build_and_validation_loss(model):
         cfg = OmegaConf.to_container(OmegaConf.load("conf/mask/diagd.yaml"))
         mask = build_mask_factory(cfg.pop("name"), layout, T, schedule=schedule | {"full": full}, **cfg)
         assert mask.name == ("diagd_full" if full else "diagd") and mask.schedule.k == schedule["k"]
-    ntp = build_sampler(OmegaConf.load("conf/sampler/ntp.yaml"), layout, T, schedule=schedule)
-    diag = build_sampler(OmegaConf.load("conf/sampler/diagd.yaml"), layout, T, schedule=schedule)
+    ntp = build_sampler(packaged_group_config("sampler", "ntp"), layout, T, schedule=schedule)
+    diag = build_sampler(packaged_group_config("sampler", "diagd"), layout, T, schedule=schedule)
     assert ntp.name == "ntp" and diag.name == "diagd" and type(ntp) is type(diag) is ScheduleSampler
     loss = diagd_val_loss(model, diag, clip)
     tf = diag.teacher_forced(model, clip)

@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import mcar.core.compiling as compiling
 import mcar.core.keyed_rng as keyed_rng
 import mcar.core.sampler as sampler_mod
+from mcar.checkpoint.config import packaged_group_config
 from mcar.core.buckets import pass_widths
 from mcar.core.keyed_rng import keyed_exponential
 from mcar.core.layout import Layout
@@ -113,7 +113,7 @@ def test_slot_noise_is_the_per_output_hash():
 def test_compile_auto_is_on_for_cuda_only(model):
     layout = Layout(3, 4, 2)
     for name in ("ntp", "diagd"):
-        s = build_sampler(OmegaConf.load(f"conf/sampler/{name}.yaml"), layout, T)
+        s = build_sampler(packaged_group_config("sampler", name), layout, T)
         assert s.compile == "auto"
         assert not s.compiles("cpu") and not s.is_static("cpu")  # eager on CPU
         assert s.compiles("cuda") and s.is_static(torch.device("cuda", 0))
