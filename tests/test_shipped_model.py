@@ -10,33 +10,23 @@ import pytest
 import torch
 from PIL import Image
 
+from mcar.data.crafter_gen import blocked_moves, make_env
 from mcar.tokenizer.vq_model import encode_tokens, load_vq
 from tests.conftest import REPO, compose
 
 SHIPPED = REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd"
 MOVES = {"move_left": 1, "move_right": 2, "move_up": 3, "move_down": 4}
+TILES, VIEW = (224, 384), (24, 14)  # data=crafter_tiles: frames (H, W), Crafter's grid in tiles (W, H)
 
 
 def crafter_start(seed: int):
     """A tile-view Crafter at noon (data=crafter_tiles' renderer) whose player can walk in all four directions ->
     (start frame, {move: the frame Crafter shows after it})."""
-    import crafter
-
     for s in range(seed, seed + 50):
-        env = crafter.Env(size=(384, 224), view=(24, 14), seed=s)
-        env._update_time = lambda env=env: setattr(env._world, "daylight", 1.0)
-        start = env.reset()
-        x, y = env._player.pos
-        free = all(env._world[(x + dx, y + dy)][0] in ("grass", "sand", "path") and env._world[(x + dx, y + dy)][1]
-                   is None for dx, dy in ((-1, 0), (1, 0), (0, -1), (0, 1)))
-        if not free:
+        env, start = make_env(s, TILES, VIEW, daylight=1.0)
+        if blocked_moves(env):
             continue
-        after = {}
-        for name, action in MOVES.items():
-            env = crafter.Env(size=(384, 224), view=(24, 14), seed=s)
-            env._update_time = lambda env=env: setattr(env._world, "daylight", 1.0)
-            env.reset()
-            after[name] = env.step(action)[0]
+        after = {name: make_env(s, TILES, VIEW, daylight=1.0)[0].step(action)[0] for name, action in MOVES.items()}
         return start, after
     raise AssertionError("no start with four free neighbours")
 
@@ -72,11 +62,7 @@ def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
 
 def crafter_rollout(seed: int, steps: int, rng):
     """A tile-view Crafter at noon from `seed`, driven by random moves and noops -> (start, actions, frames)."""
-    import crafter
-
-    env = crafter.Env(size=(384, 224), view=(24, 14), seed=seed)
-    env._update_time = lambda: setattr(env._world, "daylight", 1.0)
-    start = env.reset()
+    env, start = make_env(seed, TILES, VIEW, daylight=1.0)
     actions = [str(a) for a in rng.choice([*MOVES, "noop"], steps)]
     return start, actions, [env.step(MOVES.get(a, 0))[0] for a in actions]
 
