@@ -95,7 +95,7 @@ def test_a_new_action_space_is_one_class_the_tools_ask():
     ACTION_SPACES and nothing else."""
     import torch
 
-    from mcar.eval.idm import action_names
+    from mcar.idm.scores import action_names
     from mcar.sampling.play import named_actions
     from mcar.sampling.prompts import parse_action
     from mcar.tokenizer import actions

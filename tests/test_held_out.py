@@ -26,7 +26,7 @@ def small_data(**kw):
 
 
 def test_exported_held_out_clips_are_the_datas_validation_clips(tmp_path):
-    from mcar.eval.idm import tokens_name
+    from mcar.idm.model import tokens_name
     from mcar.sampling.held_out import ShippedHeldOut, export_held_out
 
     src = tmp_path / "tokens_vq_x_123"

@@ -8,7 +8,9 @@ import torch
 
 from mcar.core.layout import Layout
 from mcar.eval import metrics as M
-from mcar.eval.idm import InverseDynamics, action_scores, check_idm_fits, frame_pairs
+from mcar.eval.idm import check_idm_fits
+from mcar.idm.model import InverseDynamics
+from mcar.idm.scores import action_scores, frame_pairs
 
 
 def reference_frechet(f1: np.ndarray, f2: np.ndarray) -> float:

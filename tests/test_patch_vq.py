@@ -136,7 +136,7 @@ def test_crafter_tiles_config_uses_the_committed_patch_vq():
     assert cfg.data.codebook_size == load_vq(cfg.vq.path).config.num_vq_embeddings == 128
     assert list(cfg.data.view) == [24, 14] and cfg.data.daylight == 1.0 and cfg.data.lossless
     # its own name (own IDM, own run names) but Crafter's actions: named in the IDM's table, mcar.play and generate
-    from mcar.eval.idm import action_names
+    from mcar.idm.scores import action_names
     from mcar.sampling.prompts import parse_action
 
     assert action_names(cfg.data, 17)[1] == "move_left" == action_names(compose("train").data, 17)[1]

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from mcar.checkpoint.load import resolve_ckpt
 from mcar.core.devices import set_threads
 from mcar.eval import metrics as M
-from mcar.eval.idm import action_names, check_idm_fits, data_moves, load_idm, resolve_idm
+from mcar.eval.idm import check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import (
     gather_sweep,
     log_wandb,
@@ -44,6 +44,7 @@ from mcar.eval.reporting import (
     write_videos,
 )
 from mcar.eval.scoring import Scorer, reference_clips, score_rows
+from mcar.idm.scores import action_names, data_moves
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.pictures import mask_image, schedule_table, write_png
 

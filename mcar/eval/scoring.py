@@ -15,7 +15,7 @@ from mcar.core.agreement import nothing_moves
 from mcar.core.layout import Layout
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
-from mcar.eval.idm import action_pr, action_scores, frame_pairs, pr_keys
+from mcar.idm.scores import action_pr, action_scores, frame_pairs, pr_keys
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
 
