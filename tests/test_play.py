@@ -155,28 +155,36 @@ def test_games_stepped_together_draw_what_each_draws_alone(crafter_files, temper
         base.server.step_together([(together[0], "do"), (together[0], "noop")])
 
 
-def test_steps_from_threads_waiting_at_once_share_a_tick(crafter_files):
-    """PlayServer.step from several threads (the page's tabs): the steps waiting while a tick runs are the next
-    tick's batch, and each thread gets its own game's frame."""
+def steps_in_one_tick(server, moves) -> dict:
+    """Each (game, action) stepped from its own thread (the page's tabs), all waiting while a tick runs, so they
+    make the next tick's batch together -> {game: (frame, info)}; every thread has ended."""
     import threading
 
-    base = crafter_session(crafter_files)
-    a, b = base.fork(), base.fork(seed=1)
-    want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
-    server, out = base.server, {}
+    out = {}
     with server._cv:
-        server._busy = True  # a tick is running: both steps wait for the next one
-    threads = [threading.Thread(target=lambda g=g, act=act: out.setdefault(g, g.step(act))) for g, act in
-               [(a, "do"), (b, "noop")]]
+        server._busy = True  # a tick is running: the steps wait for the next one
+    threads = [threading.Thread(target=lambda g=g, act=act: out.setdefault(g, g.step(act))) for g, act in moves]
     for t in threads:
         t.start()
-    while len(server._waiting) < 2:
+    while len(server._waiting) < len(moves):
         time.sleep(0.01)
     with server._cv:
         server._busy = False
         server._cv.notify_all()
     for t in threads:
         t.join(30)
+        assert not t.is_alive()
+    return out
+
+
+def test_steps_from_threads_waiting_at_once_share_a_tick(crafter_files):
+    """PlayServer.step from several threads (the page's tabs): the steps waiting while a tick runs are the next
+    tick's batch, and each thread gets its own game's frame."""
+
+    base = crafter_session(crafter_files)
+    a, b = base.fork(), base.fork(seed=1)
+    want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
+    out = steps_in_one_tick(base.server, [(a, "do"), (b, "noop")])
     assert out[a][1]["batch"] == out[b][1]["batch"] == 2
     assert np.array_equal(out[a][0], want[0][0]) and np.array_equal(out[b][0], want[1][0])
 
@@ -561,7 +569,7 @@ def test_a_game_dropped_while_its_step_runs_keeps_its_own_frame(crafter_files, m
     base = crafter_session(crafter_files)
     want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
     a, b = base.fork(), base.fork(seed=1)
-    server, out, leaving = base.server, {}, []
+    server, leaving = base.server, []
     decode = PlaySession.decode
 
     def decode_and_drop(self, tokens):  # mid-tick: another thread drops game a
@@ -571,20 +579,9 @@ def test_a_game_dropped_while_its_step_runs_keeps_its_own_frame(crafter_files, m
         return decode(self, tokens)
 
     monkeypatch.setattr(PlaySession, "decode", decode_and_drop)
-    with server._cv:
-        server._busy = True
-    threads = [threading.Thread(target=lambda g=g, act=act: out.setdefault(g, g.step(act))) for g, act in
-               [(a, "do"), (b, "noop")]]
-    for t in threads:
-        t.start()
-    while len(server._waiting) < 2:
-        time.sleep(0.01)
-    with server._cv:
-        server._busy = False
-        server._cv.notify_all()
-    for t in [*threads, *leaving]:
-        t.join(30)
-        assert not t.is_alive()
+    out = steps_in_one_tick(server, [(a, "do"), (b, "noop")])
+    leaving[0].join(30)
+    assert not leaving[0].is_alive()
     assert np.array_equal(out[a][0], want[0][0]) and np.array_equal(out[b][0], want[1][0])
     assert a not in server.games and b.step("do")[1]["batch"] == 1
 

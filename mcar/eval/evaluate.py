@@ -64,8 +64,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     frames = cfg.frames or wm.trained_frames
     sampler = wm.sampler(frames)  # past the model's context it rolls, as generate does
     P = sampler.prompt_frames
-    dm = wm.held_out(frames)
-    ids, gt = wm.held_out_clips(frames, cfg.n_clips, cfg.clips)
+    dm, ids, gt = wm.held_out_clips(frames, cfg.n_clips, cfg.clips)  # the data read once
     log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s%s", cfg.ckpt, len(ids), frames, P,
              sampler.label, f", a rolling window of {sampler.context} frames" if sampler.rolls() else "")
 

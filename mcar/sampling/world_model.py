@@ -135,11 +135,12 @@ class WorldModel:
         validation episodes (built on first use)."""
         return held_out_data(self.cfg, frames)
 
-    def held_out_clips(self, frames: int, n_clips: int, ids=None) -> tuple[list[int], torch.Tensor]:
-        """`n_clips` evenly spaced held-out clips (or those `ids`) -> (ids, (n, N) clips)."""
-        source = self.held_out(frames).val_source
-        ids = pick_clips(source, n_clips, ids)
-        return ids, torch.stack([source.clip(i) for i in ids])
+    def held_out_clips(self, frames: int, n_clips: int, ids=None):
+        """`n_clips` evenly spaced held-out clips of `frames` frames (or those `ids`) -> (the held-out data, as
+        `held_out` gives it, the ids, (n, N) clips)."""
+        data = self.held_out(frames)
+        ids = pick_clips(data.val_source, n_clips, ids)
+        return data, ids, torch.stack([data.val_source.clip(i) for i in ids])
 
     def prompt(self, frames: int) -> tuple[torch.Tensor, bool, str]:
         """The configured prompt (cfg.prompt: a held-out clip id or episode[:frame]; or cfg.prompt_image + actions)
