@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The staged GPU check (mcar/bench/gpu_check.py): each stage in its own process under a timeout, writing <stage>.json into
+# The staged GPU check (mcar/bench/gpu_check.py; scripts/gpu_calls.py splits it over short borrowed device calls):
+# each stage in its own process under a timeout, writing <stage>.json into
 # the output folder, then `merge` joins what is there into bench_gpu.json and bench_gpu.md (targets included). Each
 # stage JSON records the fingerprint of what it measured (model, overrides, tiny or not, torch, device): a stage done
 # by the same run is skipped (run again after a kill or a timeout: it resumes); one measured by another run is moved
@@ -14,7 +15,7 @@
 #
 # --out: outputs/gpu_check by default, outputs/gpu_check_tiny with --tiny (a tiny run never stands in for a real one).
 # --timeout: seconds per stage (480). --budget SECONDS (or GPU_CHECK_BUDGET): a stage whose estimate
-# (bench.gpu.estimate in mcar/conf/bench.yaml: start-up + graphs compiled x compile_s + work) does not fit the time
+# (scripts/gpu_estimates.yaml: start-up + graphs compiled x compile_s + work) does not fit the time
 # left since the script started, less merge's estimate, is not started: "skipped for budget", for a later call; a
 # started stage's timeout is cut to the time left. --plan: print, running nothing, the calls of --budget seconds
 # (540 unless given) that the stages not done need (all of them, whatever --stages says): each call's stages and
@@ -78,10 +79,9 @@ fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 common=(data=synthetic logger=csv "bench.gpu.dir=$out")
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/gpu_calls.py imports mcar from here
 if [ "$plan" = 1 ]; then
-  "$py" -m mcar.cli bench gpu bench.gpu.stage=plan "bench.gpu.budget_s=${budget:-540}" "${common[@]}" "$@" \
-    "hydra.run.dir=$out/hydra/plan" 2>"$out/plan.log" | tail -n 1 \
+  "$py" scripts/gpu_calls.py plan --budget "${budget:-540}" "${common[@]}" "$@" 2>"$out/plan.log" | tail -n 1 \
     | "$py" -c 'import json, sys; print(json.load(sys.stdin)["text"])' \
     || { echo "gpu_check: could not plan the calls (see $out/plan.log):"; tail -n 20 "$out/plan.log"; exit 1; }
   exit 0
@@ -100,8 +100,7 @@ if [ -n "$copy_to" ]; then
   copy_to=$(cd "$copy_to" && pwd)
   trap copy_back EXIT
 fi
-list=$("$py" -m mcar.cli bench gpu bench.gpu.stage=list "${common[@]}" "$@" "hydra.run.dir=$out/hydra/list" 2>"$out/list.log" \
-       | tail -n 1)
+list=$("$py" scripts/gpu_calls.py list "${common[@]}" "$@" 2>"$out/list.log" | tail -n 1)
 # one line per stage: name, state for this run (done, stale or missing), estimate in seconds; then merge's estimate
 plan=$(printf '%s' "$list" | "$py" -c '
 import json, sys
@@ -152,8 +151,8 @@ for stage in "${selected[@]}"; do
   fi
   echo "== $stage (at most ${stage_limit}s; log: $out/$stage.log)"
   t0=$SECONDS
-  timeout --kill-after=30 "$stage_limit" "$py" -m mcar.cli bench gpu "bench.gpu.stage=$stage" "${common[@]}" "$@" \
-    "hydra.run.dir=$out/hydra/$stage" >"$out/$stage.log" 2>&1
+  timeout --kill-after=30 "$stage_limit" "$py" scripts/gpu_calls.py stage "$stage" "${common[@]}" "$@" \
+    >"$out/$stage.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then
     [ $rc -eq 124 ] && echo "   timed out after ${stage_limit}s" || echo "   failed (exit $rc)"

@@ -14,6 +14,16 @@ from mcar.train.memory import count_params, fit_activations, measure_step_peak, 
 
 from .conftest import REPO, compose, script_env
 
+
+def load_gpu_calls():
+    """scripts/gpu_calls.py, imported from its file (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_calls", REPO / "scripts" / "gpu_calls.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
         "data.action_vocab_size=8"]
 
@@ -171,14 +181,14 @@ FLEX = {"dtype": "float32", "seq_len": 46, "max_rel_err": 1e-7, "argmax_agreemen
 def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mixed_runs(tmp_path):
     """A tiny CPU run's stage JSON never stands in for the 700m run's: the fingerprint (model, overrides, tiny,
     torch, device) tells them apart, and merge refuses a folder holding both, naming the stage files."""
-    from mcar.bench.gpu_check import fingerprint, merge, stage_states
+    from mcar.bench.gpu_check import fingerprint, merge
 
+    stage_states = load_gpu_calls().stage_states
     cfg = compose("bench", TINY)
     tiny = fingerprint(cfg, ["bench.gpu.stage=flex", f"bench.gpu.dir={tmp_path}", "model=tiny",
-                             "bench.gpu.estimate.stages.flex.work_s=9", "bench.gpu.budget_s=300",
                              "bench.gpu.targets.mfu=0.5"])
     assert tiny == {"model": "tiny", "tiny": True, "overrides": ["model=tiny"], "torch": torch.__version__,
-                    "device": "cpu"}  # where it writes, the targets and the time estimates measure nothing
+                    "device": "cpu"}  # where it writes and the targets measure nothing
     real = fingerprint(compose("bench", ["model=700m"]), ["model=700m"])
     assert real["model"] == "700m" and not real["tiny"]
 
@@ -199,16 +209,21 @@ def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mix
 
 
 FAKE_BENCH = """#!{python}
-# `python -m mcar.cli bench gpu ...` as scripts/gpu_check.sh calls it, without mcar or torch: stage estimates from
-# FAKE_ESTIMATES, each stage sleeps FAKE_SLEEP[stage] seconds; any other use of the interpreter is the real one
+# scripts/gpu_calls.py list|plan|stage and `python -m mcar.cli bench gpu bench.gpu.stage=merge` as
+# scripts/gpu_check.sh calls them, without mcar or torch: stage estimates from FAKE_ESTIMATES, each stage sleeps
+# FAKE_SLEEP[stage] seconds; any other use of the interpreter is the real one
 import json, os, sys, time
 from pathlib import Path
 
 args = sys.argv[1:]
-if args[:3] != ["-m", "mcar.cli", "bench"]:
+if args[:1] == ["scripts/gpu_calls.py"]:
+    stage = args[2] if args[1] == "stage" else args[1]
+elif args[:4] == ["-m", "mcar.cli", "bench", "gpu"]:
+    stage = "merge"
+else:
     os.execv(sys.executable, [sys.executable, *args])
-kv = dict(a.split("=", 1) for a in args[4:] if "=" in a)
-stage, out = kv["bench.gpu.stage"], Path(kv["bench.gpu.dir"])
+kv = dict(a.split("=", 1) for a in args if "=" in a)
+out = Path(kv["bench.gpu.dir"])
 estimates = json.loads(os.environ["FAKE_ESTIMATES"])
 names = [s for s in estimates if s != "merge"]
 if stage == "list":
@@ -217,7 +232,7 @@ if stage == "list":
         return "missing" if not p.exists() else "done" if json.loads(p.read_text())["fingerprint"] == "fp" else "stale"
     print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}, "estimate_s": estimates}}))
 elif stage == "plan":
-    print(json.dumps({{"text": f"planned for {{kv['bench.gpu.budget_s']}} s"}}))
+    print(json.dumps({{"text": f"planned for {{args[args.index('--budget') + 1]}} s"}}))
 elif stage == "merge":
     (out / "bench_gpu.md").write_text("merged: " + " ".join(s for s in names if (out / f"{{s}}.json").exists()) + "\\n")
 else:
@@ -345,8 +360,7 @@ def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_
 def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_none():
     """As gpu_check.sh --budget runs them: each call spends call_s, starts in order every stage whose estimate fits
     what is left less merge's, then merges; a stage too long for any call alone is reported, not packed."""
-    from mcar.bench.gpu_check import plan_calls
-
+    plan_calls = load_gpu_calls().plan_calls
     plan = plan_calls({"a": 100, "b": 300, "c": 150, "too_long": 400, "d": 50, "merge": 30}, budget=400, call_s=10)
     assert plan["calls"] == [{"stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
                              {"stages": {"b": 300}, "estimate_s": 340}]
@@ -355,27 +369,31 @@ def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_n
 
 
 def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
-    """bench.gpu.stage=plan (gpu_check.sh --plan) with the shipped bench.gpu.estimate for 700m: every stage in 3
-    calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
+    """`gpu_calls.py plan` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m: every stage
+    in 3 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
     planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
     import zipfile
 
-    from mcar.bench.gpu_check import COMPILE_CACHE, fingerprint, run_gpu, stages
+    from omegaconf import OmegaConf
 
-    cfg = compose("bench", ["experiment=paper", "model=700m", "bench.gpu.stage=plan", f"bench.gpu.dir={tmp_path}"])
-    plan = run_gpu(cfg)
+    from mcar.bench.gpu_check import fingerprint, stages
+
+    calls = load_gpu_calls()
+    overrides = ["experiment=paper", "model=700m", f"bench.gpu.dir={tmp_path}"]
+    cfg = compose("bench", overrides)
+    plan = calls.main(["plan", "--budget", "540", *overrides])
     assert len(plan["calls"]) == 3 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
     assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
-    e = cfg.bench.gpu.estimate
+    e = OmegaConf.load(calls.ESTIMATES)
     assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
         e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
     assert "call 3, ~" in plan["text"] and "sampler_diagd_16f 165 = 25 start-up" in plan["text"]
 
-    stage_json(tmp_path, "train_causal", fingerprint(cfg, []), {})  # done by this run
-    with zipfile.ZipFile(tmp_path / COMPILE_CACHE, "w") as z:
+    stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
+    with zipfile.ZipFile(tmp_path / calls.COMPILE_CACHE, "w") as z:
         z.writestr("sampler_ntp_16f.bin", b"artifacts")
-    plan = run_gpu(cfg)
+    plan = calls.main(["plan", "--budget", "540", *overrides])
     assert plan["done"] == ["train_causal"] and "train_causal" not in plan["arithmetic"]
     assert plan["arithmetic"]["sampler_ntp_16f"] == "115 = 25 start-up + 2 model x 15 + 60 work (compile cached)"
 
@@ -384,8 +402,9 @@ def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, m
     """save_compile_cache adds this process's artifacts (torch.compiler.save_cache_artifacts, faked here) as the
     stage's member of compile_cache.zip, replacing its older one; load_compile_cache loads every member; a damaged
     file or a torch without the API is a one-line note, never an error."""
-    from mcar.bench.gpu_check import COMPILE_CACHE, cached_stages, load_compile_cache, save_compile_cache
-
+    calls = load_gpu_calls()
+    COMPILE_CACHE, cached_stages = calls.COMPILE_CACHE, calls.cached_stages
+    load_compile_cache, save_compile_cache = calls.load_compile_cache, calls.save_compile_cache
     made, loaded = [], []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: made.pop())
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or "info")
@@ -415,12 +434,12 @@ def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, m
 def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monkeypatch):
     """`timeout` stops a stage with SIGTERM, 30 s before its kill: the stage's compile artifacts are saved first
     (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back (the stop
-    itself is every tool's: mcar.stopping, as hydra_tool runs a stage)."""
+    itself is every tool's: mcar.stopping, as `gpu_calls.py stage` runs one)."""
     import signal
 
     from mcar.bench import gpu_check
-    from mcar.stopping import stop_signals_end
 
+    calls = load_gpu_calls()
     saved = []
 
     def stopped_by_timeout(cfg, out):
@@ -428,10 +447,10 @@ def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monke
         time.sleep(5)  # the handler runs at the next bytecode
 
     monkeypatch.setattr(gpu_check, "memory_check", stopped_by_timeout)
-    monkeypatch.setattr(gpu_check, "save_compile_cache", lambda out, stage: saved.append(stage) or "saved")
+    monkeypatch.setattr(calls, "save_compile_cache", lambda out, stage: saved.append(stage) or "saved")
     previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stop, stop_signals_end("bench"):
-        gpu_check.run_stage(compose("bench", TINY), "memory", tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        calls.main(["stage", "memory", *TINY, f"bench.gpu.dir={tmp_path}"])
     assert stop.value.code == 128 + signal.SIGTERM and saved == ["memory"]
     assert not (tmp_path / "memory.json").exists() and signal.getsignal(signal.SIGTERM) is previous
 
@@ -441,7 +460,8 @@ def test_compile_cache_round_trip_lets_a_fresh_machine_compile_from_cache(tmp_pa
     saved; another empty directory (a fresh machine) that loads compile_cache.zip first hits the cache."""
     from torch._dynamo.utils import counters
 
-    from mcar.bench.gpu_check import load_compile_cache, save_compile_cache
+    calls = load_gpu_calls()
+    load_compile_cache, save_compile_cache = calls.load_compile_cache, calls.save_compile_cache
 
     def compile_on(machine):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / machine))

@@ -5,17 +5,13 @@ memory: the peak memory per device that the configured training step will need (
 that fits bench.memory.budget_gib with and without activation checkpointing, and a whole-model measurement on
 fake tensors as a cross-check.
 
-gpu: the check a GPU machine runs first, in stages that each fit a 10-minute command and write their own JSON
-(`bench.gpu.stage=<name>`, into bench.gpu.dir), then `bench.gpu.stage=merge` joins them into bench_gpu.{json,md}
-with the targets. scripts/gpu_check.sh runs them in order, one process each, with timeouts, skipping stages whose
-JSON was written by the same run (resumable). Each stage JSON records the fingerprint of what it measured (model,
-overrides, tiny or not, torch, device); `list` says which stages are done, stale (measured by another run) or
-missing, with each stage's time estimate (bench.gpu.estimate: start-up + graphs compiled x compile_s + work), and
-`plan` packs the stages not done into device calls of bench.gpu.budget_s seconds; merge refuses stages of different
-fingerprints. Each stage loads the inductor artifacts the earlier ones saved (compile_cache.zip in bench.gpu.dir,
-one member per stage) and saves its own at its end, a timeout's SIGTERM included: a fresh machine handed that file
-back compiles from cache.
-Stages (`bench.gpu.stage=list` prints them):
+gpu: the check a GPU machine runs first, `mcar bench gpu` (every stage in this process, then the merge), or one
+stage (`bench.gpu.stage=<name>`) writing its own JSON into bench.gpu.dir and `bench.gpu.stage=merge` joining them
+into bench_gpu.{json,md} with the targets. Each stage JSON records the fingerprint of what it measured (model,
+overrides, tiny or not, torch, device); merge refuses stages of different fingerprints. scripts/gpu_check.sh runs
+the stages one process each under a timeout, resumably (scripts/gpu_calls.py: what splitting them over short
+borrowed device calls needs: estimates, the call plan, inductor's artifacts carried between machines).
+Stages:
 - train_<mask> (causal, diagd): train.py's own path (Lightning, the configured trainer, precision, activation
   checkpointing, per-block compile on CUDA with static shapes) for bench.gpu.steps steps: ms/step over the timed
   window, tokens/s, MFU over the rows the mask computes, peak allocated and reserved memory, host syncs per step
@@ -24,17 +20,14 @@ Stages (`bench.gpu.stage=list` prints them):
 - sampler_<ntp|diagd>_<F>f: the sampler speed check at F frames (compiled on CUDA): ms/pass against the bandwidth
   floor, frames/s; it compiles the generation step alone (no bare-forward graphs: bench.bare_forward=auto);
 - memory: the planned training peak of each train stage's shape against its measured peaks.
-`bench.gpu.stage=all` runs every stage in this process (torch.compiler.reset() between) and merges. With
+`bench.gpu.stage=all` (the default) runs every stage in this process (torch.compiler.reset() between). With
 data=synthetic and logger=csv it imports none of wandb, av, diffusers, crafter.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import time
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -48,7 +41,7 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
-from mcar.data.files import write_atomic, write_json
+from mcar.data.files import write_json
 from mcar.hydra_app import command_line_overrides, to_dict
 
 
@@ -134,10 +127,10 @@ def step_times(warmup: int):
     return type("StepTimesCallback", (StepTimes, Callback), {})(warmup)
 
 
-def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
+def train_overrides(cfg: DictConfig, mask: str, out: Path, overrides: list[str]) -> list[str]:
     """The bench command's own overrides (experiment, model, data, trainer...) plus what a timing run needs."""
     g = cfg.bench.gpu
-    user = [o for o in command_line_overrides() if not o.split("=")[0].lstrip("+~").startswith("bench.")]
+    user = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith("bench.")]
     if not any(o.startswith("data=") for o in user):
         user = [f"data={cfg.data.name}"] + user  # the bench's default data (synthetic), not train.py's
     on_cuda = torch.cuda.is_available() and OmegaConf.select(cfg, "trainer.accelerator") != "cpu"
@@ -147,172 +140,16 @@ def train_overrides(cfg: DictConfig, mask: str, out: Path) -> list[str]:
                    f"compile={compile_}", f"run_name=gpucheck-{mask}", f"paths.checkpoint_root={out}/ckpt"]
 
 
-# overrides that change where a stage writes, what merge compares against, or the script's budget: not what it
-# measures, so not in the fingerprint
-NOT_MEASURED = ("bench.gpu.stage", "bench.gpu.dir", "bench.gpu.estimate", "bench.gpu.budget_s", "bench.gpu.targets")
+# overrides that change where a stage writes or what merge compares against: not what it measures
+NOT_MEASURED = ("bench.gpu.stage", "bench.gpu.dir", "bench.gpu.targets")
 
 
 def fingerprint(cfg: DictConfig, overrides: list[str]) -> dict:
-    """What a stage measured: a stage JSON counts as done for a run only if this matches (a tiny CPU run, another
-    model, other overrides, another torch or another GPU must not stand in for it)."""
+    """What a stage measured: merge joins only stages of one fingerprint (a tiny CPU run, another model, other
+    overrides, another torch or another GPU must not stand in for a stage)."""
     measured = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(NOT_MEASURED)]
     return {"model": str(cfg.model.name), "tiny": cfg.model.name == "tiny", "overrides": measured,
             "torch": torch.__version__, "device": device_name()}
-
-
-def stage_states(out: Path, names: list[str], fp: dict) -> dict[str, str]:
-    """Each stage: done (its JSON has this fingerprint), stale (a JSON of another fingerprint, or of none) or
-    missing."""
-    states = {}
-    for name in names:
-        path = out / f"{name}.json"
-        states[name] = "missing" if not path.exists() else \
-            "done" if json.loads(path.read_text()).get("fingerprint") == fp else "stale"
-    return states
-
-
-def stage_estimate(cfg: DictConfig, name: str, cached: bool = False) -> tuple[int, str]:
-    """A stage's upper time in seconds and its arithmetic: start-up + each graph it compiles x its kind's compile_s
-    (x cached_compile_fraction where compile_cache.zip holds the stage's artifacts) + its work (bench.gpu.estimate;
-    a stage not listed there: unlisted_s)."""
-    e = cfg.bench.gpu.estimate
-    if name not in e.stages:
-        return int(e.unlisted_s), f"{int(e.unlisted_s)} (not under bench.gpu.estimate.stages)"
-    stage, scale = e.stages[name], float(e.cached_compile_fraction) if cached else 1.0
-    for kind in stage.graphs:
-        if kind not in e.compile_s:
-            raise ValueError(f"bench.gpu.estimate.stages.{name}.graphs.{kind}: no such graph kind; choose one of "
-                             f"{sorted(e.compile_s)} (bench.gpu.estimate.compile_s)")
-    compile_ = sum(int(n) * float(e.compile_s[kind]) * scale for kind, n in stage.graphs.items())
-    seconds = round(float(e.startup_s) + compile_ + float(stage.work_s))
-    graphs = [f"{int(n)} {kind} x {float(e.compile_s[kind]) * scale:g}" for kind, n in stage.graphs.items() if int(n)]
-    return seconds, " + ".join([f"{int(e.startup_s)} start-up", *graphs, f"{stage.work_s:g} work"]) + \
-        (" (compile cached)" if cached else "")
-
-
-def stage_estimates(cfg: DictConfig, names: list[str], cached: set[str] = frozenset()) -> dict[str, int]:
-    """Each stage's upper time estimate in seconds (stage_estimate; `cached`: stages whose compile artifacts were
-    saved), and merge's."""
-    return {name: stage_estimate(cfg, name, name in cached)[0] for name in names} | \
-        {"merge": int(cfg.bench.gpu.estimate.merge_s)}
-
-
-def plan_calls(estimates: dict[str, int], budget: int, call_s: int) -> dict:
-    """Pack the stages (in order; `estimates` as stage_estimates gives them, merge's included) into device calls as
-    scripts/gpu_check.sh --budget runs them: each call spends call_s, then starts in order every stage not yet run
-    whose estimate fits what is left less merge's, then merges. A stage that fits no call alone is reported, never
-    packed."""
-    merge = estimates["merge"]
-    todo = [s for s in estimates if s != "merge"]
-    too_long = [s for s in todo if call_s + estimates[s] + merge > budget]
-    todo = [s for s in todo if s not in too_long]
-    calls = []
-    while todo:
-        used, packed = call_s, {}
-        for stage in todo:
-            if used + estimates[stage] + merge <= budget:
-                packed[stage] = estimates[stage]
-                used += estimates[stage]
-        todo = [s for s in todo if s not in packed]
-        calls.append({"stages": packed, "estimate_s": used + merge})
-    return {"budget_s": budget, "call_s": call_s, "merge_s": merge, "calls": calls,
-            "total_s": sum(c["estimate_s"] for c in calls), "too_long": {s: estimates[s] for s in too_long}}
-
-
-def plan_text(plan: dict, arithmetic: dict[str, str], done: list[str]) -> str:
-    """The plan as scripts/gpu_check.sh --plan prints it."""
-    calls, budget = plan["calls"], plan["budget_s"]
-    lines = [f"gpu_check plan for --budget {budget}: {len(calls)} call(s), each {plan['call_s']} s set-up + its "
-             f"stages + merge {plan['merge_s']} s"]
-    if done:
-        lines.append(f"  done before, not planned: {' '.join(done)}")
-    for i, call in enumerate(calls, 1):
-        packed = ", ".join(f"{stage} {seconds}" for stage, seconds in call["stages"].items())
-        lines.append(f"  call {i}, ~{call['estimate_s']} s: {packed}")
-    lines.append(f"  total ~{plan['total_s']} s ({plan['total_s'] / 60:.1f} min) of commands, plus a machine start "
-                 f"for each call that finds none warm")
-    for stage, seconds in plan["too_long"].items():
-        lines.append(f"  {stage}: {seconds} s does not fit one call of {budget} s even alone (with {plan['call_s']} s "
-                     f"set-up and merge's {plan['merge_s']} s): raise --budget or lower bench.gpu.estimate")
-    width = max(map(len, arithmetic), default=0)
-    lines.append("stage estimates (bench.gpu.estimate: start-up + graphs compiled x compile_s + work):")
-    lines += [f"  {stage:<{width}} {how}" for stage, how in arithmetic.items()]
-    return "\n".join(lines)
-
-
-def run_plan(cfg: DictConfig, out: Path) -> dict:
-    """bench.gpu.stage=plan: the stages not done in `out`, packed into calls of bench.gpu.budget_s seconds."""
-    names, fp = stages(cfg), fingerprint(cfg, command_line_overrides())
-    states, cached = stage_states(out, names, fp), cached_stages(out)
-    todo = [n for n in names if states[n] != "done"]
-    arithmetic = {}
-    for name in todo:
-        seconds, how = stage_estimate(cfg, name, name in cached)
-        arithmetic[name] = f"{seconds} = {how}"
-    plan = plan_calls(stage_estimates(cfg, todo, cached), int(cfg.bench.gpu.budget_s),
-                      int(cfg.bench.gpu.estimate.call_s))
-    done = [n for n in names if states[n] == "done"]
-    return plan | {"done": done, "arithmetic": arithmetic, "text": plan_text(plan, arithmetic, done)}
-
-
-# ---- inductor's artifacts carried between calls -----------------------------------------------------------------
-COMPILE_CACHE = "compile_cache.zip"  # in bench.gpu.dir: one member per stage, torch.compiler.save_cache_artifacts()
-
-
-def cached_stages(out: Path) -> set[str]:
-    """Stages whose compile artifacts compile_cache.zip holds."""
-    try:
-        with zipfile.ZipFile(out / COMPILE_CACHE) as z:
-            return {n.removesuffix(".bin") for n in z.namelist()}
-    except (OSError, zipfile.BadZipFile):
-        return set()
-
-
-def load_compile_cache(out: Path) -> str:
-    """Hot-load every stage's saved artifacts into inductor's caches (torch.compiler.load_cache_artifacts);
-    -> what happened, one line for the stage JSON. A missing, damaged or foreign file only means compiling cold:
-    the cache only saves time, so no error of it fails a stage."""
-    if not hasattr(torch.compiler, "load_cache_artifacts"):
-        return f"torch {torch.__version__} has no torch.compiler.load_cache_artifacts: compiled cold"
-    path = out / COMPILE_CACHE
-    if not path.exists():
-        return f"no {COMPILE_CACHE} yet: compiled cold"
-    try:
-        with zipfile.ZipFile(path) as z:
-            members = z.namelist()
-            loaded = sum(torch.compiler.load_cache_artifacts(z.read(m)) is not None for m in members)
-    except Exception as e:
-        return f"{COMPILE_CACHE} unreadable ({type(e).__name__}: {e}): compiled cold"
-    return f"loaded {loaded} of {len(members)} stages' artifacts ({path.stat().st_size / 2**20:.1f} MiB)"
-
-
-def save_compile_cache(out: Path, stage: str) -> str:
-    """Add this process's new artifacts (torch.compiler.save_cache_artifacts) to compile_cache.zip as the stage's
-    member (replacing an older one); -> what happened, one line."""
-    if not hasattr(torch.compiler, "save_cache_artifacts"):
-        return f"torch {torch.__version__} has no torch.compiler.save_cache_artifacts: nothing saved"
-    try:
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return "nothing compiled: nothing saved"
-        return write_compile_cache(out, stage, saved[0])
-    except Exception as e:  # the cache only saves time: never fails a stage
-        return f"not saved ({type(e).__name__}: {e})"
-
-
-def write_compile_cache(out: Path, stage: str, artifacts: bytes) -> str:
-    """compile_cache.zip with `artifacts` as the stage's member, the other stages' kept (a damaged file: dropped)."""
-    path = out / COMPILE_CACHE
-    kept = {}
-    with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(path) as z:
-        kept = {m: z.read(m) for m in z.namelist() if m != f"{stage}.bin"}
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
-        for member, data in (kept | {f"{stage}.bin": artifacts}).items():
-            z.writestr(member, data)
-    write_atomic(path, buffer.getvalue())  # whole or not at all, as the stage JSONs
-    return f"saved {len(artifacts) / 2**20:.1f} MiB of artifacts ({path.stat().st_size / 2**20:.1f} MiB compressed, " \
-        f"{len(kept) + 1} stages)"
 
 
 def compiled_graphs() -> int:
@@ -320,11 +157,11 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def train_check(cfg: DictConfig, mask: str, out: Path) -> dict:
+def train_check(cfg: DictConfig, mask: str, out: Path, overrides: list[str]) -> dict:
     from mcar.train.memory import GiB
     from mcar.train.task import run
 
-    tcfg = compose(config_name="train", overrides=train_overrides(cfg, mask, out))
+    tcfg = compose(config_name="train", overrides=train_overrides(cfg, mask, out, overrides))
     with open_dict(tcfg):
         tcfg.paths.output_dir = str(out / f"train_{mask}")
     timer = step_times(int(cfg.bench.gpu.warmup_steps))
@@ -431,27 +268,23 @@ def stages(cfg: DictConfig) -> list[str]:
             + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["memory"])
 
 
-def run_stage(cfg: DictConfig, stage: str, out: Path) -> dict:
+def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> dict:
+    """One stage -> its JSON (out/<stage>.json, with the fingerprint of `overrides`, the command line's)."""
     t0 = time.perf_counter()
     if stage not in stages(cfg):
-        raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all, list, plan or merge")
-    cache = {"loaded": load_compile_cache(out)}
-    try:  # `timeout` stops a stage with SIGTERM (mcar.stopping): what it compiled is saved first, for the redo
-        if stage.startswith("train_"):
-            result = train_check(cfg, stage.removeprefix("train_"), out)
-        elif stage == "flex":
-            result = flex_check(cfg)
-        elif stage.startswith("sampler_"):
-            _, name, frames = stage.split("_")
-            result = sampler_check(cfg, name, int(frames.removesuffix("f")))
-        else:
-            result = memory_check(cfg, out)
-    finally:
-        cache["saved"] = save_compile_cache(out, stage)
-        print(f"compile cache: {cache['loaded']}; {cache['saved']}", flush=True)
+        raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all or merge")
+    if stage.startswith("train_"):
+        result = train_check(cfg, stage.removeprefix("train_"), out, overrides)
+    elif stage == "flex":
+        result = flex_check(cfg)
+    elif stage.startswith("sampler_"):
+        _, name, frames = stage.split("_")
+        result = sampler_check(cfg, name, int(frames.removesuffix("f")))
+    else:
+        result = memory_check(cfg, out)
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
-              "torch": torch.__version__, "fingerprint": fingerprint(cfg, command_line_overrides()),
-              "seconds": round(time.perf_counter() - t0, 1), "compile_cache": cache, "result": result}
+              "torch": torch.__version__, "fingerprint": fingerprint(cfg, overrides),
+              "seconds": round(time.perf_counter() - t0, 1), "result": result}
     write_json(out / f"{stage}.json", result)  # whole or not at all: a stage killed while writing runs again
     return result
 
@@ -466,25 +299,18 @@ def read_stage(out: Path, stage: str) -> dict | None:
 
 
 def run_gpu(cfg: DictConfig) -> dict:
-    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), list (the stages, their state for this run and
-    estimates), plan (the device calls the stages not done need), merge, or all (every stage, then merge)."""
+    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), merge, or all (every stage, then merge)."""
     out = Path(cfg.bench.gpu.dir)
     out.mkdir(parents=True, exist_ok=True)
     stage = cfg.bench.gpu.stage
-    if stage == "list":
-        names, fp = stages(cfg), fingerprint(cfg, command_line_overrides())
-        return {"stages": names, "state": stage_states(out, names, fp),
-                "estimate_s": stage_estimates(cfg, names, cached_stages(out)), "fingerprint": fp}
-    if stage == "plan":
-        return run_plan(cfg, out)
     if stage == "all":
         for name in stages(cfg):
             torch.compiler.reset()  # every stage compiles from scratch, as in its own process
-            run_stage(cfg, name, out)
+            run_stage(cfg, name, out, command_line_overrides())
         stage = "merge"
     if stage == "merge":
         return merge(cfg, out)
-    return run_stage(cfg, stage, out)
+    return run_stage(cfg, stage, out, command_line_overrides())
 
 
 def merge(cfg: DictConfig, out: Path) -> dict:
