@@ -205,6 +205,10 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     assert keys.index("last_token_same") + 2 == keys.index("last_token_same_hi")  # in the registry's order
     assert saved["rows"][1]["last_token_same"] == by["copy_last"]["last_token_same"]
     assert saved["intervals"]["resamples"] == R.CI_RESAMPLES
+    for r in rows:  # each clip's values, for intervals pooled over evaluations: their pool is the row's value
+        per_clip = saved["extra"][r["sampler"]]["per_clip"]
+        assert len(per_clip["last_token_same"]) == len(gt)
+        assert R.mean_of(torch.tensor(per_clip["token_acc"])) == pytest.approx(r["token_acc"])
     write_table(rows, tmp_path)
     assert "last_token_same_lo" in (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "| LAST |" in (tmp_path / "results.md").read_text()

@@ -16,8 +16,10 @@ generation only, after a warm-up, synchronised on GPU; the model samples in bflo
 (dtype=auto).
 A metric whose weights are missing is 'n/a' with the reason in `notes`. A metric with per-clip values (token_acc,
 PSNR, SSIM, LPIPS, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo, <key>_hi;
-1000 resamples seeded by `seed`). The terminal shows a narrow table; everything logged to W&B is also written to
-the run's output dir: results.{md,csv,json} (every column), per_frame.csv, videos/, mask_<sampler>.png.
+1000 resamples seeded by `seed`); results.json keeps each row's per-clip values (extra.<row>.per_clip, LOSS_TF's
+too), so that intervals can be pooled over several evaluations (mcar table3). The terminal shows a narrow table;
+everything logged to W&B is also written to the run's output dir: results.{md,csv,json} (every column),
+per_frame.csv, videos/, mask_<sampler>.png.
 
 The parts: the checkpoint ready to sample and its held-out clips (mcar.sampling.WorldModel), metrics
 (mcar.eval.scoring), tables, W&B and videos (mcar.eval.reporting); this module runs them in order.
@@ -82,8 +84,9 @@ def evaluate(cfg: DictConfig) -> list[dict]:
 
     gen, stats = wm.generate(gt, sampler, cfg.batch_size, cfg.warmup, progress=True)
     generated_frames = len(gt) * (frames - P)
+    loss_tf = wm.teacher_forced_loss(gt, sampler, cfg.batch_size)
     speed = {"fps": generated_frames / stats.seconds, "tp": stats.tokens / stats.seconds, "step": stats.passes,
-             "seconds": stats.seconds, "loss_tf": wm.teacher_forced_loss(gt, sampler, cfg.batch_size)}
+             "seconds": stats.seconds, "loss_tf": float(loss_tf.mean())}
     outputs = {sampler.label: (gen, speed)}
     for kind in cfg.references:
         outputs[kind] = (reference_clips(kind, gt, layout, P, cb, cfg.seed), {})
@@ -92,6 +95,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=vq, nets=nets, names=names, seed=cfg.seed,
                     moves=data_moves(cfg.data))
     rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common=common)
+    extras[sampler.label]["per_clip"]["loss_tf"] = loss_tf.tolist()
     media = write_videos(cfg, gt, outputs, layout, cb, vq, out)
     mask = write_png(mask_image(schedule_table(sampler)), out / f"mask_{sampler.name}.png")
     media[f"eval/mask_{sampler.name}"] = mask

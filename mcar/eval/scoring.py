@@ -47,11 +47,12 @@ def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
 
 
 def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
-    """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action, per_action_gt}) for
+    """-> (row metrics, per-frame curves {psnr, ssim, lpips: [T-P]}, extra {per_action, per_action_gt, per_clip}) for
     generated vs gt. Row keys: the columns of metric_registry (token_acc, unchanged, psnr, ssim, lpips, fvd,
     action_f1, action_acc, action_f1_gt, prec_<move>, rec_<move>: None where undefined, the action never predicted
     / never taken, or not in the data's actions), notes, and <key>_lo / <key>_hi, the bootstrap interval over
-    clips of each column with per-clip values (the row value is the same pool of the same values)."""
+    clips of each column with per-clip values (the row value is the same pool of the same values); extra's per_clip
+    holds those values ({key: [n]}; psnr's are each clip's MSE), for intervals pooled over several evaluations."""
     layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
     row, curves, extra = {}, {}, {}
     per_clip = {c.key: c.tokens(gen.cpu(), gt.cpu(), layout, cb, P) for c in R.COLUMNS if c.tokens is not None}
@@ -85,6 +86,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
             len(gen), -1).mean(1)  # pairs are clip-major
         row.update(action_pr(pred, act, scorer.names, scorer.moves))
         extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
+    extra["per_clip"] = {key: values.double().cpu().tolist() for key, values in per_clip.items()}
     for key, values in per_clip.items():
         pool = R.column(key).pool
         row[key] = float(pool(values.double().cpu()))

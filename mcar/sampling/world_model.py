@@ -123,12 +123,13 @@ class WorldModel:
 
     @torch.no_grad()
     def teacher_forced_loss(self, clips: torch.Tensor, sampler: ScheduleSampler,
-                            batch_size: int | None = None) -> float:
-        """Mean cross-entropy of every generated image token, the clips' own tokens fed on the sampler's schedule."""
+                            batch_size: int | None = None) -> torch.Tensor:
+        """(n,) float64: each clip's mean cross-entropy of its generated image tokens, the clips' own tokens fed on
+        the sampler's schedule (every clip has as many: their mean is the mean over all tokens)."""
         nll = torch.cat([sampler.teacher_forced(self.model, b.to(self.device), keep_logits=False).nll.cpu()
                          for b in clips.split(batch_size or len(clips))])
         self.model.clear_cache()
-        return float(nll.double().mean())
+        return nll.double().mean(1)
 
     def held_out(self, frames: int):
         """The held-out clips of `frames` frames (`.val_source`): the checkpoint's shipped ones, else its data's
