@@ -334,6 +334,29 @@ def test_a_pack_cut_off_by_a_full_disk_leaves_the_old_stream_whole(stream, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream"]  # no partial stream, no lock left
 
 
+def test_a_pack_that_cannot_fit_its_disk_is_refused_in_one_line_before_litdata_starts(stream, tmp_path,
+                                                                                       monkeypatch):
+    """A full disk found inside LitData's workers prints their tracebacks (issue 45 item 5): the pack's size is
+    checked against the free space first; with room, it packs."""
+    import shutil
+    from collections import namedtuple
+
+    import litdata
+
+    from mcar.data.stream import pack_stream
+
+    tokens, _, _ = stream
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(litdata, "optimize", lambda **kw: pytest.fail("LitData started"))
+    with pytest.raises(OSError, match=r"no space left on .* for the stream new: it needs ~\d+ MiB, 0 MiB are "
+                                      r"free; free some or pack to another disk") as e:
+        pack_stream(tokens, str(tmp_path / "deep" / "new"), clip_frames=3, val_episodes=1, workers=1)
+    assert "\n" not in str(e.value) and not (tmp_path / "deep").exists()
+    monkeypatch.undo()
+    assert pack_stream(tokens, str(tmp_path / "new"), clip_frames=3, val_episodes=1, workers=1)["train_clips"] > 0
+
+
 def test_a_pack_removes_what_a_killed_pack_left_behind(stream, tmp_path):
     """kill -9 during a pack leaves its staging folder beside the stream and its /tmp/mcar-pack-<pid>-* folder; the
     next pack of that stream removes both (a live pack's cache folder stays)."""

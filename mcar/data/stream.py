@@ -82,6 +82,12 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
     train, val = split_by_episode([e["name"] for e in entries], val_episodes)
     frames = {e["name"]: e["frames"] for e in entries}
     workers = workers or max(1, min(len(train), os.cpu_count() or 1))
+    (grid, n_a), = grids
+    clip_bytes = 2 * clip_frames * (grid[0] * grid[1] + n_a)  # uint16 frames and actions
+    clips = sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train) + \
+        sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)
+    if not is_url(out):
+        check_free_space(Path(out), clips * clip_bytes)
     with packing_into(out) as staging, own_litdata_cache():
         for split, names, split_stride in (("train", train, stride), ("val", val, clip_frames)):
             # inputs largest first: the optimize workers' shares end together
@@ -91,14 +97,30 @@ def pack_stream(tokens_dir: str | Path, out: str, clip_frames: int, stride: int 
                              inputs=names, output_dir=f"{staging.rstrip('/')}/{split}", chunk_bytes=chunk_bytes,
                              num_workers=min(workers, len(names)), mode="overwrite", reorder_files=False,
                              start_method="fork")  # fork: callers need no __main__ guard
-        (grid, n_a_), = grids
         record = {"format": FORMAT, "tokens_dir": str(tokens_dir.resolve()), "tokens_meta": meta,
-                  "h": grid[0], "w": grid[1], "n_a": n_a_, "clip_frames": clip_frames, "stride": stride,
+                  "h": grid[0], "w": grid[1], "n_a": n_a, "clip_frames": clip_frames, "stride": stride,
                   "train_episodes": len(train), "val_episode_names": val,
                   "train_clips": sum(len(clip_starts(frames[n], clip_frames, stride)) for n in train),
                   "val_clips": sum(len(clip_starts(frames[n], clip_frames, clip_frames)) for n in val)}
         write_pack_record(staging, record)
     return record
+
+
+PACK_OVERHEAD = 1.1  # LitData's chunk headers and item framing over the raw clip bytes
+
+
+def check_free_space(target: Path, clip_bytes: int) -> None:
+    """Refuse, in one line and before any worker starts, a pack that cannot fit its disk (the stream is staged
+    beside `target`, LitData's chunks in the temp folder): a full disk inside LitData's workers prints their
+    tracebacks before our error."""
+    needed = int(clip_bytes * PACK_OVERHEAD)
+    place = next(p for p in (target, *target.parents) if p.exists())
+    for folder in dict.fromkeys([place, Path(tempfile.gettempdir())]):
+        free = shutil.disk_usage(folder).free
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"no space left on {folder} for the stream {target.name}: it needs "
+                                        f"~{needed / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free; free some "
+                                        f"or pack to another disk")
 
 
 @contextlib.contextmanager
