@@ -32,6 +32,49 @@ def test_gap_closed_signs():
     assert g["psnr"] == pytest.approx(-0.5)  # worse than untuned DiagD
 
 
+def fake_eval(level: float, clips: int, seed: int, spread: float = 0.01) -> dict:
+    """One evaluation's row as read_row gives it: token_acc near `level` on each clip, LOSS_TF its mirror."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    acc = (level + spread * torch.randn(clips, generator=g)).tolist()
+    return {"model": "m", "sampler": "s", "token_acc": sum(acc) / clips, "fps": 10.0 + seed, "fvd": None,
+            "per_clip": {"token_acc": acc, "loss_tf": [1 - a for a in acc]}}
+
+
+def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_verdict():
+    """NTP 0.9, untuned DiagD 0.7 on 40 clips; a fine-tuning reaching 0.8 on 3 seeds closes half the gap (the
+    interval holds 0.5 and neither 0 nor 1), the control reaching 0.72 a tenth; the difference is positive and the
+    verdict says the DiagD mask beats the control; a fine-tuning no better than the control is called
+    indistinguishable."""
+    from omegaconf import OmegaConf
+
+    from mcar.eval import metrics as M
+    from mcar.tools.table3 import gap_table, pooled_row
+
+    (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=400)
+    rows = {("pretrained", "ntp"): pooled_row([fake_eval(0.9, 40, 0)], (one, clips)),
+            ("pretrained", "diagd_k2"): pooled_row([fake_eval(0.7, 40, 1)], (one, clips))}
+    for label, level in (("proxy", 0.8), ("causal", 0.72), ("same", 0.72)):
+        rows[(f"ft_{label}", "diagd_k2")] = pooled_row([fake_eval(level, 40, 10 + s) for s in range(3)],
+                                                       (three, clips)) | {"draws": (three, clips)}
+    tuned = rows[("ft_proxy", "diagd_k2")]
+    assert tuned["seeds"] == 3 and tuned["fps"] == 21.0 and tuned["fvd"] is None  # other numbers: seed means
+    assert tuned["token_acc_lo"] < 0.8 < tuned["token_acc_hi"] and tuned["loss_tf"] == pytest.approx(0.2, abs=0.01)
+    t = OmegaConf.create({"gap": {"ntp": "ntp", "diagd": "diagd_k2", "control": "causal", "primary": "token_acc"},
+                          "finetune": {"runs": {k: {"samplers": ["diagd_k2"]} for k in ("proxy", "causal", "same")}}})
+    shares, versus, lines = gap_table(t, rows)
+    share = shares["proxy"]["token_acc"]
+    assert share["share"] == pytest.approx(0.5, abs=0.05) and 0 < share["interval"][0] < 0.5 < share["interval"][1] < 1
+    assert shares["proxy"]["loss_tf"]["share"] == pytest.approx(share["share"])  # the same gap, read as a loss
+    assert shares["causal"]["token_acc"]["share"] == pytest.approx(0.1, abs=0.05)
+    assert versus["proxy"]["token_acc"]["interval"][0] > 0 and "causal" not in versus
+    assert shares["proxy"]["fvd"] == {"share": None, "interval": None}  # no value: no share
+    text = "\n".join(lines)
+    assert "- proxy beats the causal control on token_acc" in text
+    assert "- same is not distinguishable from the causal control on token_acc" in text
+
+
 def test_update_section_replaces_only_its_own_section(tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Results\n\nhand-written intro\n")
@@ -59,6 +102,13 @@ def test_experiment_configs_compose_and_bad_blocks_name_the_field():
     with pytest.raises(ValueError, match=r"table3.references: \['still'\]"):
         compose_experiment(["experiment=crafter_table3_cpu", "table3.references=[copy_last,still]"])
     assert list(cpu.table3.references) == ["ground_truth", "copy_last", "noise"]
+    with pytest.raises(ValueError, match="table3.gap.control='diagd_plain'.*evaluated with diagd_k2"):
+        compose_experiment(["experiment=crafter_table3_cpu", "table3.gap.control=diagd_plain",
+                            "table3.finetune.runs.diagd_plain.samplers=[ntp]"])
+    with pytest.raises(ValueError, match=r"table3.finetune.seeds=\[0, 0\]: a list of distinct integers"):
+        compose_experiment(["experiment=crafter_table3_cpu", "table3.finetune.seeds=[0,0]"])
+    with pytest.raises(ValueError, match="table3.gap.primary='speed'"):
+        compose_experiment(["experiment=crafter_table3_cpu", "table3.gap.primary=speed"])
 
 
 TINY = [*SMALL_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2",
@@ -66,7 +116,8 @@ TINY = [*SMALL_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", "che
         "table3.finetune.overrides=['trainer.val_check_interval=2','checkpoint.every_n_steps=2']",
         "table3.idm=['steps=4','eval_every=2','batch_size=8']",
         "table3.evaluate=['n_clips=2','batch_size=2','videos=1','logger=none']",
-        "~table3.samplers.diagd_k1", "~table3.samplers.diagd_k4",
+        "~table3.samplers.diagd_k1", "~table3.samplers.diagd_k4", "~table3.finetune.runs.diagd_plain",
+        "table3.finetune.seeds=[0,1]", "table3.finetune.runs.causal.samplers=[diagd_k2]",
         "table3.samplers.diagd_k2_d28=['sampler=diagd','schedule.k=2','schedule.d=5']"]
 
 
@@ -76,16 +127,21 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     run_script(*args, timeout=1200)
     out = tmp_path / "outputs" / "table3" / "crafter_table3_cpu"
     state = json.loads((out / "state.json").read_text())
+    tuned = {f"finetune/{label}/seed{seed}" for label in ("diagd_proxy", "causal") for seed in (0, 1)}
     assert set(state) == {"pretrain", "idm", "eval/pretrained/ntp", "eval/pretrained/diagd_k2",
-                          "eval/pretrained/diagd_k2_d28", "finetune/diagd_proxy", "eval/ft_diagd_proxy/diagd_k2",
-                          "finetune/diagd_plain", "eval/ft_diagd_plain/diagd_k2", "finetune/causal",
-                          "eval/ft_causal/ntp", "eval/ft_causal/diagd_k2"}
+                          "eval/pretrained/diagd_k2_d28", *tuned,
+                          *(f"eval/ft_diagd_proxy_seed{s}/diagd_k2" for s in (0, 1)),
+                          *(f"eval/ft_causal_seed{s}/diagd_k2" for s in (0, 1))}
     res = json.loads((out / "table3.json").read_text())
     rows = {(r["model"], r["sampler"]): r for r in res["rows"]}
     assert set(rows) == {("pretrained", "ntp"), ("pretrained", "diagd k=2"), ("pretrained", "diagd k=2 d=5"),
-                         ("ft_diagd_proxy", "diagd k=2"), ("ft_diagd_plain", "diagd k=2"), ("ft_causal", "ntp"),
-                         ("ft_causal", "diagd k=2"), ("pretrained", "ground_truth"), ("pretrained", "copy_last"),
-                         ("pretrained", "noise")}
+                         ("ft_diagd_proxy", "diagd k=2"), ("ft_causal", "diagd k=2"),
+                         ("pretrained", "ground_truth"), ("pretrained", "copy_last"), ("pretrained", "noise")}
+    assert rows[("ft_causal", "diagd k=2")]["seeds"] == 2 and res["seeds"] == [0, 1]
+    for r in rows.values():  # model rows: intervals over seeds and clips, LOSS_TF's included
+        if r["sampler"] not in ("ground_truth", "copy_last", "noise"):
+            assert r["token_acc_lo"] <= r["token_acc"] <= r["token_acc_hi"]
+            assert r["loss_tf_lo"] <= r["loss_tf"] <= r["loss_tf_hi"]
     for r in rows.values():
         for col in ("psnr", "ssim", "action_f1", "loss_tf", "fps", "tp"):
             if r["sampler"] in ("ground_truth", "copy_last", "noise") and col in ("loss_tf", "fps", "tp"):
@@ -99,11 +155,12 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     # passes: NTP (T-P)hw = 24; DiagD (T-2)d + s_spa with s_spa = (h-1)k + w = 8
     assert rows[("pretrained", "ntp")]["step"] == 24 and rows[("pretrained", "diagd k=2")]["step"] == 16
     assert rows[("pretrained", "diagd k=2 d=5")]["step"] == 13
-    assert set(res["gap_closed"]) == {"diagd_proxy", "diagd_plain", "causal"}
+    assert set(res["gap_closed"]) == {"diagd_proxy", "causal"} and set(res["versus_control"]) == {"diagd_proxy"}
     assert res["facts"]["params"] > 0 and res["facts"]["pretrain_steps"] == 4
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.count("<!-- table3:crafter_table3_cpu start") == 1 and "| ft_" not in text
-    assert "fine-tuned 2 steps: mask=diagd mask.proxy_slots=false | diagd k=2 |" in text
+    assert "fine-tuned 2 steps: mask=diagd (2 seeds) | diagd k=2 |" in text
+    assert "against the causal control (causal)" in text and "- diagd_proxy " in text
     assert "| reference, no model | copy_last | n/a |" in text and "| 1.000 |" in text
 
     again = run_script(*args, timeout=600)  # every stage done: nothing re-runs, the section is rewritten once

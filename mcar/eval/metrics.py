@@ -94,9 +94,31 @@ def bootstrap_ci(per_clip: torch.Tensor, pool, seed: int = 0, resamples: int = 1
     interval (low, high). The order statistics are taken as they are (no interpolation: inf stays inf)."""
     values = per_clip.double().cpu()
     g = torch.Generator().manual_seed(seed)
-    draws = pool(values[torch.randint(len(values), (resamples, len(values)), generator=g)]).sort().values
-    tail = (1 - level) / 2
-    return float(draws[math.floor(tail * (resamples - 1))]), float(draws[math.ceil((1 - tail) * (resamples - 1))])
+    return central(pool(values[torch.randint(len(values), (resamples, len(values)), generator=g)]), level)
+
+
+def resample_seeds_and_clips(n_seeds: list[int], n_clips: int, seed: int = 0,
+                             resamples: int = 1000) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The draws of a two-level bootstrap over models trained with several seeds, all scored on the same clips:
+    for each model, (resamples, its seeds) seed indices drawn with replacement; one (resamples, n_clips) clip index
+    draw shared by every model (the clips are paired across models)."""
+    g = torch.Generator().manual_seed(seed)
+    clips = torch.randint(n_clips, (resamples, n_clips), generator=g)
+    return [torch.randint(s, (resamples, s), generator=g) for s in n_seeds], clips
+
+
+def pooled_draws(values: torch.Tensor, seeds: torch.Tensor, clips: torch.Tensor, pool) -> torch.Tensor:
+    """(S, n) per-clip values of S seeds -> (resamples,) `pool` of the drawn seeds' drawn clips (each draw: the
+    seeds `seeds[r]`, each on the clips `clips[r]`, pooled together)."""
+    drawn = values.double()[seeds[:, :, None], clips[:, None, :]]  # (R, S, n)
+    return pool(drawn.flatten(1))
+
+
+def central(draws: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
+    """The central `level` interval of bootstrap draws, order statistics as they are (as bootstrap_ci)."""
+    d = draws.double().sort().values
+    tail, last = (1 - level) / 2, len(d) - 1
+    return float(d[math.floor(tail * last)]), float(d[math.ceil((1 - tail) * last)])
 
 
 # ------------------------------------------------------------------------------------------------ Fréchet

@@ -1,6 +1,9 @@
 """The paper's MC-AR table 3 on Crafter: pre-train, evaluate NTP and DiagD without fine-tuning, fine-tune with
-the DiagD mask (proxy slots), the paper's plain DiagD mask and the causal mask (the control), evaluate each with
-the sampler it was tuned for, and write the table to RESULTS.md.
+the DiagD mask (proxy slots), the paper's plain DiagD mask and the causal mask (the control), each once per seed
+(table3.finetune.seeds), evaluate each on the same held-out clips with the sampler it was tuned for, and write the
+table to RESULTS.md: every fine-tuned row pooled over its seeds, the share of the NTP-DiagD gap each fine-tuning
+closes and each DiagD mask against the causal control, with 95% intervals over seeds and clips (a two-level
+bootstrap: the clips paired across models).
 
     mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h (RESULTS.md)
     mcar table3 experiment=crafter_table3            # GPU scale
@@ -29,11 +32,12 @@ from omegaconf import DictConfig
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
+from mcar.eval import metrics as M
 from mcar.eval.metrics import fmt
 from mcar.hydra_app import register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
-GAP_METRICS = ["fvd", "psnr", "ssim", "token_acc", "action_f1", "loss_tf"]  # the gap each fine-tuning closes
+GAP_METRICS = ["token_acc", "loss_tf", "psnr", "ssim", "action_acc", "fvd", "action_f1"]  # the gap closed on each
 TABLE_COLUMNS = ["fvd", "token_acc", "psnr", "ssim", "unchanged", "action_f1", "loss_tf", "fps", "tp", "step"]
 
 
@@ -64,6 +68,15 @@ def compose_experiment(overrides: list[str]) -> DictConfig:
     for key in ("ntp", "diagd"):
         if t.gap[key] not in t.samplers:
             raise ValueError(f"table3.gap.{key}={t.gap[key]!r} is not in table3.samplers ({list(t.samplers)})")
+    control = t.gap.get("control")
+    if control is not None and t.gap.diagd not in t.finetune.runs.get(control, {}).get("samplers", []):
+        raise ValueError(f"table3.gap.control={control!r}: name a fine-tuning of table3.finetune.runs "
+                         f"({list(t.finetune.runs)}) evaluated with {t.gap.diagd}")
+    if t.gap.get("primary", GAP_METRICS[0]) not in GAP_METRICS:
+        raise ValueError(f"table3.gap.primary={t.gap.primary!r}: choose one of {GAP_METRICS}")
+    seeds = list(t.finetune.get("seeds") or [])
+    if not seeds or not all(isinstance(s, int) for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"table3.finetune.seeds={seeds}: a list of distinct integers, e.g. [0, 1, 2]")
     return cfg
 
 
@@ -141,24 +154,59 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
         kinds = list(t.get("references", []))
         refs = [f"references=[{','.join(kinds)}]"] if sampler == t.gap.ntp and kinds else []
         evaluate("pretrained", pre_ckpt, sampler, *refs)
-    for label, ft in t.finetune.runs.items():
-        run_name = f"{t.name}-ft-{label}"
-        ft_ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
-        stages.run(f"finetune/{label}", python(
-            "-m", "mcar.cli", "finetune", *overrides, *t.finetune.overrides, *ft.overrides, f"init_from={pre_ckpt}",
-            f"steps={t.finetune.steps}", f"run_name={run_name}", f"hydra.run.dir={out}/finetune/{label}"),
-            resume_from=ft_ckpt)
-        for sampler in ft.samplers:
-            evaluate(f"ft_{label}", ft_ckpt, sampler)
+    for seed in seeds_of(t):  # every fine-tuning of one seed, then the next: a short budget still pairs them
+        for label, ft in t.finetune.runs.items():
+            run_name = f"{t.name}-ft-{label}-seed{seed}"
+            ft_ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
+            stages.run(f"finetune/{label}/seed{seed}", python(
+                "-m", "mcar.cli", "finetune", *overrides, *t.finetune.overrides, *ft.overrides,
+                f"init_from={pre_ckpt}", f"steps={t.finetune.steps}", f"seed={seed}", f"run_name={run_name}",
+                f"hydra.run.dir={out}/finetune/{label}/seed{seed}"), resume_from=ft_ckpt)
+            for sampler in ft.samplers:
+                evaluate(tuned_model(label, seed), ft_ckpt, sampler)
     if dry_run:
         return out
     return write_results(cfg, out, stages.state, Path(cfg.paths.root_dir) / "RESULTS.md")
 
 
+def seeds_of(t: DictConfig) -> list[int]:
+    """The fine-tuning seeds (table3.finetune.seeds): each fine-tuning runs once per seed from the one checkpoint."""
+    return [int(s) for s in t.finetune.seeds]
+
+
+def tuned_model(label: str, seed: int) -> str:
+    return f"ft_{label}_seed{seed}"
+
+
 # ------------------------------------------------------------------------------------------------ the table
 def read_row(out: Path, model: str, sampler: str) -> dict:
+    """The evaluation's own row, with its per-clip values under "per_clip" ({} from an older evaluation)."""
     res = json.loads((out / "eval" / model / sampler / "results.json").read_text())
-    return res["rows"][0]
+    row = res["rows"][0]
+    return row | {"per_clip": res.get("extra", {}).get(row["sampler"], {}).get("per_clip", {})}
+
+
+def pool_of(key: str):
+    """How a metric's per-clip values pool (the registry's; LOSS_TF's clips: their mean)."""
+    return R.column(key).pool or R.mean_of
+
+
+def pooled_row(rows: list[dict], draws: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """One fine-tuning's evaluations over seeds -> one row: each metric with per-clip values pooled over every
+    seed's clips, its interval from `draws` (seeds and clips resampled: M.resample_seeds_and_clips); any other
+    number the mean over seeds; `per_clip` the (seeds, clips) values."""
+    seeds, clips = draws
+    out = {k: v for k, v in rows[0].items() if k != "per_clip"} | {"seeds": len(rows)}
+    for key, value in rows[0].items():
+        numbers = [R.number(r.get(key)) for r in rows]
+        if key != "per_clip" and value is not None and None not in numbers and not key.endswith(("_lo", "_hi")):
+            out[key] = sum(numbers) / len(numbers)
+    common = set.intersection(*(set(r["per_clip"]) for r in rows))
+    out["per_clip"] = {k: torch.tensor([r["per_clip"][k] for r in rows], dtype=torch.float64) for k in common}
+    for key, values in out["per_clip"].items():
+        out[key] = float(pool_of(key)(values.flatten()))
+        out[f"{key}_lo"], out[f"{key}_hi"] = M.central(M.pooled_draws(values, seeds, clips, pool_of(key)))
+    return out
 
 
 def read_references(out: Path, sampler: str, kinds) -> list[dict]:
@@ -170,6 +218,22 @@ def read_references(out: Path, sampler: str, kinds) -> list[dict]:
         raise ValueError(f"{out}/eval/pretrained/{sampler}/results.json has no {missing} rows: that evaluation ran "
                          f"before table3.references listed them; delete its entry from state.json and re-run")
     return [by_label[k] for k in kinds]
+
+
+def gap_draws(pre_ntp: dict, pre_diagd: dict, tuned: dict, draws, key: str) -> torch.Tensor | None:
+    """(resamples,) shares of the gap closed on `key`, each from one draw of clips (shared by the three rows) and
+    of the tuned row's seeds; None where a row lacks the per-clip values."""
+    if not all(key in r.get("per_clip", {}) for r in (pre_ntp, pre_diagd, tuned)):
+        return None
+    seeds, clips = draws
+    one = torch.zeros_like(seeds[:, :1])  # a pre-trained row is one model
+
+    def drawn(row, s):
+        values = torch.as_tensor(row["per_clip"][key], dtype=torch.float64)
+        return M.pooled_draws(values.view(-1, values.shape[-1]), s, clips, pool_of(key))
+
+    a, b, c = drawn(pre_ntp, one), drawn(pre_diagd, one), drawn(tuned, seeds)
+    return (c - b) / (a - b)
 
 
 def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
@@ -236,27 +300,97 @@ def wall_times(state: dict) -> str:
             f"(minutes).")
 
 
-def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
+def model_rows(cfg: DictConfig, out: Path) -> list[dict]:
+    """The table's rows: each pre-trained evaluation, each fine-tuning x sampler pooled over its seeds (intervals
+    over seeds and clips), the references; each row's `key` (model, sampler) and `draws` (its bootstrap draws)."""
     t = cfg.table3
+    n_seeds = len(seeds_of(t))
+    first = read_row(out, "pretrained", t.gap.ntp)
+    n_clips = len(next(iter(first["per_clip"].values()), [])) or 1
+    (one, tuned), clips = M.resample_seeds_and_clips([1, n_seeds], n_clips, int(cfg.seed), R.CI_RESAMPLES)
     rows = []
     for sampler in t.samplers:
-        rows.append({"setting": "pre-trained, no fine-tuning", "key": ("pretrained", sampler),
-                     **read_row(out, "pretrained", sampler)})
+        rows.append({"setting": "pre-trained, no fine-tuning", "key": ("pretrained", sampler), "draws": (one, clips),
+                     **pooled_row([read_row(out, "pretrained", sampler)], (one, clips))})
     for label, ft in t.finetune.runs.items():
         mask = " ".join(o for o in ft.overrides)
         for sampler in ft.samplers:
-            rows.append({"setting": f"fine-tuned {t.finetune.steps} steps: {mask}", "key": (f"ft_{label}", sampler),
-                         **read_row(out, f"ft_{label}", sampler)})
-    # no model: what the metrics read against
-    for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):
+            evals = [read_row(out, tuned_model(label, seed), sampler) for seed in seeds_of(t)]
+            rows.append({"setting": f"fine-tuned {t.finetune.steps} steps: {mask} ({n_seeds} seeds)",
+                         "key": (f"ft_{label}", sampler), "draws": (tuned, clips),
+                         **pooled_row(evals, (tuned, clips)), "model": f"ft_{label}"})
+    for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):  # no model: what the metrics read
         rows.append({"setting": "reference, no model", "key": ("reference", ref["sampler"]), **ref})
-    by_key = {r["key"]: r for r in rows}
+    return rows
+
+
+def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, list[str]]:
+    """The share of the pre-trained NTP-DiagD gap each fine-tuning closes, with its interval over seeds and
+    clips, and each DiagD-mask fine-tuning against the causal control (the difference of shares, paired on the
+    clips) -> (shares, differences, the markdown lines)."""
     pre_ntp, pre_diagd = by_key[("pretrained", t.gap.ntp)], by_key[("pretrained", t.gap.diagd)]
-    gaps = {label: gap_closed(pre_ntp, pre_diagd, by_key[(f"ft_{label}", t.gap.diagd)])
-            for label, ft in t.finetune.runs.items() if t.gap.diagd in ft.samplers}
+    shares, draws = {}, {}
+    for label, ft in t.finetune.runs.items():
+        if t.gap.diagd not in ft.samplers:
+            continue
+        tuned = by_key[(f"ft_{label}", t.gap.diagd)]
+        point = gap_closed(pre_ntp, pre_diagd, tuned)
+        shares[label], draws[label] = {}, {}
+        for m in GAP_METRICS:
+            d = gap_draws(pre_ntp, pre_diagd, tuned, tuned["draws"], m) if point[m] is not None else None
+            draws[label][m] = d
+            shares[label][m] = {"share": point[m], "interval": M.central(d) if d is not None else None}
+    control = t.gap.get("control")
+    versus = {label: {m: (None if draws[label][m] is None or draws[control][m] is None else
+                          {"difference": shares[label][m]["share"] - shares[control][m]["share"],
+                           "interval": M.central(draws[label][m] - draws[control][m])}) for m in GAP_METRICS}
+              for label in shares if control in shares and label != control}
+
+    def cell(x, key):
+        if x is None or x[key] is None:
+            return "n/a"
+        lo_hi = f" [{x['interval'][0]:+.2f}, {x['interval'][1]:+.2f}]" if x["interval"] else ""
+        return f"{x[key]:+.2f}{lo_hi}"
+
+    lines = [f"Share of the pre-trained NTP ({t.gap.ntp}) - DiagD ({t.gap.diagd}) gap each fine-tuning closes, "
+             f"with its 95% interval over seeds and clips (1 = as good as NTP, 0 = no change, < 0 = worse; the "
+             f"paper's fine-tuning closes 0.43 of its FVD gap):", "",
+             "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+    lines += [f"| {label} | " + " | ".join(cell(g[m], "share") for m in GAP_METRICS) + " |"
+              for label, g in shares.items()]
+    gap_row = {m: (R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m))) for m in GAP_METRICS}
+    lines += ["", "Pre-trained NTP vs DiagD values behind the shares: " + "; ".join(
+        f"{m} {fmt(a, 3)} vs {fmt(b, 3)}" for m, (a, b) in gap_row.items() if a is not None)]
+    if versus:
+        primary = t.gap.get("primary", GAP_METRICS[0])
+        lines += ["", f"Each DiagD-mask fine-tuning against the causal control ({control}): its share minus the "
+                      f"control's, 95% interval over seeds and clips (paired on the clips):", "",
+                  "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+        lines += [f"| {label} - {control} | " + " | ".join(cell(v[m], "difference") for m in GAP_METRICS) + " |"
+                  for label, v in versus.items()]
+        lines += [""] + [verdict(label, control, primary, v[primary]) for label, v in versus.items()]
+    return shares, versus, lines
+
+
+def verdict(label: str, control: str, metric: str, versus: dict | None) -> str:
+    """One plain sentence: does the fine-tuning beat the causal control on the primary metric?"""
+    if versus is None or versus["interval"] is None:
+        return f"- {label} vs {control} on {metric}: not measurable (no per-clip values or no gap)."
+    lo, hi = versus["interval"]
+    said = ("beats the causal control" if lo > 0 else "does worse than the causal control" if hi < 0 else
+            "is not distinguishable from the causal control")
+    return f"- {label} {said} on {metric} (difference of shares {versus['difference']:+.2f}, [{lo:+.2f}, {hi:+.2f}])."
+
+
+def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
+    t = cfg.table3
+    rows = model_rows(cfg, out)
+    by_key = {r["key"]: r for r in rows}
+    shares, versus, gap_lines = gap_table(t, by_key)
     info = facts(cfg)
-    payload = {"rows": [{k: v for k, v in r.items() if k != "key"} for r in rows], "gap_closed": gaps,
-               "facts": info, "stages": state}
+    saved = [{k: v for k, v in r.items() if k not in ("key", "draws", "per_clip")} for r in rows]
+    payload = {"rows": saved, "gap_closed": shares, "versus_control": versus, "seeds": seeds_of(t), "facts": info,
+               "stages": state}
     write_atomic(out / "table3.json", json.dumps(payload, indent=2, default=str))
 
     lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
@@ -266,21 +400,15 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
              f"Model: `{info['model']}`, {info['params'] / 1e6:.2f}M parameters ({info['arch']}). "
              f"Data: {info['data']}. Pre-training "
              f"{info['pretrain_steps']} steps of batch {info['batch_size']} with the causal mask; each fine-tuning "
-             f"{info['finetune_steps']} steps from that checkpoint. Evaluation: `{' '.join(t.evaluate)}` on held-out "
-             f"clips, 1 prompt frame + every action given.", "",
+             f"{info['finetune_steps']} steps from that checkpoint, once per seed ({', '.join(map(str, seeds_of(t)))})"
+             f". Evaluation: `{' '.join(t.evaluate)}` on the same held-out clips for every model, 1 prompt frame + "
+             f"every action given.", "",
              *table_md(rows), "",
              R.glossary(TABLE_COLUMNS) + " (in brackets after action F1: the IDM on the real frames). "
-             + R.ci_note() + ". Reference rows: ground_truth (the held-out clips themselves), copy_last (the last "
-             "prompt frame repeated: nothing moves), noise (random tokens).", "",
-             f"Fraction of the pre-trained NTP ({t.gap.ntp}) - DiagD ({t.gap.diagd}) gap each fine-tuning closes "
-             f"(1 = as good as NTP, 0 = no change, < 0 = worse; the paper's fine-tuning closes 0.43 of its FVD "
-             f"gap):", "",
-             "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
-    lines += [f"| {label} | " + " | ".join(fmt(g[m]) for m in GAP_METRICS) + " |" for label, g in gaps.items()]
-    gap_row = {m: (R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m))) for m in GAP_METRICS}
-    lines += ["", "Pre-trained NTP vs DiagD values behind the fractions: " + "; ".join(
-        f"{m} {fmt(a, 3)} vs {fmt(b, 3)}" for m, (a, b) in gap_row.items() if a is not None), "",
-        f"<!-- table3:{t.name} end -->"]
+             "[low, high]: 95% bootstrap interval over clips, and over seeds for the fine-tuned rows (their values "
+             "pool every seed's clips; FVD, action F1, FPS, TP: the mean over seeds). Reference rows: ground_truth "
+             "(the held-out clips themselves), copy_last (the last prompt frame repeated: nothing moves), noise "
+             "(random tokens).", "", *gap_lines, "", f"<!-- table3:{t.name} end -->"]
     section = "\n".join(lines) + "\n"
     (out / "table3.md").write_text(section)
     update_section(results_md, t.name, section)
