@@ -107,6 +107,8 @@ def test_experiment_configs_compose_and_bad_blocks_name_the_field():
                             "table3.finetune.runs.diagd_plain.samplers=[ntp]"])
     with pytest.raises(ValueError, match=r"table3.finetune.seeds=\[0, 0\]: a list of distinct integers"):
         compose_experiment(["experiment=crafter_table3_cpu", "table3.finetune.seeds=[0,0]"])
+    with pytest.raises(SystemExit, match="dry_run=true: conf/train.yaml has no key dry_run"):
+        compose_experiment(["experiment=crafter_table3_cpu", "dry_run=true"])
     with pytest.raises(ValueError, match="table3.gap.primary='speed'"):
         compose_experiment(["experiment=crafter_table3_cpu", "table3.gap.primary=speed"])
 

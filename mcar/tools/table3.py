@@ -34,7 +34,7 @@ from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
 from mcar.eval.metrics import fmt
-from mcar.hydra_app import register_resolvers
+from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
 GAP_METRICS = ["token_acc", "loss_tf", "psnr", "ssim", "action_acc", "fvd", "action_f1"]  # the gap closed on each
@@ -49,8 +49,11 @@ def compose_experiment(overrides: list[str]) -> DictConfig:
     if not any(o.startswith("experiment=") for o in overrides):
         raise ValueError("experiment= is required, e.g. mcar table3 experiment=crafter_table3_cpu")
     register_resolvers()
-    with initialize_config_module(config_module="mcar.conf", version_base="1.3"):
-        cfg = compose("train", overrides, return_hydra_config=True)
+    try:
+        with initialize_config_module(config_module="mcar.conf", version_base="1.3"):
+            cfg = compose("train", overrides, return_hydra_config=True)
+    except COMPOSE_ERRORS as e:  # a bad override: one line naming it, as every tool says it (the training config's)
+        raise SystemExit(override_error("train", overrides, e).replace("mcar train:", "mcar table3:", 1)) from None
     if "table3" not in cfg:
         raise ValueError(f"{[o for o in overrides if o.startswith('experiment=')][0]}: the experiment config has "
                          f"no `table3` block (see conf/experiment/crafter_table3_cpu.yaml)")
