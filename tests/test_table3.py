@@ -63,14 +63,18 @@ def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_
     assert tuned["token_acc_lo"] < 0.8 < tuned["token_acc_hi"] and tuned["loss_tf"] == pytest.approx(0.2, abs=0.01)
     t = OmegaConf.create({"gap": {"ntp": "ntp", "diagd": "diagd_k2", "control": "causal", "primary": "token_acc"},
                           "finetune": {"runs": {k: {"samplers": ["diagd_k2"]} for k in ("proxy", "causal", "same")}}})
-    shares, versus, lines = gap_table(t, rows)
+    gap, shares, versus, lines = gap_table(t, rows)
+    assert gap["token_acc"]["difference"] == pytest.approx(0.2, abs=0.01) and gap["token_acc"]["interval"][0] > 0
+    assert gap["loss_tf"]["difference"] == pytest.approx(0.2, abs=0.01)  # lower is better: signed so NTP leads
     share = shares["proxy"]["token_acc"]
     assert share["share"] == pytest.approx(0.5, abs=0.05) and 0 < share["interval"][0] < 0.5 < share["interval"][1] < 1
     assert shares["proxy"]["loss_tf"]["share"] == pytest.approx(share["share"])  # the same gap, read as a loss
     assert shares["causal"]["token_acc"]["share"] == pytest.approx(0.1, abs=0.05)
     assert versus["proxy"]["token_acc"]["interval"][0] > 0 and "causal" not in versus
     assert shares["proxy"]["fvd"] == {"share": None, "interval": None}  # no value: no share
+    assert versus["proxy"]["loss_tf"]["difference"] == pytest.approx(0.08, abs=0.01)
     text = "\n".join(lines)
+    assert "- Without fine-tuning, on token_acc: DiagD loses to NTP (NTP - DiagD +0.2" in text
     assert "- proxy beats the causal control on token_acc" in text
     assert "- same is not distinguishable from the causal control on token_acc" in text
 
@@ -157,6 +161,7 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     # passes: NTP (T-P)hw = 24; DiagD (T-2)d + s_spa with s_spa = (h-1)k + w = 8
     assert rows[("pretrained", "ntp")]["step"] == 24 and rows[("pretrained", "diagd k=2")]["step"] == 16
     assert rows[("pretrained", "diagd k=2 d=5")]["step"] == 13
+    assert set(res["gap"]) >= {"token_acc", "loss_tf"}
     assert set(res["gap_closed"]) == {"diagd_proxy", "causal"} and set(res["versus_control"]) == {"diagd_proxy"}
     assert res["facts"]["params"] > 0 and res["facts"]["pretrain_steps"] == 4
     text = (tmp_path / "RESULTS.md").read_text()

@@ -33,7 +33,6 @@ from mcar.data.common import build_datamodule
 from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
-from mcar.eval.metrics import fmt
 from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
@@ -223,20 +222,27 @@ def read_references(out: Path, sampler: str, kinds) -> list[dict]:
     return [by_label[k] for k in kinds]
 
 
+def metric_draws(row: dict, draws, key: str) -> torch.Tensor | None:
+    """(resamples,) values of `key` for a row (one model or several seeds) over the bootstrap `draws`; None where
+    the row lacks per-clip values."""
+    if key not in row.get("per_clip", {}):
+        return None
+    seeds, clips = draws
+    values = torch.as_tensor(row["per_clip"][key], dtype=torch.float64)
+    return M.pooled_draws(values.view(-1, values.shape[-1]), seeds, clips, pool_of(key))
+
+
 def gap_draws(pre_ntp: dict, pre_diagd: dict, tuned: dict, draws, key: str) -> torch.Tensor | None:
     """(resamples,) shares of the gap closed on `key`, each from one draw of clips (shared by the three rows) and
     of the tuned row's seeds; None where a row lacks the per-clip values."""
-    if not all(key in r.get("per_clip", {}) for r in (pre_ntp, pre_diagd, tuned)):
-        return None
-    seeds, clips = draws
-    one = torch.zeros_like(seeds[:, :1])  # a pre-trained row is one model
+    one = (torch.zeros_like(draws[0][:, :1]), draws[1])  # a pre-trained row is one model
+    a, b, c = metric_draws(pre_ntp, one, key), metric_draws(pre_diagd, one, key), metric_draws(tuned, draws, key)
+    return None if a is None or b is None or c is None else (c - b) / (a - b)
 
-    def drawn(row, s):
-        values = torch.as_tensor(row["per_clip"][key], dtype=torch.float64)
-        return M.pooled_draws(values.view(-1, values.shape[-1]), s, clips, pool_of(key))
 
-    a, b, c = drawn(pre_ntp, one), drawn(pre_diagd, one), drawn(tuned, seeds)
-    return (c - b) / (a - b)
+def better_sign(key: str) -> int:
+    """+1 where higher is better, -1 where lower is (a difference times this: > 0 = better)."""
+    return -1 if R.column(key).better == "lower" else 1
 
 
 def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
@@ -327,73 +333,100 @@ def model_rows(cfg: DictConfig, out: Path) -> list[dict]:
     return rows
 
 
-def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, list[str]]:
-    """The share of the pre-trained NTP-DiagD gap each fine-tuning closes, with its interval over seeds and
-    clips, and each DiagD-mask fine-tuning against the causal control (the difference of shares, paired on the
-    clips) -> (shares, differences, the markdown lines)."""
+def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, dict, list[str]]:
+    """The pre-trained NTP-DiagD gap, the share of it each fine-tuning closes, and each DiagD-mask fine-tuning
+    against the causal control (the difference of their values, > 0 = better), each with its 95% interval over
+    seeds and clips (the clips paired) -> (gap, shares, versus, the markdown lines)."""
     pre_ntp, pre_diagd = by_key[("pretrained", t.gap.ntp)], by_key[("pretrained", t.gap.diagd)]
-    shares, draws = {}, {}
-    for label, ft in t.finetune.runs.items():
-        if t.gap.diagd not in ft.samplers:
+    diagd_rows = {label: by_key[(f"ft_{label}", t.gap.diagd)] for label, ft in t.finetune.runs.items()
+                  if t.gap.diagd in ft.samplers}
+    some = next(iter(diagd_rows.values()), pre_ntp)
+    one = (torch.zeros_like(some["draws"][0][:, :1]), some["draws"][1]) if "draws" in some else None
+    gap = {}
+    for m in GAP_METRICS:
+        a, b = R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m))
+        if a is None or b is None:
             continue
-        tuned = by_key[(f"ft_{label}", t.gap.diagd)]
+        da, db = (metric_draws(pre_ntp, one, m), metric_draws(pre_diagd, one, m)) if one else (None, None)
+        gap[m] = {"ntp": a, "diagd": b, "difference": better_sign(m) * (a - b),
+                  "interval": M.central(better_sign(m) * (da - db)) if da is not None and db is not None else None}
+    shares = {}
+    for label, tuned in diagd_rows.items():
         point = gap_closed(pre_ntp, pre_diagd, tuned)
-        shares[label], draws[label] = {}, {}
+        shares[label] = {}
         for m in GAP_METRICS:
             d = gap_draws(pre_ntp, pre_diagd, tuned, tuned["draws"], m) if point[m] is not None else None
-            draws[label][m] = d
             shares[label][m] = {"share": point[m], "interval": M.central(d) if d is not None else None}
     control = t.gap.get("control")
-    versus = {label: {m: (None if draws[label][m] is None or draws[control][m] is None else
-                          {"difference": shares[label][m]["share"] - shares[control][m]["share"],
-                           "interval": M.central(draws[label][m] - draws[control][m])}) for m in GAP_METRICS}
-              for label in shares if control in shares and label != control}
+    versus = {}
+    for label, tuned in diagd_rows.items():
+        if control not in diagd_rows or label == control:
+            continue
+        versus[label] = {}
+        for m in GAP_METRICS:
+            c1, c2 = R.number(tuned.get(m)), R.number(diagd_rows[control].get(m))
+            d1, d2 = metric_draws(tuned, tuned["draws"], m), metric_draws(diagd_rows[control],
+                                                                           diagd_rows[control]["draws"], m)
+            versus[label][m] = None if c1 is None or c2 is None else {
+                "difference": better_sign(m) * (c1 - c2),
+                "interval": M.central(better_sign(m) * (d1 - d2)) if d1 is not None and d2 is not None else None}
 
     def cell(x, key):
         if x is None or x[key] is None:
             return "n/a"
-        lo_hi = f" [{x['interval'][0]:+.2f}, {x['interval'][1]:+.2f}]" if x["interval"] else ""
-        return f"{x[key]:+.2f}{lo_hi}"
+        lo_hi = f" [{x['interval'][0]:+.3f}, {x['interval'][1]:+.3f}]" if x["interval"] else ""
+        return f"{x[key]:+.3f}{lo_hi}"
 
-    lines = [f"Share of the pre-trained NTP ({t.gap.ntp}) - DiagD ({t.gap.diagd}) gap each fine-tuning closes, "
-             f"with its 95% interval over seeds and clips (1 = as good as NTP, 0 = no change, < 0 = worse; the "
-             f"paper's fine-tuning closes 0.43 of its FVD gap):", "",
-             "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+    head = ["| | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+    lines = [f"The gap without fine-tuning: pre-trained NTP ({t.gap.ntp}) minus DiagD ({t.gap.diagd}), signed so "
+             f"that > 0 means NTP is better, 95% interval over clips:", "", *head,
+             "| NTP - DiagD | " + " | ".join(cell(gap.get(m), "difference") for m in GAP_METRICS) + " |", "",
+             "Share of that gap each fine-tuning closes, 95% interval over seeds and clips (1 = as good as NTP, "
+             "0 = no change, < 0 = worse; where DiagD is not worse than NTP the share has no meaning; the paper's "
+             "fine-tuning closes 0.43 of its FVD gap):", "", *head]
     lines += [f"| {label} | " + " | ".join(cell(g[m], "share") for m in GAP_METRICS) + " |"
               for label, g in shares.items()]
-    gap_row = {m: (R.number(pre_ntp.get(m)), R.number(pre_diagd.get(m))) for m in GAP_METRICS}
-    lines += ["", "Pre-trained NTP vs DiagD values behind the shares: " + "; ".join(
-        f"{m} {fmt(a, 3)} vs {fmt(b, 3)}" for m, (a, b) in gap_row.items() if a is not None)]
+    primary = t.gap.get("primary", GAP_METRICS[0])
+    lines += ["", verdict_gap(primary, gap.get(primary))]
     if versus:
-        primary = t.gap.get("primary", GAP_METRICS[0])
-        lines += ["", f"Each DiagD-mask fine-tuning against the causal control ({control}): its share minus the "
-                      f"control's, 95% interval over seeds and clips (paired on the clips):", "",
-                  "| fine-tuning | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+        lines += ["", f"Each DiagD-mask fine-tuning against the causal control ({control}), both sampled with "
+                      f"{t.gap.diagd}: the difference of their values, > 0 = better than the control, 95% interval "
+                      f"over seeds and clips (the clips paired):", "", *head]
         lines += [f"| {label} - {control} | " + " | ".join(cell(v[m], "difference") for m in GAP_METRICS) + " |"
                   for label, v in versus.items()]
         lines += [""] + [verdict(label, control, primary, v[primary]) for label, v in versus.items()]
-    return shares, versus, lines
+    return gap, shares, versus, lines
+
+
+def verdict_gap(metric: str, gap: dict | None) -> str:
+    """One plain sentence: does DiagD without fine-tuning lose to NTP on the primary metric?"""
+    if gap is None or gap["interval"] is None:
+        return f"- Without fine-tuning, the gap on {metric} cannot be measured (no per-clip values)."
+    lo, hi = gap["interval"]
+    said = ("DiagD loses to NTP" if lo > 0 else "DiagD beats NTP: there is no gap to close" if hi < 0 else
+            "DiagD and NTP are not distinguishable: no measurable gap to close")
+    return f"- Without fine-tuning, on {metric}: {said} (NTP - DiagD {gap['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
 def verdict(label: str, control: str, metric: str, versus: dict | None) -> str:
     """One plain sentence: does the fine-tuning beat the causal control on the primary metric?"""
     if versus is None or versus["interval"] is None:
-        return f"- {label} vs {control} on {metric}: not measurable (no per-clip values or no gap)."
+        return f"- {label} vs {control} on {metric}: not measurable (no per-clip values)."
     lo, hi = versus["interval"]
     said = ("beats the causal control" if lo > 0 else "does worse than the causal control" if hi < 0 else
             "is not distinguishable from the causal control")
-    return f"- {label} {said} on {metric} (difference of shares {versus['difference']:+.2f}, [{lo:+.2f}, {hi:+.2f}])."
+    return f"- {label} {said} on {metric} ({versus['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
 def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
     t = cfg.table3
     rows = model_rows(cfg, out)
     by_key = {r["key"]: r for r in rows}
-    shares, versus, gap_lines = gap_table(t, by_key)
+    gap, shares, versus, gap_lines = gap_table(t, by_key)
     info = facts(cfg)
     saved = [{k: v for k, v in r.items() if k not in ("key", "draws", "per_clip")} for r in rows]
-    payload = {"rows": saved, "gap_closed": shares, "versus_control": versus, "seeds": seeds_of(t), "facts": info,
-               "stages": state}
+    payload = {"rows": saved, "gap": gap, "gap_closed": shares, "versus_control": versus, "seeds": seeds_of(t),
+               "facts": info, "stages": state}
     write_atomic(out / "table3.json", json.dumps(payload, indent=2, default=str))
 
     lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
