@@ -79,6 +79,34 @@ def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_
     assert "- same is not distinguishable from the causal control on token_acc" in text
 
 
+def test_a_run_from_scratch_gets_equal_total_steps_and_is_compared_with_its_fine_tuning(tmp_path, capsys):
+    """table3.scratch: trained with the fine-tuning's mask from the first step for pre-training + fine-tuning steps
+    (the dry run prints its command), evaluated with its samplers, and compared with the fine-tuning it names."""
+    from omegaconf import OmegaConf
+
+    from mcar.eval import metrics as M
+    from mcar.tools.table3 import pooled_row, run_pipeline, scratch_table
+
+    run_pipeline(["experiment=crafter_tiles_table3", f"paths.root_dir={tmp_path}"], dry_run=True)
+    printed = capsys.readouterr().out
+    scratch = next(line for line in printed.splitlines() if line.startswith("[table3] scratch/diagd_proxy:"))
+    assert "mask=diagd" in scratch and "trainer.max_steps=1150" in scratch
+    assert "[table3] eval/scratch_diagd_proxy/diagd_k2:" in printed
+
+    (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=300)
+    rows = {("scratch_diagd_proxy", "diagd_k2"): {**fake_eval(0.7, 40, 0), "draws": (one, clips)},
+            ("ft_diagd_proxy", "diagd_k2"): {"draws": (three, clips)}}
+    rows[("ft_diagd_proxy", "diagd_k2")] |= pooled_row([fake_eval(0.8, 40, s) for s in (1, 2, 3)], (three, clips))
+    t = OmegaConf.create({"gap": {"primary": "token_acc"},
+                          "scratch": {"diagd_proxy": {"samplers": ["diagd_k2"], "versus": "diagd_proxy"}},
+                          "finetune": {"runs": {"diagd_proxy": {"samplers": ["diagd_k2"]}}}})
+    found, lines = scratch_table(t, rows)
+    d = found["diagd_proxy - diagd_proxy, diagd_k2"]["token_acc"]
+    assert d["difference"] == pytest.approx(-0.1, abs=0.01) and d["interval"][1] < 0
+    assert "- trained from scratch (diagd_proxy, diagd_k2) does worse than diagd_proxy fine-tuned on token_acc" \
+        in "\n".join(lines)
+
+
 def test_update_section_replaces_only_its_own_section(tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Results\n\nhand-written intro\n")

@@ -76,6 +76,11 @@ def compose_experiment(overrides: list[str]) -> DictConfig:
                          f"({list(t.finetune.runs)}) evaluated with {t.gap.diagd}")
     if t.gap.get("primary", GAP_METRICS[0]) not in GAP_METRICS:
         raise ValueError(f"table3.gap.primary={t.gap.primary!r}: choose one of {GAP_METRICS}")
+    for label, run in (t.get("scratch") or {}).items():
+        missing = [x for x in run.samplers if x not in t.samplers]
+        if missing or run.versus not in t.finetune.runs:
+            raise ValueError(f"table3.scratch.{label}: samplers {list(run.samplers)} must be in table3.samplers and "
+                             f"versus={run.versus!r} a fine-tuning of table3.finetune.runs ({list(t.finetune.runs)})")
     seeds = list(t.finetune.get("seeds") or [])
     if not seeds or not all(isinstance(s, int) for s in seeds) or len(set(seeds)) != len(seeds):
         raise ValueError(f"table3.finetune.seeds={seeds}: a list of distinct integers, e.g. [0, 1, 2]")
@@ -166,6 +171,14 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
                 f"hydra.run.dir={out}/finetune/{label}/seed{seed}"), resume_from=ft_ckpt)
             for sampler in ft.samplers:
                 evaluate(tuned_model(label, seed), ft_ckpt, sampler)
+    for label, run in (t.get("scratch") or {}).items():  # the mask from the first step, at equal total steps
+        run_name = f"{t.name}-scratch-{label}"
+        ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
+        stages.run(f"scratch/{label}", python(
+            "-m", "mcar.cli", "train", *overrides, *run.overrides, f"trainer.max_steps={scratch_steps(cfg)}",
+            f"run_name={run_name}", f"hydra.run.dir={out}/scratch/{label}"), resume_from=ckpt)
+        for sampler in run.samplers:
+            evaluate(f"scratch_{label}", ckpt, sampler)
     if dry_run:
         return out
     return write_results(cfg, out, stages.state, Path(cfg.paths.root_dir) / "RESULTS.md")
@@ -174,6 +187,11 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
 def seeds_of(t: DictConfig) -> list[int]:
     """The fine-tuning seeds (table3.finetune.seeds): each fine-tuning runs once per seed from the one checkpoint."""
     return [int(s) for s in t.finetune.seeds]
+
+
+def scratch_steps(cfg: DictConfig) -> int:
+    """A run trained from scratch gets the pre-training's steps plus one fine-tuning's: equal total steps."""
+    return int(cfg.trainer.max_steps) + int(cfg.table3.finetune.steps)
 
 
 def tuned_model(label: str, seed: int) -> str:
@@ -328,6 +346,12 @@ def model_rows(cfg: DictConfig, out: Path) -> list[dict]:
             rows.append({"setting": f"fine-tuned {t.finetune.steps} steps: {mask} ({n_seeds} seeds)",
                          "key": (f"ft_{label}", sampler), "draws": (tuned, clips),
                          **pooled_row(evals, (tuned, clips)), "model": f"ft_{label}"})
+    for label, run in (t.get("scratch") or {}).items():
+        mask = " ".join(o for o in run.overrides)
+        for sampler in run.samplers:
+            rows.append({"setting": f"trained from scratch {scratch_steps(cfg)} steps: {mask}",
+                         "key": (f"scratch_{label}", sampler), "draws": (one, clips),
+                         **pooled_row([read_row(out, f"scratch_{label}", sampler)], (one, clips))})
     for ref in read_references(out, t.gap.ntp, list(t.get("references", []))):  # no model: what the metrics read
         rows.append({"setting": "reference, no model", "key": ("reference", ref["sampler"]), **ref})
     return rows
@@ -358,33 +382,17 @@ def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, dict, list[str]]
             d = gap_draws(pre_ntp, pre_diagd, tuned, tuned["draws"], m) if point[m] is not None else None
             shares[label][m] = {"share": point[m], "interval": M.central(d) if d is not None else None}
     control = t.gap.get("control")
-    versus = {}
-    for label, tuned in diagd_rows.items():
-        if control not in diagd_rows or label == control:
-            continue
-        versus[label] = {}
-        for m in GAP_METRICS:
-            c1, c2 = R.number(tuned.get(m)), R.number(diagd_rows[control].get(m))
-            d1, d2 = metric_draws(tuned, tuned["draws"], m), metric_draws(diagd_rows[control],
-                                                                           diagd_rows[control]["draws"], m)
-            versus[label][m] = None if c1 is None or c2 is None else {
-                "difference": better_sign(m) * (c1 - c2),
-                "interval": M.central(better_sign(m) * (d1 - d2)) if d1 is not None and d2 is not None else None}
-
-    def cell(x, key):
-        if x is None or x[key] is None:
-            return "n/a"
-        lo_hi = f" [{x['interval'][0]:+.3f}, {x['interval'][1]:+.3f}]" if x["interval"] else ""
-        return f"{x[key]:+.3f}{lo_hi}"
+    versus = {label: {m: difference(tuned, diagd_rows[control], m) for m in GAP_METRICS}
+              for label, tuned in diagd_rows.items() if control in diagd_rows and label != control}
 
     head = ["| | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
     lines = [f"The gap without fine-tuning: pre-trained NTP ({t.gap.ntp}) minus DiagD ({t.gap.diagd}), signed so "
              f"that > 0 means NTP is better, 95% interval over clips:", "", *head,
-             "| NTP - DiagD | " + " | ".join(cell(gap.get(m), "difference") for m in GAP_METRICS) + " |", "",
+             "| NTP - DiagD | " + " | ".join(signed_cell(gap.get(m), "difference") for m in GAP_METRICS) + " |", "",
              "Share of that gap each fine-tuning closes, 95% interval over seeds and clips (1 = as good as NTP, "
              "0 = no change, < 0 = worse; where DiagD is not worse than NTP the share has no meaning; the paper's "
              "fine-tuning closes 0.43 of its FVD gap):", "", *head]
-    lines += [f"| {label} | " + " | ".join(cell(g[m], "share") for m in GAP_METRICS) + " |"
+    lines += [f"| {label} | " + " | ".join(signed_cell(g[m], "share") for m in GAP_METRICS) + " |"
               for label, g in shares.items()]
     primary = t.gap.get("primary", GAP_METRICS[0])
     lines += ["", verdict_gap(primary, gap.get(primary))]
@@ -392,10 +400,51 @@ def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, dict, list[str]]
         lines += ["", f"Each DiagD-mask fine-tuning against the causal control ({control}), both sampled with "
                       f"{t.gap.diagd}: the difference of their values, > 0 = better than the control, 95% interval "
                       f"over seeds and clips (the clips paired):", "", *head]
-        lines += [f"| {label} - {control} | " + " | ".join(cell(v[m], "difference") for m in GAP_METRICS) + " |"
+        lines += [f"| {label} - {control} | " + " | ".join(signed_cell(v[m], "difference") for m in GAP_METRICS) + " |"
                   for label, v in versus.items()]
-        lines += [""] + [verdict(label, control, primary, v[primary]) for label, v in versus.items()]
+        lines += [""] + [verdict(label, "the causal control", primary, v[primary]) for label, v in versus.items()]
     return gap, shares, versus, lines
+
+
+def signed_cell(x: dict | None, key: str) -> str:
+    """'+0.123 [+0.010, +0.200]' (x[key] and its interval), or 'n/a'."""
+    if x is None or x[key] is None:
+        return "n/a"
+    lo_hi = f" [{x['interval'][0]:+.3f}, {x['interval'][1]:+.3f}]" if x["interval"] else ""
+    return f"{x[key]:+.3f}{lo_hi}"
+
+
+def difference(row: dict, other: dict, key: str) -> dict | None:
+    """row minus other on `key`, signed so that > 0 = row is better, with its 95% interval over each row's own
+    seed draws and the shared clip draws; None where either lacks the value."""
+    a, b = R.number(row.get(key)), R.number(other.get(key))
+    if a is None or b is None:
+        return None
+    da, db = metric_draws(row, row["draws"], key), metric_draws(other, other["draws"], key)
+    return {"difference": better_sign(key) * (a - b),
+            "interval": M.central(better_sign(key) * (da - db)) if da is not None and db is not None else None}
+
+
+def scratch_table(t: DictConfig, by_key: dict) -> tuple[dict, list[str]]:
+    """Each run trained from scratch against the fine-tuning it answers (`versus`), with the same sampler."""
+    found, lines = {}, []
+    primary = t.gap.get("primary", GAP_METRICS[0])
+    for label, run in (t.get("scratch") or {}).items():
+        for sampler in run.samplers:
+            if sampler not in t.finetune.runs[run.versus].samplers:
+                continue
+            mine, theirs = by_key[(f"scratch_{label}", sampler)], by_key[(f"ft_{run.versus}", sampler)]
+            found[f"{label} - {run.versus}, {sampler}"] = d = {m: difference(mine, theirs, m) for m in GAP_METRICS}
+            if not lines:
+                lines = ["Trained from scratch with the fine-tuning's mask vs causal pre-training + that fine-tuning, "
+                         "equal total steps, the same sampler: the difference of their values, > 0 = from scratch is "
+                         "better, 95% interval over seeds and clips:", "",
+                         "| | " + " | ".join(GAP_METRICS) + " |", "|" + " --- |" * (len(GAP_METRICS) + 1)]
+            lines.append(f"| scratch {label} - {run.versus} ({sampler}) | "
+                         + " | ".join(signed_cell(d[m], "difference") for m in GAP_METRICS) + " |")
+            lines.append(verdict(f"trained from scratch ({label}, {sampler})", f"{run.versus} fine-tuned", primary,
+                                 d[primary]))
+    return found, lines + ([""] if lines else [])
 
 
 def verdict_gap(metric: str, gap: dict | None) -> str:
@@ -408,14 +457,13 @@ def verdict_gap(metric: str, gap: dict | None) -> str:
     return f"- Without fine-tuning, on {metric}: {said} (NTP - DiagD {gap['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
-def verdict(label: str, control: str, metric: str, versus: dict | None) -> str:
-    """One plain sentence: does the fine-tuning beat the causal control on the primary metric?"""
+def verdict(subject: str, other: str, metric: str, versus: dict | None) -> str:
+    """One plain sentence: is `subject` better than `other` on the primary metric, by its interval?"""
     if versus is None or versus["interval"] is None:
-        return f"- {label} vs {control} on {metric}: not measurable (no per-clip values)."
+        return f"- {subject} vs {other} on {metric}: not measurable (no per-clip values)."
     lo, hi = versus["interval"]
-    said = ("beats the causal control" if lo > 0 else "does worse than the causal control" if hi < 0 else
-            "is not distinguishable from the causal control")
-    return f"- {label} {said} on {metric} ({versus['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
+    said = "beats" if lo > 0 else "does worse than" if hi < 0 else "is not distinguishable from"
+    return f"- {subject} {said} {other} on {metric} ({versus['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
 def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
@@ -423,10 +471,11 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
     rows = model_rows(cfg, out)
     by_key = {r["key"]: r for r in rows}
     gap, shares, versus, gap_lines = gap_table(t, by_key)
+    scratch, scratch_lines = scratch_table(t, by_key)
     info = facts(cfg)
     saved = [{k: v for k, v in r.items() if k not in ("key", "draws", "per_clip")} for r in rows]
-    payload = {"rows": saved, "gap": gap, "gap_closed": shares, "versus_control": versus, "seeds": seeds_of(t),
-               "facts": info, "stages": state}
+    payload = {"rows": saved, "gap": gap, "gap_closed": shares, "versus_control": versus, "scratch": scratch,
+               "seeds": seeds_of(t), "facts": info, "stages": state}
     write_atomic(out / "table3.json", json.dumps(payload, indent=2, default=str))
 
     lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
@@ -444,7 +493,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
              "[low, high]: 95% bootstrap interval over clips, and over seeds for the fine-tuned rows (their values "
              "pool every seed's clips; FVD, action F1, FPS, TP: the mean over seeds). Reference rows: ground_truth "
              "(the held-out clips themselves), copy_last (the last prompt frame repeated: nothing moves), noise "
-             "(random tokens).", "", *gap_lines, "", f"<!-- table3:{t.name} end -->"]
+             "(random tokens).", "", *gap_lines, "", *scratch_lines, f"<!-- table3:{t.name} end -->"]
     section = "\n".join(lines) + "\n"
     (out / "table3.md").write_text(section)
     update_section(results_md, t.name, section)
