@@ -201,3 +201,15 @@ def test_one_schedule_object_per_configuration():
         check_sampler_config({"name": "diagd", "temperature": -1}, layout, 4, sched)
     with pytest.raises(ValueError, match="schedule.k"):
         check_sampler_config({"name": "diagd", "k": 2}, layout, 4, sched)
+
+
+def test_a_sampler_label_names_its_schedule_and_how_it_draws_tokens():
+    """Rows, logs and tables name the sampler by its label: the schedule, then the drawing where it is not plain
+    sampling at temperature 1 (two evaluations of one schedule, greedy and sampled, are two rows)."""
+    from mcar.core.sampler import ScheduleSampler
+
+    layout = Layout(3, 4, 1)
+    label = lambda **kw: ScheduleSampler(layout, 3, 1, **kw).label
+    assert label(k=2) == "diagd k=2" and label(name="ntp") == "ntp"
+    assert label(k=2, d=5, temperature=0) == "diagd k=2 d=5 greedy" and label(name="ntp", top_k=1) == "ntp greedy"
+    assert label(k=2, temperature=0.7, top_k=50, top_p=0.9) == "diagd k=2 T=0.7 top_k=50 top_p=0.9"

@@ -205,12 +205,18 @@ class ScheduleSampler:
 
     @property
     def label(self) -> str:
-        """'ntp', or 'diagd k=2[ d=28][ proxy=above][ full]': the sampler and its schedule (rows, columns, logs)."""
-        if self.name != "diagd":
-            return self.name
+        """'ntp', or 'diagd k=2[ d=28][ proxy=above][ full]', then how tokens are drawn where it is not plain
+        sampling at temperature 1 ('greedy', 'T=0.7', 'top_k=50', 'top_p=0.9'): rows, columns, logs."""
         c = self.config
-        return (f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
-                + (f" proxy={c.proxy}" if c.proxy != ScheduleConfig.proxy else "") + (" full" if c.full else ""))
+        label = self.name if self.name != "diagd" else (
+            f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
+            + (f" proxy={c.proxy}" if c.proxy != ScheduleConfig.proxy else "") + (" full" if c.full else ""))
+        if self.temperature <= 0 or self.top_k == 1:
+            return label + " greedy"
+        drawn = [f"T={self.temperature:g}" if self.temperature != 1 else "",
+                 f"top_k={self.top_k}" if self.top_k is not None else "",
+                 f"top_p={self.top_p:g}" if self.top_p is not None else ""]
+        return " ".join([label, *filter(None, drawn)])
 
     def schedule(self, prompt_frames: int | None = None) -> Schedule:
         P = self.prompt_frames if prompt_frames is None else prompt_frames

@@ -48,7 +48,7 @@ def held_out_agreement(model, layout, schedule, clips: torch.Tensor, frames: int
     lay, P = sampler.layout, sampler.prompt_frames
     return Agreement(float(generated_agreement(generated, clips, lay, P).mean()),
                      float(generated_agreement(nothing_moves(clips, lay, P), clips, lay, P).mean()), len(clips),
-                     frames - P, f"greedy {sampler.label}")
+                     frames - P, sampler.label)
 
 
 def exact_sampler(mask: dict) -> str:
