@@ -171,3 +171,83 @@ def test_bootstrap_interval_of_known_data():
     assert M.bootstrap_ci(torch.zeros(4), psnr_of_mean_mse) == (math.inf, math.inf)  # every clip exact
     lo, hi = M.bootstrap_ci(torch.tensor([0.0, 0.01]), psnr_of_mean_mse)  # a quarter of resamples: exact only
     assert lo == pytest.approx(20) and hi == math.inf  # inf, never nan
+
+
+# ---- VBench's subject consistency ------------------------------------------------------------------------------
+class PooledPixels(torch.nn.Module):
+    """A stand-in feature net: each frame's 8x8 average-pooled pixels, centred (what DINO's place takes in tests)."""
+
+    def forward(self, frames):
+        x = torch.nn.functional.adaptive_avg_pool2d(frames, 8).flatten(1)
+        return x - x.mean(1, keepdim=True)
+
+
+def test_subject_consistency_is_vbenchs_formula():
+    """Over frames t >= 1: mean of cos(f_t, f_t-1) and cos(f_t, f_0), each clipped at 0; identical frames 1."""
+    from mcar.eval.metrics import subject_consistency
+
+    same = torch.ones(2, 5, 3)
+    assert torch.allclose(subject_consistency(same), torch.ones(2, dtype=torch.float64))
+    flip = torch.tensor([[[1.0, 0.0], [-1.0, 0.0], [1.0, 0.0]]])  # cos -1 to the previous: clipped to 0
+    assert subject_consistency(flip).item() == pytest.approx(((0 + 0) / 2 + (0 + 1) / 2) / 2)
+    turn = torch.tensor([[[1.0, 0.0], [1.0, 1.0]]])  # 45 degrees from both the previous and the first frame
+    assert subject_consistency(turn).item() == pytest.approx(math.cos(math.pi / 4))
+
+
+def test_subject_consistency_orders_static_moving_and_noise_frames():
+    """Frames built to differ: a still scene scores 1, the same scene panning lower, noise lowest."""
+    from mcar.eval.metrics import subject_consistency_per_clip
+
+    g = torch.Generator().manual_seed(0)
+    scene = torch.nn.functional.interpolate(torch.rand(1, 3, 2, 4, generator=g), size=(32, 64), mode="bilinear")
+    still = scene.repeat(6, 1, 1, 1)
+    panning = torch.stack([scene[0].roll(2 * t, dims=-1) for t in range(6)])  # 2 pixels a frame
+    noise = torch.rand(6, 3, 32, 64, generator=g)
+    s = subject_consistency_per_clip(PooledPixels(), torch.stack([still, panning, noise]))
+    assert s[0].item() == pytest.approx(1.0) and s[0] > s[1] > 0.5 > s[2]
+
+
+def test_dino_loads_weights_only_from_a_local_folder_or_says_which_path_to_set(tmp_path):
+    from mcar.eval.metrics import Unavailable, load_dino
+
+    assert "set vbench.dino=/path/to/dino-vitb16" in load_dino(None).reason
+    missing = load_dino(str(tmp_path))
+    assert isinstance(missing, Unavailable) and "no config.json or model.safetensors there" in missing.reason
+    transformers = pytest.importorskip("transformers")  # the [vbench] extra; CI checks the formula and plumbing above
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32)
+    transformers.ViTModel(cfg, add_pooling_layer=False).save_pretrained(tmp_path, safe_serialization=True)
+    net = load_dino(str(tmp_path))
+    assert net(torch.rand(3, 3, 32, 64)).shape == (3, 16)  # short side to 32, positions interpolated
+
+
+def test_scoring_gives_subject_consistency_per_clip_with_its_interval_or_says_why_not(monkeypatch):
+    """score(): SUBJ from the decoded frames of the last prompt frame on (copy_last: a still video, 1), with a
+    bootstrap interval and per-clip values; without a DINO net the column is n/a and the notes say why."""
+    from mcar.eval import scoring
+    from mcar.eval.scoring import Scorer, reference_clips, score
+    from mcar.tokenizer.clips import join_clip
+
+    layout, cb, T, P = Layout(2, 3, 1), 4, 4, 1
+    g = torch.Generator().manual_seed(0)
+    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.zeros(T, 1, dtype=torch.long),
+                                cb) for _ in range(5)])
+
+    def pixels(scorer, gen, real):  # a frame's pixels from its tokens, as a VQ decoding would give them
+        as_video = lambda clips: (clips.view(len(clips), T, -1)[:, :, :6].float() / cb).view(len(clips), T, 1, 2, 3)
+        return tuple(as_video(c).expand(-1, -1, 3, -1, -1).repeat_interleave(4, -1).repeat_interleave(4, -2)
+                     for c in (gen, real))
+
+    monkeypatch.setattr(scoring, "_pixels", pixels)
+    missing = M.Unavailable("no weights")
+    base = dict(layout=layout, codebook_size=cb, prompt_frames=P, vq=None, names={})
+    nets = {"i3d": missing, "lpips": missing, "idm": missing}
+    still = reference_clips("copy_last", gt, layout, P, cb)
+    row, _, extra = score(still, gt, scorer=Scorer(**base, nets=nets | {"dino": PooledPixels()}))
+    assert row["subject_consistency"] == pytest.approx(1.0)
+    assert row["subject_consistency_lo"] <= 1.0 + 1e-9 and len(extra["per_clip"]["subject_consistency"]) == 5
+    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": PooledPixels()}))
+    assert row["subject_consistency"] < 1.0  # the real clips change
+    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": M.load_dino(None)}))
+    assert isinstance(row["subject_consistency"], M.Unavailable) and "subject_consistency: no DINO weights" in \
+        row["notes"]

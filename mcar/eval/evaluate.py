@@ -4,10 +4,13 @@ generate the rest, compare with the ground truth. One results row per sampler se
     mcar evaluate ckpt=checkpoints/<run>/last.ckpt data=crafter sampler=diagd schedule.k=2
     mcar evaluate -m ckpt=... 'sampler=ntp,diagd' n_clips=16     # rows gather in <sweep dir>/results.*
     mcar evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
+    mcar evaluate ckpt=... vbench.dino=/weights/dino-vitb16        # pip install 'mcar[vbench]'
+
 
 Columns (one entry each in mcar/eval/metric_registry.py): token_acc (the share of generated image tokens equal
 to the real ones), FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generated vs ground-truth
-frames (both decoded by the VQ, so the VQ's own loss is not counted), the action-following macro F1 of the
+frames (both decoded by the VQ, so the VQ's own loss is not counted), SUBJ (VBench's subject consistency: DINO
+features of each generated frame against the one before and the first), the action-following macro F1 of the
 inverse-dynamics model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth
 pairs, its ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes
 per clip, i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the
@@ -15,7 +18,7 @@ sampler's own schedule, ground truth fed: for DiagD the loss the fine-tuning mas
 generation only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU
 (dtype=auto).
 A metric whose weights are missing is 'n/a' with the reason in `notes`. A metric with per-clip values (token_acc,
-PSNR, SSIM, LPIPS, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo, <key>_hi;
+PSNR, SSIM, LPIPS, SUBJ, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo, <key>_hi;
 1000 resamples seeded by `seed`); results.json keeps each row's per-clip values (extra.<row>.per_clip, LOSS_TF's
 too), so that intervals can be pooled over several evaluations (mcar table3). The terminal shows a narrow table;
 everything logged to W&B is also written to the run's output dir: results.{md,csv,json} (every column),
@@ -73,6 +76,7 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     trusted = list(cfg.get("trust_code") or [])
     nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
             "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips", trusted),
+            "dino": M.load_dino(cfg.vbench.dino),
             "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
                                    layout.n_a, cfg.data.action_vocab_size)}
     try:

@@ -63,6 +63,9 @@ COLUMNS: tuple[Column, ...] = (
            means="structural similarity to the real frames"),
     Column("lpips", "LPIPS", digits=3, better="lower", pool=mean_of, per_frame=True, summary=True,
            means="perceptual distance to the real frames (lpips=)"),
+    Column("subject_consistency", "SUBJ", digits=3, better="higher", pool=mean_of, summary=True,
+           means="VBench's subject consistency: DINO features of each generated frame against the one before and "
+                 "the last prompt frame (vbench.dino=)"),
     Column("unchanged", digits=3, pool=mean_of, tokens=_unchanged, summary=True,
            means="share of generated image tokens equal to the frame before (copy_last: 1)"),
     Column("action_f1", digits=3, better="higher", terminal=True, summary=True,

@@ -10,6 +10,10 @@ against the eigenvalues of the non-symmetric product C1 C2.
           i3d(videos (B, 3, T, H, W) in [-1, 1], rescale=False, resize=True, return_features=True) -> (B, 400)
     LPIPS any TorchScript module lpips(x, y), x and y (B, 3, H, W) in [-1, 1] -> (B,) or (B, 1, 1, 1) distances,
           e.g. torch.jit.trace(lpips.LPIPS(net="alex"), (x, y)).save("lpips_alex.pt") where `lpips` is installed
+    VBench's subject consistency: DINO ViT-B/16 (facebook/dino-vitb16) as a local transformers folder
+          (config.json + model.safetensors: weights only, no code runs), `pip install 'mcar[vbench]'`. VBench's
+          other columns need torchvision (RAFT for dynamic degree) or pyiqa (MUSIQ for imaging quality), which do
+          not import beside a CPU build of torch 2.13 (RESULTS.md, table 3).
 """
 from __future__ import annotations
 
@@ -206,6 +210,71 @@ def lpips_per_frame(net, gen: torch.Tensor, gt: torch.Tensor, batch_size: int = 
     except Exception as e:
         return Unavailable(f"LPIPS network failed: {type(e).__name__}: {e}"[:300])
     return torch.cat(d).float().view(gen.shape[:2])
+
+
+# ------------------------------------------------------------------------------------------------ VBench
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class DinoFeatures(torch.nn.Module):
+    """A transformers ViT as VBench calls DINO: frames (N, 3, H, W) in [0, 1], short side resized to the model's
+    image size, ImageNet-normalised -> (N, D) class-token features."""
+
+    def __init__(self, vit):
+        super().__init__()
+        self.vit, self.size = vit, int(vit.config.image_size)
+
+    @torch.no_grad()
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        h, w = frames.shape[-2:]
+        scale = self.size / min(h, w)
+        x = torch.nn.functional.interpolate(frames.float(), size=(round(h * scale), round(w * scale)),
+                                            mode="bicubic", align_corners=False).clamp(0, 1)
+        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        out = self.vit(pixel_values=(x - mean) / std, interpolate_pos_encoding=True)
+        return out.last_hidden_state[:, 0]
+
+
+def load_dino(path: str | None, config_key: str = "vbench.dino") -> DinoFeatures | Unavailable:
+    """DINO from a local transformers folder (config.json + model.safetensors), weights only; Unavailable naming
+    the key when no path is set, the files are missing or transformers is not installed."""
+    if not path:
+        return Unavailable(f"no DINO weights: set {config_key}=/path/to/dino-vitb16 (config.json + model.safetensors)")
+    folder = Path(path)
+    missing = [f for f in ("config.json", "model.safetensors") if not (folder / f).is_file()]
+    if missing:
+        return Unavailable(f"{config_key}={path}: no {' or '.join(missing)} there (a transformers ViT folder, "
+                           f"safetensors weights)")
+    try:
+        from transformers import ViTModel
+    except ImportError:
+        return Unavailable(f"{config_key} needs transformers: pip install 'mcar[vbench]'")
+    vit = ViTModel.from_pretrained(folder, use_safetensors=True, local_files_only=True, add_pooling_layer=False)
+    return DinoFeatures(vit.eval())
+
+
+def subject_consistency(features: torch.Tensor) -> torch.Tensor:
+    """(B, T, D) per-frame features -> (B,) VBench's subject consistency: over frames t >= 1, the mean of the
+    cosine similarity to frame t-1 and to frame 0 (each clipped at 0), averaged over t."""
+    f = torch.nn.functional.normalize(features.double(), dim=-1)
+    previous = (f[:, 1:] * f[:, :-1]).sum(-1).clamp(min=0)
+    first = (f[:, 1:] * f[:, :1]).sum(-1).clamp(min=0)
+    return ((previous + first) / 2).mean(1)
+
+
+@torch.no_grad()
+def subject_consistency_per_clip(net, videos: torch.Tensor, batch_size: int = 32) -> torch.Tensor | Unavailable:
+    """(B, T, 3, H, W) in [0, 1] -> (B,) subject consistency of each clip's frames (net: frames -> features), or
+    Unavailable."""
+    if isinstance(net, Unavailable):
+        return net
+    if videos.shape[1] < 2:
+        return Unavailable(f"subject consistency needs >= 2 frames, got {videos.shape[1]}")
+    try:
+        feats = torch.cat([net(chunk).double().cpu() for chunk in videos.flatten(0, 1).split(batch_size)])
+    except Exception as e:
+        return Unavailable(f"DINO failed: {type(e).__name__}: {e}"[:300])
+    return subject_consistency(feats.view(*videos.shape[:2], -1))
 
 
 def fmt(x, digits: int = 2) -> str:

@@ -36,8 +36,10 @@ from mcar.eval import metrics as M
 from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
-GAP_METRICS = ["token_acc", "loss_tf", "psnr", "ssim", "action_acc", "fvd", "action_f1"]  # the gap closed on each
-TABLE_COLUMNS = ["fvd", "token_acc", "psnr", "ssim", "unchanged", "action_f1", "loss_tf", "fps", "tp", "step"]
+# the gap closed on each
+GAP_METRICS = ["token_acc", "loss_tf", "psnr", "ssim", "subject_consistency", "action_acc", "fvd", "action_f1"]
+TABLE_COLUMNS = ["fvd", "token_acc", "psnr", "ssim", "subject_consistency", "unchanged", "action_f1", "loss_tf", "fps",
+                 "tp", "step"]
 
 
 # ------------------------------------------------------------------------------------------------ config
