@@ -110,9 +110,16 @@ def plan_text(plan: dict, arithmetic: dict[str, str], done: list[str]) -> str:
     return "\n".join(lines)
 
 
+def in_order(cfg: DictConfig, e: DictConfig) -> list[str]:
+    """The stages, those under `first` in gpu_estimates.yaml first (the goals' numbers), then the rest in order."""
+    names = stages(cfg)
+    first = [s for s in e.get("first", []) if s in names]
+    return first + [s for s in names if s not in first]
+
+
 def run_plan(cfg: DictConfig, e: DictConfig, out: Path, overrides: list[str], budget: int) -> dict:
     """The stages not done in `out`, packed into calls of `budget` seconds."""
-    names, fp = stages(cfg), fingerprint(cfg, overrides)
+    names, fp = in_order(cfg, e), fingerprint(cfg, overrides)
     states, cached = stage_states(out, names, fp), cached_stages(out)
     todo = [n for n in names if states[n] != "done"]
     arithmetic = {}
@@ -223,7 +230,7 @@ def main(argv: list[str]) -> dict:
         out = Path(cfg.bench.gpu.dir)
         out.mkdir(parents=True, exist_ok=True)
         if mode == "list":
-            names, fp = stages(cfg), fingerprint(cfg, overrides)
+            names, fp = in_order(cfg, e), fingerprint(cfg, overrides)
             return {"stages": names, "state": stage_states(out, names, fp),
                     "estimate_s": stage_estimates(e, names, cached_stages(out)), "fingerprint": fp}
         if mode == "plan":

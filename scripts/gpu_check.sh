@@ -27,9 +27,11 @@
 # diffusers) into .site and puts it on PYTHONPATH: a GPU machine with only torch and lightning then runs it.
 # Always data=synthetic logger=csv: no wandb, av, diffusers or crafter is imported. PYTHON picks the interpreter.
 #
-# On the lent GPU machine (commands of at most 10 minutes, ~30 minutes a sitting, only files under $OUT come back:
-# at most 8, of 16 MiB each), the 700m stages take ~21 minutes of upper estimates: three calls of one command
-# (carry .whl; --plan prints which stages go in which call):
+# On the lent GPU machine (commands of at most 10 minutes, ~15 minutes of device time a sitting with the machine's
+# start, only files under $OUT come back: at most 8, of 16 MiB each), the 700m stages take ~21 minutes of upper
+# estimates: more than one sitting. The stages the goals are read from run first (`first` in
+# scripts/gpu_estimates.yaml: train causal, train DiagD, sampler DiagD at 16 frames): one call of 540 s holds them.
+# Each call is one command (carry .whl; --plan prints which stages go in which call):
 #
 #   bash scripts/gpu_check.sh --wheels .whl --budget 540 --copy-to "$OUT/gpu_check"
 #
@@ -41,7 +43,6 @@
 #   mkdir -p outputs/gpu_check && tar -xzf <files_at>/gpu_check/gpu_check.tgz -C outputs/gpu_check &&
 #     cp <files_at>/gpu_check/compile_cache.zip outputs/gpu_check/
 #
-# To get the 25 frames/s target's stage first in a short sitting: --stages "sampler_diagd_16f sampler_ntp_16f".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; only=""; copy_to=""; plan=0

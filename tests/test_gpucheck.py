@@ -384,6 +384,7 @@ def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
     plan = calls.main(["plan", "--budget", "540", *overrides])
     assert len(plan["calls"]) == 3 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
     assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
+    assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]  # goals first
     e = OmegaConf.load(calls.ESTIMATES)
     assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
