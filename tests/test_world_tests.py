@@ -1,6 +1,7 @@
 """mcar worldtest (mcar/eval/world_tests.py): the loop and collision scores on synthetic maps whose answers are
 known, and the command once on the shipped tile-exact model at the smallest sizes."""
 import json
+import re
 
 import pytest
 import torch
@@ -85,3 +86,27 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert set(loop) == {"model context=3", "model context=2", "copy_last", "real"}
     assert loop["real"]["loop_acc"]["mean"] == 1.0 and loop["copy_last"]["recall"]["mean"] == 1.0
     assert 0 <= loop["model context=3"]["recall"]["mean"] <= 1
+    rollout = json.loads((tmp_path / "world_tests.json").read_text())["rollout"]
+    assert set(rollout) == {"model context=3", "model context=2", "copy_last"}
+    assert all(0 <= v["tv_mean"]["mean"] <= 1 for v in rollout.values())
+    header = (tmp_path / "rollout_agreement.csv").read_text().splitlines()[0]
+    assert header == "row,step,agreement,lo,hi,tv"
+
+
+def test_histogram_distance_reads_the_mix_of_tiles_not_where_they_are():
+    from mcar.eval.world_tests import histogram_distance
+
+    frame = torch.tensor([[0, 1], [2, 3]]).view(1, 1, 2, 2)
+    assert histogram_distance(frame.flip(-1), frame, 8).item() == 0  # moved tiles: the same mix
+    assert histogram_distance(frame + 4, frame, 8).item() == 1  # no code in common
+    assert histogram_distance(torch.zeros_like(frame), frame, 8).item() == pytest.approx(0.75)
+
+
+def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_path):
+    from mcar.tools.worldtest import main
+
+    for bad, said in (("tests=[rollout,memory]", "tests=['rollout', 'memory']: choose some of"),
+                      ("windows=[1]", "windows=[1]: each window is >= 2 frames")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", bad, "logger=none",
+                           f"hydra.run.dir={tmp_path}")

@@ -20,7 +20,10 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   way round (a model that never moves scores stayed 1, moved 0). The player's own tile (its sprite turns) is left
   out.
 - rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
-  frames per step (a curve), for the model on its context, the 2-frame window and copy_last.
+  frames per step (a curve), for the model on its context, the 2-frame window and copy_last; and whether the frames
+  stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
+  histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common).
+`tests` picks which run (a long horizon: `tests=[rollout] rollout_frames=512`); `windows` the model rows' windows.
 
 Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gif} (real | generated) under the
 output dir, and the same to W&B when logger is wandb (offline by default).
@@ -50,6 +53,7 @@ from mcar.tokenizer.vq_model import encode_tokens, frame_size
 from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.eval.world_tests")
+TESTS = ("loop", "blocked", "rollout")
 
 
 
@@ -251,6 +255,16 @@ class Tokens:
         return join_clip(self.images(rec.frames), torch.tensor(rec.actions)[:, None], self.cb)
 
 
+def histogram_distance(frames: torch.Tensor, real: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """(B, T, h, w) codes x2 -> (B, T) total-variation distance between each frame's histogram of codes and the
+    real frame's: 0 = the same mix of tiles wherever they are, 1 = no code in common."""
+    def hist(x):
+        flat = x.flatten(2).clamp(0, codebook_size - 1)
+        return torch.zeros(*flat.shape[:2], codebook_size, dtype=torch.float64).scatter_add_(
+            2, flat, torch.ones_like(flat, dtype=torch.float64)) / flat.shape[-1]
+    return (hist(frames) - hist(real)).abs().sum(-1) / 2
+
+
 def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
     """(B, N) clips -> (B, T, h, w) image tokens."""
     x = clips.view(clips.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens]
@@ -272,7 +286,9 @@ class WorldTests:
         self.grid = MapGrid(map_rows(self.view), self.layout.w)
         self.tokens = Tokens(self.vq, self.layout, self.cb)
         self.context = self.wm.context
-        self.min_context = 2  # a rolling window needs the frame being made and one before (mcar.core.rolling)
+        # the model rows' windows: its own, and the smallest a rolling window allows (the frame being made and one
+        # before, mcar.core.rolling)
+        self.windows = [int(w) for w in cfg.windows] if cfg.get("windows") else [self.context, 2]
 
     def generate(self, clips: torch.Tensor, context: int | None = None,
                  prompt_frames: int | None = None) -> torch.Tensor:
@@ -302,23 +318,25 @@ class WorldTests:
         starts = self.record()
         t_record = time.perf_counter() - t0
         log.info("%d starts recorded from %d fresh Crafter worlds in %.0f s", len(starts), self.worlds_tried, t_record)
-        results = {"loops": {}, "context": self.context, "min_context": self.min_context,
-                   "starts": len(starts), "worlds_tried": self.worlds_tried}
+        results = {"loops": {}, "blocked": {}, "rollout": {}, "context": self.context, "windows": self.windows,
+                   "starts": len(starts), "worlds_tried": self.worlds_tried, "sampler": self.wm.sampler(2).label}
         t1 = time.perf_counter()
-        self.videos = {}
-        for n in self.cfg.loop_lengths:
-            results["loops"][int(n)] = self.loop_test(int(n), [s.loops[int(n)] for s in starts])
-            log.info("loop n=%d scored (%.0f s so far)", n, time.perf_counter() - t1)
-        results["blocked"] = self.blocked_test([s.wander for s in starts])
-        log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
-        results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
+        self.videos, self.curves = {}, {}
+        if "loop" in self.cfg.tests:
+            for n in self.cfg.loop_lengths:
+                results["loops"][int(n)] = self.loop_test(int(n), [s.loops[int(n)] for s in starts])
+                log.info("loop n=%d scored (%.0f s so far)", n, time.perf_counter() - t1)
+        if "blocked" in self.cfg.tests:
+            results["blocked"] = self.blocked_test([s.wander for s in starts])
+            log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
+        if "rollout" in self.cfg.tests:
+            results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
         results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
         return results
 
     def rows_for(self, clips: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{row: (B, N) clips}: the model on its context and on the smallest window, copy_last, real."""
-        return {f"model context={self.context}": self.generate(clips, self.context),
-                f"model context={self.min_context}": self.generate(clips, self.min_context),
+        """{row: (B, N) clips}: the model on each window, copy_last, real."""
+        return {**{f"model context={w}": self.generate(clips, w) for w in self.windows},
                 "copy_last": nothing_moves(clips, self.layout, 1), "real": clips}
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
@@ -373,11 +391,14 @@ class WorldTests:
         out, curves = {}, {}
         rows = self.rows_for(clips)
         rows.pop("real")
+        real = images_of(clips, self.layout)[:, 1:]
         for name, gen in rows.items():
             per = frame_agreement(gen, clips, self.layout)[:, 1:]  # (B, T-1)
-            curves[name] = [interval(per[:, k], self.cfg.seed) for k in range(per.shape[1])]
-            out[name] = {"mean": interval(per.mean(1), self.cfg.seed),
-                         "last": interval(per[:, -1], self.cfg.seed)}
+            tv = histogram_distance(images_of(gen, self.layout)[:, 1:], real, self.cb)  # (B, T-1)
+            curves[name] = [interval(per[:, k], self.cfg.seed) | {"tv": float(tv[:, k].mean())}
+                            for k in range(per.shape[1])]
+            out[name] = {"mean": interval(per.mean(1), self.cfg.seed), "last": interval(per[:, -1], self.cfg.seed),
+                         "tv_mean": interval(tv.mean(1), self.cfg.seed), "tv_last": interval(tv[:, -1], self.cfg.seed)}
         return out, curves
 
 
@@ -387,27 +408,30 @@ def _ci(d: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames; "
-             f"95% bootstrap intervals over starts.", "",
+    lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames, "
+             f"sampler {res['sampler']}; 95% bootstrap intervals over starts.", "",
              "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) |", "|---|---|---|---|"]
     for n, rows in res["loops"].items():
         lines += [f"| {n} | {name} | {_ci(v['recall'])} | {_ci(v['loop_acc'])} |" for name, v in rows.items()]
     b = res["blocked"]
     lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
-    for kind, key in (("blocked", "stayed"), ("free", "moved")):
+    for kind, key in (("blocked", "stayed"), ("free", "moved")) if b else ():
         v = b[kind]
         lines.append(f"| {kind} ({key}) | {v['n']} | {_ci(v.get(key, {}))} | {_ci(v.get('real_' + key, {}))} | "
                      f"{_ci(v.get('map_acc', {}))} |")
-    lines += ["", "| rollout row | token agreement, mean over steps | at the last step |", "|---|---|---|"]
-    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} |" for name, v in res["rollout"].items()]
+    lines += ["", "| rollout row | token agreement, mean over steps | at the last step | tile-mix distance (tv), "
+                  "mean | at the last step |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |"
+              for name, v in res["rollout"].items()]
     return "\n".join(lines) + "\n"
 
 
 def write_curves(curves: dict, path: Path) -> list[list]:
-    table = [[name, k + 1, c["mean"], c["lo"], c["hi"]] for name, per in curves.items() for k, c in enumerate(per)]
+    table = [[name, k + 1, c["mean"], c["lo"], c["hi"], c["tv"]] for name, per in curves.items()
+             for k, c in enumerate(per)]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["row", "step", "agreement", "lo", "hi"])
+        w.writerow(["row", "step", "agreement", "lo", "hi", "tv"])
         w.writerows(table)
     return table
 
@@ -417,7 +441,7 @@ def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> Non
     run = open_run(cfg)
     if run is None:
         return
-    log_table(run, "world/rollout_agreement", ["row", "step", "agreement", "lo", "hi"], table,
+    log_table(run, "world/rollout_agreement", ["row", "step", "agreement", "lo", "hi", "tv"], table,
               curve=("step", "agreement", "row", "token agreement per rollout step"))
     log_media(run, media)
     for n, rows in res["loops"].items():
@@ -435,6 +459,12 @@ def world_tests(cfg: DictConfig) -> dict:
     for key in ("starts", "rollout_frames", "max_moves", "batch_size", "warmup"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]}: worldtest needs at least 1 (conf/worldtest.yaml)")
+    unknown = [t for t in cfg.tests if t not in TESTS]
+    if unknown or not cfg.tests:
+        raise ValueError(f"tests={list(cfg.tests)}: choose some of {list(TESTS)} (conf/worldtest.yaml)")
+    if cfg.get("windows") and any(int(w) < 2 for w in cfg.windows):
+        raise ValueError(f"windows={list(cfg.windows)}: each window is >= 2 frames (the frame being made and one "
+                         f"before; conf/worldtest.yaml)")
     tests = WorldTests(cfg)
     bad = [n for n in cfg.loop_lengths if not 1 <= int(n)]
     if bad:
