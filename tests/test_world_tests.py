@@ -110,3 +110,16 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
         with pytest.raises(ValueError, match=re.escape(said)):
             run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", bad, "logger=none",
                            f"hydra.run.dir={tmp_path}")
+
+
+def test_keep_alive_refills_the_players_needs_so_a_long_rollout_is_one_episode():
+    from mcar.eval.world_tests import KEPT_UP, Scene
+
+    for keep in (False, True):
+        scene = Scene(100000, (144, 144), (9, 9), 1.0, keep_alive=keep)
+        scene.env._player.inventory.update(health=1, food=0, drink=0, energy=0)
+        scene.env._player._recover = -15  # one step from losing its last health point
+        alive = scene.step(0)
+        assert alive == keep
+        if keep:
+            assert all(scene.env._player.inventory[k] >= v - 1 for k, v in KEPT_UP.items())

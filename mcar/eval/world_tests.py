@@ -23,7 +23,8 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   frames per step (a curve), for the model on its context, the 2-frame window and copy_last; and whether the frames
   stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
   histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common).
-`tests` picks which run (a long horizon: `tests=[rollout] rollout_frames=512`); `windows` the model rows' windows.
+`tests` picks which run (a long horizon: `tests=[rollout] rollout_frames=512 keep_alive=true`: the player's needs
+are refilled before each step, so no start dies before its rollout ends); `windows` the model rows' windows.
 
 Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gif} (real | generated) under the
 output dir, and the same to W&B when logger is wandb (offline by default).
@@ -143,13 +144,17 @@ class Recording:
     pos: list = field(default_factory=list)
 
 
+KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima, refilled before each step (keep_alive)
+
+
 class Scene:
     """One fresh Crafter world, stepped by the tests, each step recorded into the open recording."""
 
-    def __init__(self, env_seed: int, size, view, daylight):
+    def __init__(self, env_seed: int, size, view, daylight, keep_alive: bool = False):
         self.env, self.obs = make_env(env_seed, size, view, daylight)
         self.rng = np.random.default_rng(env_seed)
         self.explorer = ExplorerPolicy(self.rng)
+        self.keep_alive = keep_alive
 
     @property
     def pos(self) -> tuple[int, int]:
@@ -161,6 +166,9 @@ class Scene:
             rec.frames.append(self.obs)
             rec.actions.append(int(action))
             rec.pos.append(self.pos)
+        if self.keep_alive:  # a long rollout is one episode: hunger, thirst, fatigue and zombies never end it
+            for need in KEPT_UP:
+                self.env._player.inventory[need] = KEPT_UP[need]
         self.obs, _, done, _ = self.env.step(int(action))
         return not done
 
@@ -223,10 +231,10 @@ class StartRecord:
 
 
 def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
-                 daylight) -> StartRecord | None:
+                 daylight, keep_alive: bool = False) -> StartRecord | None:
     """One start: a few explorer steps into a fresh world, a loop of each length, then a wander; None when the
     episode ended or a loop could not be made."""
-    scene = Scene(env_seed, size, view, daylight)
+    scene = Scene(env_seed, size, view, daylight, keep_alive)
     for _ in range(int(scene.rng.integers(1, warmup + 1))):
         if not scene.step(scene.explorer(scene.env)):
             return None
@@ -306,7 +314,7 @@ class WorldTests:
                 raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
                                    f"{list(cfg.loop_lengths)}: use shorter loop_lengths")
             rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
-                               self.view, self.daylight)
+                               self.view, self.daylight, bool(cfg.keep_alive))
             seed += 1
             if rec is not None:
                 starts.append(rec)
