@@ -91,6 +91,8 @@ def test_a_run_from_scratch_gets_equal_total_steps_and_is_compared_with_its_fine
     printed = capsys.readouterr().out
     scratch = next(line for line in printed.splitlines() if line.startswith("[table3] scratch/diagd_proxy:"))
     assert "mask=diagd" in scratch and "trainer.max_steps=1150" in scratch
+    tuned = next(line for line in printed.splitlines() if line.startswith("[table3] finetune/causal/seed2:"))
+    assert "seed=2 data.seed=2" in tuned  # the batch order follows data.seed
     assert "[table3] eval/scratch_diagd_proxy/diagd_k2:" in printed
 
     (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=300)
@@ -172,6 +174,9 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
                          ("ft_diagd_proxy", "diagd k=2"), ("ft_causal", "diagd k=2"),
                          ("pretrained", "ground_truth"), ("pretrained", "copy_last"), ("pretrained", "noise")}
     assert rows[("ft_causal", "diagd k=2")]["seeds"] == 2 and res["seeds"] == [0, 1]
+    losses = [json.loads((out / "eval" / f"ft_causal_seed{s}" / "diagd_k2" / "results.json").read_text())
+              ["extra"]["diagd k=2"]["per_clip"]["loss_tf"] for s in (0, 1)]
+    assert losses[0] != losses[1]  # each seed its own batches: two models, not one twice
     for r in rows.values():  # model rows: intervals over seeds and clips, LOSS_TF's included
         if r["sampler"] not in ("ground_truth", "copy_last", "noise"):
             assert r["token_acc_lo"] <= r["token_acc"] <= r["token_acc_hi"]

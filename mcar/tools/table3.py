@@ -169,7 +169,8 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
             ft_ckpt = Path(cfg.paths.checkpoint_root) / run_name / "last.ckpt"
             stages.run(f"finetune/{label}/seed{seed}", python(
                 "-m", "mcar.cli", "finetune", *overrides, *t.finetune.overrides, *ft.overrides,
-                f"init_from={pre_ckpt}", f"steps={t.finetune.steps}", f"seed={seed}", f"run_name={run_name}",
+                f"init_from={pre_ckpt}", f"steps={t.finetune.steps}", f"seed={seed}", f"data.seed={seed}",
+                f"run_name={run_name}",
                 f"hydra.run.dir={out}/finetune/{label}/seed{seed}"), resume_from=ft_ckpt)
             for sampler in ft.samplers:
                 evaluate(tuned_model(label, seed), ft_ckpt, sampler)
@@ -187,7 +188,9 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
 
 
 def seeds_of(t: DictConfig) -> list[int]:
-    """The fine-tuning seeds (table3.finetune.seeds): each fine-tuning runs once per seed from the one checkpoint."""
+    """The fine-tuning seeds (table3.finetune.seeds): each fine-tuning runs once per seed from the one checkpoint,
+    as `seed=` and `data.seed=` (the batch order is a pure function of data.seed: without it every seed trains on
+    the same batches from the same weights, the same model)."""
     return [int(s) for s in t.finetune.seeds]
 
 
