@@ -75,6 +75,11 @@ def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_
     assert versus["proxy"]["loss_tf"]["difference"] == pytest.approx(0.08, abs=0.01)
     text = "\n".join(lines)
     assert "- Without fine-tuning, on token_acc: DiagD loses to NTP (NTP - DiagD +0.2" in text
+    assert "| proxy | +0.5" in text and "| no gap |" not in text
+    from mcar.tools.table3 import share_cell
+
+    behind = {"difference": -0.08, "interval": (-0.14, -0.04)}  # DiagD ahead of NTP: nothing to close
+    assert share_cell({"share": -0.7, "interval": (-1.7, -0.4)}, behind) == "no gap"
     assert "- proxy beats the causal control on token_acc" in text
     assert "- same is not distinguishable from the causal control on token_acc" in text
 

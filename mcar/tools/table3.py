@@ -184,7 +184,7 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
             evaluate(f"scratch_{label}", ckpt, sampler)
     if dry_run:
         return out
-    return write_results(cfg, out, stages.state, Path(cfg.paths.root_dir) / "RESULTS.md")
+    return write_results(cfg, out, stages.state, Path(cfg.paths.root_dir) / "RESULTS.md", overrides)
 
 
 def seeds_of(t: DictConfig) -> list[int]:
@@ -225,7 +225,8 @@ def pooled_row(rows: list[dict], draws: tuple[torch.Tensor, torch.Tensor]) -> di
     for key, value in rows[0].items():
         numbers = [R.number(r.get(key)) for r in rows]
         if key != "per_clip" and value is not None and None not in numbers and not key.endswith(("_lo", "_hi")):
-            out[key] = sum(numbers) / len(numbers)
+            same_int = all(isinstance(n, int) for n in numbers) and len(set(numbers)) == 1
+            out[key] = numbers[0] if same_int else sum(numbers) / len(numbers)
     common = set.intersection(*(set(r["per_clip"]) for r in rows))
     out["per_clip"] = {k: torch.tensor([r["per_clip"][k] for r in rows], dtype=torch.float64) for k in common}
     for key, values in out["per_clip"].items():
@@ -395,9 +396,9 @@ def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, dict, list[str]]
              f"that > 0 means NTP is better, 95% interval over clips:", "", *head,
              "| NTP - DiagD | " + " | ".join(signed_cell(gap.get(m), "difference") for m in GAP_METRICS) + " |", "",
              "Share of that gap each fine-tuning closes, 95% interval over seeds and clips (1 = as good as NTP, "
-             "0 = no change, < 0 = worse; where DiagD is not worse than NTP the share has no meaning; the paper's "
-             "fine-tuning closes 0.43 of its FVD gap):", "", *head]
-    lines += [f"| {label} | " + " | ".join(signed_cell(g[m], "share") for m in GAP_METRICS) + " |"
+             "0 = no change, < 0 = worse; 'no gap' where the interval above does not put NTP ahead: there is "
+             "nothing to close; the paper's fine-tuning closes 0.43 of its FVD gap):", "", *head]
+    lines += [f"| {label} | " + " | ".join(share_cell(g[m], gap.get(m)) for m in GAP_METRICS) + " |"
               for label, g in shares.items()]
     primary = t.gap.get("primary", GAP_METRICS[0])
     lines += ["", verdict_gap(primary, gap.get(primary))]
@@ -417,6 +418,13 @@ def signed_cell(x: dict | None, key: str) -> str:
         return "n/a"
     lo_hi = f" [{x['interval'][0]:+.3f}, {x['interval'][1]:+.3f}]" if x["interval"] else ""
     return f"{x[key]:+.3f}{lo_hi}"
+
+
+def share_cell(share: dict, gap: dict | None) -> str:
+    """A share of the gap closed, or 'no gap' where the pre-trained NTP is not measurably ahead of DiagD."""
+    if gap is not None and (gap["interval"][0] <= 0 if gap["interval"] else gap["difference"] <= 0):
+        return "no gap"
+    return signed_cell(share, "share")
 
 
 def difference(row: dict, other: dict, key: str) -> dict | None:
@@ -471,7 +479,7 @@ def verdict(subject: str, other: str, metric: str, versus: dict | None) -> str:
     return f"- {subject} {said} {other} on {metric} ({versus['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
-def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> Path:
+def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path, overrides: list[str]) -> Path:
     t = cfg.table3
     rows = model_rows(cfg, out)
     by_key = {r["key"]: r for r in rows}
@@ -485,7 +493,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path) -> 
 
     lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
              f"## {t.name}: {t.label}", "",
-             f"Command: `mcar table3 {' '.join(sys.argv[1:]) or 'experiment=' + t.name}`  ",
+             f"Command: `mcar table3 {' '.join(overrides)}`  ",
              f"Machine: {info['machine']}; {info['date']}. {wall_times(state)}", "",
              f"Model: `{info['model']}`, {info['params'] / 1e6:.2f}M parameters ({info['arch']}). "
              f"Data: {info['data']}. Pre-training "
