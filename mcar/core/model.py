@@ -337,7 +337,8 @@ class Transformer(nn.Module):
         mask: torch.Tensor | BlockMask | None = None,
         cache_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, S) long; coords (S, 4) or (B, S, 4) long (Layout.coords); returns logits (B, S, vocab) float32.
+        """tokens (B, S) long; coords (S, 4) or (B, S, 4) long (Layout.coords); returns logits (B, S, vocab) float32
+        (float64 for a float64 model).
 
         mask: None (plain causal), dense bool (S, S) / (B, 1, S, S), or a BlockMask; in cached mode
         (cache_pos (S,) given) a bool (S, n + S) or (B|1, S, n + S) over [the first n <= n_slots cache slots |
@@ -357,4 +358,5 @@ class Transformer(nn.Module):
             mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache_pos)
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x))
+        return logits if logits.dtype == torch.float64 else logits.float()  # float64: exactness tests

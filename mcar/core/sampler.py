@@ -48,9 +48,9 @@ class SampleStats:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
-    """logits (..., V) -> probabilities after temperature, top-k and top-p (None: off). temperature and top_p:
-    floats or 0-d tensors (the compiled step's: a Python float would become a CPU input of the graph, and a
+def filtered_logits(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
+    """logits (..., V) -> logits after temperature, top-k and top-p (None: off), dropped ones -inf. temperature and
+    top_p: floats or 0-d tensors (the compiled step's: a Python float would become a CPU input of the graph, and a
     CPU input turns CUDA graphs off)."""
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -61,7 +61,12 @@ def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p) 
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(-1)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
+    """`filtered_logits` as probabilities: the distribution a token is drawn from."""
+    return filtered_logits(logits, temperature, top_k, top_p).softmax(-1)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,19 @@ def sample_keyed(logits: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, 
     return (probs / race).argmax(-1)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rule: "SamplingRule") -> torch.Tensor:
+    """(..., V) logits, (...) token ids -> (...) log-probability of each token under the distribution `rule` draws
+    it from (image codes only, temperature, top-k, top-p): the sampler records it as it samples, post-training
+    computes it in one pass (mcar.core.policy), the two equal by the parity property. Greedy has none."""
+    if rule.temperature is None:
+        raise ValueError("sampler.temperature=0 (greedy) draws no distribution: log-probabilities need "
+                         "temperature > 0 and top_k != 1")
+    if rule.codebook_size is not None:
+        logits = logits[..., :rule.codebook_size]
+    logp = filtered_logits(logits, rule.temperature, rule.top_k, rule.top_p).log_softmax(-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def forward_rows(model, tokens: torch.Tensor, p) -> torch.Tensor:
     """One pass: the rows `p` feeds (a PassPlan, or a bucket's PassInputs) -> (B, O, V) logits of the rows it
     samples. tokens (B, N) or (B, N+1) (the static path's dummy column) is read as it fills."""
@@ -122,11 +140,26 @@ def _sample_rolling_pass(model, tokens, p: RollingPass, rows: torch.Tensor, firs
     return sample_keyed(forward_rows(model, tokens, p), mix32(rows ^ (p.out_abs + first_slots)), codes, rule)
 
 
+def _scored_rolling_pass(model, tokens, p: RollingPass, rows: torch.Tensor, first_slots: torch.Tensor,
+                         codes: torch.Tensor, rule: SamplingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_sample_rolling_pass`, and the log-probability of each token drawn (`token_logprobs`)."""
+    logits = forward_rows(model, tokens, p)
+    drawn = sample_keyed(logits, mix32(rows ^ (p.out_abs + first_slots)), codes, rule)
+    return drawn, token_logprobs(logits, drawn, rule)
+
+
 @dataclass
 class TeacherForced:
     slots: torch.Tensor  # (n_gen,) long: the generated slots, in layout order
     nll: torch.Tensor  # (B, n_gen) float32: cross-entropy of each generated token
     logits: torch.Tensor | None  # (B, n_gen, V) float32, when asked for
+
+
+@dataclass
+class Rolled:
+    tokens: torch.Tensor  # (B, N) the clip, its generated frames filled in
+    passes: int
+    logprobs: torch.Tensor | None  # (B, N): log-probability of each generated token as drawn, 0 elsewhere
 
 
 class ScheduleSampler:
@@ -194,14 +227,15 @@ class ScheduleSampler:
 
     def rollout(self, model, prompt: torch.Tensor, setup_cache: bool = True, *, temperature: float | None = None,
                 top_k: int | None = None, noise_keys: torch.Tensor | None = None,
-                first_frames: torch.Tensor | None = None) -> "Rollout":
+                first_frames: torch.Tensor | None = None, logprobs: bool = False) -> "Rollout":
         """A `Rollout` from `prompt` (B, P*frame_len): the prompt frames and their actions. temperature, top_k: this
         rollout's sampling (None: the sampler's; the sampler itself is never changed). noise_keys (B,) int: each
         row's own noise key (None: keyed by the sampler's seed and the batch row); first_frames (B,) int: the
         index of the prompt's first frame in each row's own clip (None: 0), so a row draws the same noise for its
-        frame f whenever its rollout began."""
+        frame f whenever its rollout began. logprobs: keep each frame's tokens' log-probabilities
+        (`Rollout.frame_logprobs`)."""
         return Rollout(self, model, prompt, setup_cache, temperature=temperature, top_k=top_k,
-                       noise_keys=noise_keys, first_frames=first_frames)
+                       noise_keys=noise_keys, first_frames=first_frames, logprobs=logprobs)
 
     @property
     def label(self) -> str:
@@ -236,8 +270,8 @@ class ScheduleSampler:
             if prompt_frames not in (None, self.prompt_frames):
                 raise ValueError(f"a rolling rollout runs its schedule's prompt_frames={self.prompt_frames}, "
                                  f"not {prompt_frames}")
-            tokens, passes = self._generate_rolling(model, clip, setup_cache)
-            return self._done(tokens, passes, sched, t0)
+            rolled = self.roll(model, clip, setup_cache)
+            return self._done(rolled.tokens, rolled.passes, sched, t0)
         # one key per (batch row, slot), the dummy column N included
         noise = SlotNoise.of(seed_key(self.seed), clip.shape[0], clip.shape[1] + 1, n_values, clip.device)
         rule = SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, clip.device)
@@ -258,16 +292,22 @@ class ScheduleSampler:
             torch.cuda.synchronize(tokens.device)
         return tokens, SampleStats(passes, tokens.shape[0] * len(sched.gen_slots), time.perf_counter() - t0)
 
-    def _generate_rolling(self, model, clip, setup_cache):
-        """Every frame through one `Rollout`, its actions the clip's."""
+    def roll(self, model, clip: torch.Tensor, setup_cache: bool = True, *, noise_keys: torch.Tensor | None = None,
+             logprobs: bool = False) -> "Rolled":
+        """Every frame of `clip` (B, N: prompt frames + every action) through one `Rollout` on the rolling cache,
+        its actions the clip's. noise_keys (B,): each row's own noise (None: the sampler's seed and the row);
+        logprobs: also the log-probability of each token drawn, as drawn (`token_logprobs`)."""
         check_clip(clip, self.layout, self.frames)
         L, hw, P = self.layout.frame_len, self.layout.frame_tokens, self.prompt_frames
-        run = self.rollout(model, clip[:, :P * L], setup_cache)
-        done = [run.advance(clip[:, (u - 1) * L + hw:u * L]) for u in range(P, self.frames)] + run.finish()
+        run = self.rollout(model, clip[:, :P * L], setup_cache, noise_keys=noise_keys, logprobs=logprobs)
         tokens = clip.clone()
-        for u, frame in enumerate([f for f in done if f is not None], start=P):
+        logp = run.logp.new_zeros(clip.shape) if logprobs else None
+        frames = [run.advance(clip[:, (t - 1) * L + hw:t * L]) for t in range(P, self.frames)] + run.finish()
+        for u, frame in enumerate([f for f in frames if f is not None], start=P):
             tokens[:, u * L:u * L + hw] = frame
-        return tokens, run.passes
+            if logp is not None:
+                logp[:, u * L:u * L + hw] = run.frame_logprobs[u - P]
+        return Rolled(tokens, run.passes, logp)
 
     def static_plan(self, sched: Schedule, device) -> StaticPlan:
         key = (sched.prompt_frames, str(device))
@@ -380,7 +420,7 @@ class Rollout:
 
     def __init__(self, sampler: ScheduleSampler, model, prompt: torch.Tensor, setup_cache: bool = True, *,
                  temperature: float | None = None, top_k: int | None = None, noise_keys: torch.Tensor | None = None,
-                 first_frames: torch.Tensor | None = None):
+                 first_frames: torch.Tensor | None = None, logprobs: bool = False):
         device = prompt.device
         plan = sampler.rolling_schedule(device)
         L, P = sampler.layout.frame_len, plan.prompt_frames
@@ -405,7 +445,12 @@ class Rollout:
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
         self._cache_version = self._cache.k_buf._version
-        self.step = sampler.step_fn(_sample_rolling_pass, device)
+        self.step = sampler.step_fn(_scored_rolling_pass if logprobs else _sample_rolling_pass, device)
+        # log-probabilities of the tokens drawn, in the ring's columns as the tokens; each returned frame's kept
+        exact = model.output.weight.dtype == torch.float64  # a float64 model's log-probabilities kept as such (tests)
+        self.logp = torch.zeros(self.tokens.shape, dtype=torch.float64 if exact else torch.float32,
+                                device=device) if logprobs else None
+        self.frame_logprobs: list[torch.Tensor] = []  # (B, h*w) per frame returned, in order, when kept
         self.advances, self.passes = 0, 0
         self._last_actions: torch.Tensor | None = None
 
@@ -428,12 +473,12 @@ class Rollout:
         self._last_actions = actions
         args = (self.rows, self.first_slots, self.codes, self.rule)
         if a == 0:  # the prefill, eager
-            p = plan.prefill
-            self.tokens[:, p.out_slots] = _sample_rolling_pass(self.model, self.tokens, p, *args)
+            self._write(plan.prefill, (_sample_rolling_pass if self.logp is None else _scored_rolling_pass)(
+                self.model, self.tokens, plan.prefill, *args))
             self.passes += 1
         passes = plan.passes(a)
         for p in passes:
-            self.tokens[:, p.out_slots] = self.step(self.model, self.tokens, p, *args)
+            self._write(p, self.step(self.model, self.tokens, p, *args))
         self.passes += len(passes)
         self.advances += 1
         self._cache_version = cache.k_buf._version
@@ -441,7 +486,16 @@ class Rollout:
         if done < plan.prompt_frames:
             return None
         c = plan.column(done)
+        if self.logp is not None:
+            self.frame_logprobs.append(self.logp[:, c:c + lay.frame_tokens].clone())
         return self.tokens[:, c:c + lay.frame_tokens].clone()
+
+    def _write(self, p: RollingPass, drawn) -> None:
+        """A pass's tokens (and log-probabilities, when kept) into their ring columns."""
+        if self.logp is not None:
+            drawn, logp = drawn
+            self.logp[:, p.out_slots] = logp
+        self.tokens[:, p.out_slots] = drawn
 
     def split(self, rows: list[int]) -> "Rollout":
         """A new rollout of batch rows `rows` of this one, with copies of their KV cache (installed in the model):
@@ -453,6 +507,7 @@ class Rollout:
         index = torch.as_tensor(rows, dtype=torch.long, device=self.tokens.device)
         out = copy.copy(self)
         out.tokens, out.rows, out.first_slots = self.tokens[index].clone(), self.rows[index], self.first_slots[index]
+        out.logp = None if self.logp is None else self.logp[index].clone()
         out._last_actions = None if self._last_actions is None else self._last_actions[index]
         self.model.swap_caches([c.select(index) for c in caches])
         out._cache = self.model.kv_caches()[0]
