@@ -15,6 +15,7 @@ import sys
 TOOLS = {
     "train": "pre-train a world model (train.py)",
     "finetune": "fine-tune a checkpoint, e.g. with the DiagD mask (finetune.py)",
+    "posttrain": "GRPO on the model's own rollouts, rewarded against the Crafter simulator (posttrain.py)",
     "generate": "generate a clip from a checkpoint: mp4 + gif next to the ground truth",
     "evaluate": "score samplers on held-out clips: FVD, PSNR, SSIM, LPIPS, action F1, speed",
     "worldtest": "memory, collisions and long rollouts on fresh Crafter worlds (tile-exact data)",

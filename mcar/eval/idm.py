@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcar.checkpoint.io import load_weights_only
 from mcar.eval.metrics import Unavailable
-from mcar.idm.model import InverseDynamics, tokens_name
+from mcar.idm.model import InverseDynamics, read_idm, tokens_name
 
 
 def check_idm_fits(idm, datamodule, codebook_size: int, n_a: int, action_vocab_size: int):
@@ -40,11 +39,7 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
         return Unavailable(f"no inverse-dynamics model: set {config_key}=/path/idm.pt (mcar idm)")
     if not Path(path).is_file():
         return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: mcar idm)")
-    ckpt = load_weights_only(path, "inverse-dynamics model")
-    if "codebook" not in ckpt["state_dict"]:  # the token-id IDM (learned id embeddings) of before 2026-11-22
-        return Unavailable(f"{config_key}={path} is an old token-id IDM (no VQ codebook in it): retrain it "
-                           f"(mcar idm)")
-    model = InverseDynamics(**ckpt["config"], codebook=ckpt["state_dict"]["codebook"])
-    model.load_state_dict(ckpt["state_dict"])
-    model.meta = ckpt.get("meta", {})
-    return model.eval()
+    try:
+        return read_idm(path)
+    except ValueError as e:  # an old token-id IDM
+        return Unavailable(f"{config_key}={e}")

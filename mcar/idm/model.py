@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from mcar.checkpoint.io import load_weights_only
+
 
 def random_codebook(codebook_size: int, code_dim: int, seed: int = 0) -> torch.Tensor:
     """A fixed seeded unit-norm codebook (K, D): the code vectors of data that has no VQ (synthetic data, tests)."""
@@ -115,6 +117,18 @@ def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"config": model.config, "state_dict": model.state_dict(), "meta": meta}, tmp)
     tmp.replace(path)
+
+
+def read_idm(path: str | Path) -> InverseDynamics:
+    """The IDM saved by `save_idm` at `path`, loaded weights only (ValueError for one without a VQ codebook: the
+    token-id IDM of before 2026-11-22)."""
+    ckpt = load_weights_only(path, "inverse-dynamics model")
+    if "codebook" not in ckpt["state_dict"]:
+        raise ValueError(f"{path} is an old token-id IDM (no VQ codebook in it): retrain it (mcar idm)")
+    model = InverseDynamics(**ckpt["config"], codebook=ckpt["state_dict"]["codebook"])
+    model.load_state_dict(ckpt["state_dict"])
+    model.meta = ckpt.get("meta", {})
+    return model.eval()
 
 
 def tokens_name(datamodule) -> str | None:

@@ -78,15 +78,17 @@ def use_tensor_cores_for_fp32(device: torch.device) -> None:
 
 
 @finishing
-def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback] = ()) -> dict:
+def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback] = (), datamodule=None) -> dict:
     """Fit a model as configured. init_from: a checkpoint whose weights start the run (fine-tuning); callbacks:
-    added to the configured ones (benchmarks)."""
+    added to the configured ones (benchmarks); datamodule: the training batches (None: the `data` group's clips;
+    post-training passes its simulator starts)."""
     check_run_name(cfg.run_name)
     finalize_run_name(cfg)
-    return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks)
+    return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks, datamodule)
 
 
-def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks) -> dict:
+def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks,
+         datamodule=None) -> dict:
     set_threads(cfg.get("threads"))
     L.seed_everything(cfg.seed, workers=True)
 
@@ -94,7 +96,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
     # bad sampler or schedule values fail now, not at the first validation (the schedule is built once: the mask
     # factory and the samplers take the same object)
     check_sampler_config(to_dict(cfg.sampler), layout, cfg.data.clip_frames, to_dict(cfg.schedule))
-    datamodule = build_datamodule(cfg.data)
+    datamodule = build_datamodule(cfg.data) if datamodule is None else datamodule
     if getattr(datamodule, "vq_train", False):  # training jobs train the VQ their data needs (diffusers: imported then)
         from mcar.train.vq_training import train_for_data
 

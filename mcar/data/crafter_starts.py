@@ -1,0 +1,108 @@
+"""Post-training starts: fresh Crafter worlds played by a policy, tokenised by the data's VQ (`mcar posttrain`).
+
+Step s of rank r takes worlds `seed_base + (s * world + r) * starts + j` (j < starts): never a training episode's
+(those come from the generator's seed, `data.gen_seed`, drawing their own world seeds), and a resumed run goes on
+with the worlds after the last step it finished. Each world is played for `warmup` + `frames` steps by a policy
+drawn from `policy_mix` (crafter_gen's policies); the last `frames` frames and their actions are the true clip a
+rollout from its prompt frames is scored against (Crafter is the simulator: the true next frames under the same
+actions). A world whose player dies first is skipped and counted, and the next seed taken in its place.
+"""
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mcar.core.layout import Layout
+from mcar.data.common import StepsFrom
+from mcar.data.crafter_gen import POLICIES, make_env
+from mcar.tokenizer.clips import join_clip
+from mcar.tokenizer.vq_model import encode_tokens, frame_size, load_vq
+
+log = logging.getLogger("mcar")
+
+
+class CrafterStarts:
+    """World seed -> its true clip (frames * frame_len,) long, or None when the player dies before the end."""
+
+    def __init__(self, layout: Layout, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
+                 policy_mix: dict, warmup: int = 16):
+        if not policy_mix or any(k not in POLICIES for k in policy_mix):
+            raise ValueError(f"starts.policy_mix={dict(policy_mix)}: weights over {sorted(POLICIES)}")
+        if view is None or list(view) != [layout.w, layout.h]:
+            raise ValueError(f"data.view={None if view is None else list(view)}: post-training starts need the "
+                             f"tile-exact setting (view [{layout.w}, {layout.h}]: one tile per token)")
+        self.layout, self.codebook_size, self.frames, self.warmup = layout, codebook_size, frames, warmup
+        self.vq = load_vq(vq_path)
+        self.size = frame_size(self.vq, layout.h, layout.w)
+        self.view, self.daylight = tuple(int(v) for v in view), daylight
+        self.names = sorted(policy_mix)
+        p = np.array([float(policy_mix[n]) for n in self.names])
+        self.p = p / p.sum()
+        self.dead = 0  # worlds skipped: the player died before the clip's end
+
+    def __call__(self, world_seed: int) -> torch.Tensor | None:
+        rng = np.random.default_rng(world_seed)
+        policy = POLICIES[self.names[rng.choice(len(self.names), p=self.p)]](rng)
+        env, obs = make_env(world_seed, self.size, self.view, self.daylight)
+        frames, actions = [], []
+        for _ in range(int(rng.integers(0, self.warmup + 1)) + self.frames):
+            action = policy(env)
+            frames.append(obs)
+            actions.append(action)
+            obs, _, done, _ = env.step(action)
+            if done:
+                self.dead += 1
+                return None
+        frames, actions = frames[-self.frames:], actions[-self.frames:]
+        with torch.no_grad():
+            images = encode_tokens(self.vq, torch.from_numpy(np.stack(frames)))
+        return join_clip(images, torch.tensor(actions)[:, None], self.codebook_size)
+
+
+class StepStarts(Dataset):
+    """Item s: the (starts, N) true clips of step s for this rank, with their world seeds."""
+
+    def __init__(self, source: CrafterStarts, starts: int, seed_base: int, rank: int = 0, world: int = 1):
+        self.source, self.starts, self.seed_base, self.rank, self.world = source, starts, seed_base, rank, world
+
+    def __len__(self) -> int:  # endless; the trainer stops at max_steps
+        return 2**40
+
+    def __getitem__(self, step: int) -> dict:
+        first = self.seed_base + (step * self.world + self.rank) * self.starts * 4  # 4x room for skipped worlds
+        clips, seeds = [], []
+        for seed in range(first, first + 4 * self.starts):
+            clip = self.source(seed)
+            if clip is not None:
+                clips.append(clip)
+                seeds.append(seed)
+            if len(clips) == self.starts:
+                return {"tokens": torch.stack(clips), "world_seed": torch.tensor(seeds),
+                        "dead": torch.tensor(self.source.dead)}
+        raise RuntimeError(f"step {step}: the player died in {4 * self.starts - len(clips)} of {4 * self.starts} "
+                           f"worlds from seed {first}: lower starts.warmup or the clip's frames")
+
+
+class StartsDataModule(L.LightningDataModule):
+    """The training batches of `mcar posttrain`: `starts` fresh worlds per step (no validation set: the rollouts
+    are scored against the simulator as they are made)."""
+
+    def __init__(self, layout: dict, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
+                 policy_mix: dict, starts: int = 2, seed_base: int = 1_000_000, warmup: int = 16):
+        super().__init__()
+        if starts < 1:
+            raise ValueError(f"posttrain.starts={starts}: at least one start per step")
+        self.source = CrafterStarts(Layout(**layout), codebook_size, frames, vq_path, view, daylight, policy_mix,
+                                    warmup)
+        self.starts, self.seed_base = starts, seed_base
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.trainer
+        rank, world = (t.global_rank, t.world_size) if t is not None else (0, 1)
+        start = t.global_step if t is not None else 0  # restored on resume before the loaders are built
+        return DataLoader(StepStarts(self.source, self.starts, self.seed_base, rank, world), batch_size=None,
+                          sampler=StepsFrom(start), num_workers=0)

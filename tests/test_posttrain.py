@@ -1,0 +1,135 @@
+"""Post-training (`mcar posttrain`, mcar.train.posttrain): the reward terms on frames built to differ, GRPO learning a
+reward on a tiny model (the gradient's sign end to end: sampler, one-pass scorer, loss), the starts' world seeds,
+and the command on the shipped world model: rollouts past the context, checkpoints a sampler loads, resume."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcar.core.layout import Layout
+from mcar.core.model import ModelConfig, Transformer
+from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
+from mcar.core.sampler import SamplingRule, ScheduleSampler
+from mcar.data.crafter_starts import StepStarts
+from mcar.idm.model import InverseDynamics, save_idm
+from mcar.train.posttrain import reward_terms
+from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement
+
+from .conftest import REPO, run_in_process
+
+LAYOUT, CB = Layout(3, 4, 1), 10
+
+
+def clips_of(frames: list[list[int]], action: int = 2) -> torch.Tensor:
+    """One clip per row: each frame all one code (a list of codes per frame)."""
+    rows = []
+    for codes in frames:
+        rows.append(torch.cat([torch.cat([torch.full((LAYOUT.frame_tokens,), c), torch.tensor([CB + action])])
+                               for c in codes]))
+    return torch.stack(rows)
+
+
+def test_tile_agreement_and_invented_tiles_score_what_they_say():
+    real = clips_of([[1, 2, 3], [1, 2, 3]])
+    gen = real.clone()
+    gen[1, LAYOUT.frame_len * 2] = 9  # one tile of the last frame: a code in neither the real frame nor the prompt
+    gen[0, LAYOUT.frame_len * 2] = 1  # one tile of the last frame: the prompt's code, not the real frame's
+    r = Rollouts(gen, real, LAYOUT, CB, prompt_frames=1)
+    n = 2 * LAYOUT.frame_tokens
+    assert TileAgreement()(r).tolist() == pytest.approx([(n - 1) / n, (n - 1) / n])
+    assert NoInventedTiles()(r).tolist() == pytest.approx([1.0, (n - 1) / n])
+
+
+def test_action_match_reads_the_idm_and_names_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="posttrain.rewards.action.idm"):
+        ActionMatch(str(tmp_path / "none.pt"))
+    torch.manual_seed(0)
+    idm = InverseDynamics(CB, 1, 4, dim=4, hidden=8, max_shift=(1, 1))
+    save_idm(idm.eval(), tmp_path / "idm.pt", {})
+    real = clips_of([[1, 2, 3], [4, 5, 6]])
+    score = ActionMatch(str(tmp_path / "idm.pt"))(Rollouts(real, real, LAYOUT, CB, 1))
+    frames = real.view(2, 3, -1)[..., :LAYOUT.frame_tokens].view(2, 3, 3, 4)
+    read = idm.eval().predict(frames[:, :2].flatten(0, 1), frames[:, 1:].flatten(0, 1)).view(2, 2)
+    assert score.tolist() == pytest.approx((read == 2).float().mean(1).tolist())  # the commanded action: 2
+
+
+def test_reward_terms_need_weights_and_one_that_counts():
+    with pytest.raises(ValueError, match="rewards.tiles.weight"):
+        reward_terms({"tiles": {"_target_": "mcar.train.rewards.TileAgreement"}})
+    with pytest.raises(ValueError, match="no term has a non-zero weight"):
+        reward_terms({"tiles": {"_target_": "mcar.train.rewards.TileAgreement", "weight": 0}})
+    terms = reward_terms({"tiles": {"_target_": "mcar.train.rewards.TileAgreement", "weight": 1}, "action": None})
+    assert [t.name for t in terms] == ["tiles"]
+
+
+def test_starts_take_fresh_disjoint_worlds_per_step_and_rank_and_skip_deaths():
+    class Worlds:
+        dead = 0
+
+        def __call__(self, seed):
+            if seed % 5 == 0:  # the player died
+                self.dead += 1
+                return None
+            return torch.full((3,), seed)
+
+    seen = []
+    for step in range(3):
+        for rank in range(2):
+            item = StepStarts(Worlds(), 2, 100, rank, 2)[step]
+            seen += item["world_seed"].tolist()
+            assert len(item["tokens"]) == 2 and all(s % 5 for s in item["world_seed"].tolist())
+    assert len(seen) == len(set(seen)) == 12
+
+
+def test_grpo_learns_a_reward_on_a_tiny_model():
+    """The reward: the share of generated tokens equal to code 3. GRPO steps (DiagD rollouts on the rolling cache,
+    log-probabilities from the one-pass scorer) raise it well above where it starts."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=CB + 4, dim=32, n_layers=1, n_heads=2, mlp_dim=64, init_std=0.02))
+    frames, context, group = 4, 3, 4
+    sampler = ScheduleSampler(LAYOUT, frames, 1, k=2, context=context, codebook_size=CB)
+    scorer = RolloutScorer(LAYOUT, frames, sampler.config, context)
+    rule = SamplingRule.of(1.0, None, None, CB, "cpu")
+    gen = scorer.generated_mask()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    clips = clips_of([[1, 2, 3, 4]] * 2).repeat_interleave(group, 0)
+    rewards = []
+    for step in range(10):
+        with torch.no_grad():
+            rolled = sampler.roll(model, clips, noise_keys=torch.arange(len(clips)) + 100 * step, logprobs=True)
+        model.swap_caches(None)
+        reward = (rolled.tokens[:, gen] == 3).float().mean(1)
+        rewards.append(float(reward.mean()))
+        out = grpo_loss(scorer(model, rolled.tokens, rule), rolled.logprobs, None, group_advantages(reward, group),
+                        gen, kl_coef=0.0)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert sum(rewards[:3]) / 3 < 0.2 and sum(rewards[-3:]) / 3 > 0.45, rewards
+
+
+@pytest.mark.slow
+def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
+    """Two steps on the shipped world model, rollouts of 3 frames on a 2-frame window (they roll), then one more
+    step resumed from last.ckpt: the rewards and the parity gap are logged, a rollout video written, and the
+    checkpoint loads as any sampling tool's model."""
+    from mcar.checkpoint.io import load_checkpoint
+    from mcar.checkpoint.load import load_model
+    from mcar.tools.posttrain import main
+
+    common = ["init_from=" + str(REPO / "checkpoints/shipped/crafter_world/last.ckpt"), "logger=csv",
+              f"paths.checkpoint_root={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/out", "posttrain.group=2",
+              "posttrain.starts=1", "posttrain.rollout_frames=3", "posttrain.context=2", "checkpoint.every_n_steps=1",
+              "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2"]
+    run_in_process(main, *common, "steps=2")
+    ckpt = tmp_path / "ckpt" / "pt" / "last.ckpt"
+    state = load_checkpoint(ckpt)
+    assert state["global_step"] == 2 and state["hyper_parameters"]["stage"] == "posttrain"
+    assert all(k.startswith("model.") for k in state["state_dict"])  # the reference is not in it
+    metrics = (next(Path(tmp_path / "out" / "csv").rglob("metrics.csv"))).read_text()
+    for key in ("reward/tiles", "reward/plausible", "train/kl", "train/clip_fraction", "train/logp_gap"):
+        assert key in metrics
+    assert (tmp_path / "out" / "rollouts" / "step0000002.gif").is_file()
+    load_model(ckpt)  # generate, evaluate and play read it
+    run_in_process(main, *common, "steps=3", "ckpt_path=last")
+    assert load_checkpoint(ckpt)["global_step"] == 3
