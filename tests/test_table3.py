@@ -53,8 +53,8 @@ def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_
     from mcar.tools.table3 import gap_table, pooled_row
 
     (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=400)
-    rows = {("pretrained", "ntp"): pooled_row([fake_eval(0.9, 40, 0)], (one, clips)),
-            ("pretrained", "diagd_k2"): pooled_row([fake_eval(0.7, 40, 1)], (one, clips))}
+    rows = {("pretrained", "ntp"): pooled_row([fake_eval(0.9, 40, 0)], (one, clips)) | {"draws": (one, clips)},
+            ("pretrained", "diagd_k2"): pooled_row([fake_eval(0.7, 40, 1)], (one, clips)) | {"draws": (one, clips)}}
     for label, level in (("proxy", 0.8), ("causal", 0.72), ("same", 0.72)):
         rows[(f"ft_{label}", "diagd_k2")] = pooled_row([fake_eval(level, 40, 10 + s) for s in range(3)],
                                                        (three, clips)) | {"draws": (three, clips)}

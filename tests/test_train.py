@@ -355,12 +355,13 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path,
     ckpt = tiny_checkpoint  # train.py on SMALL_DATA
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["data"]["n_a"] == 2
     run_in_process(finetune, *job_overrides(tmp_path, "ft"), f"init_from={ckpt}", "logger=none", "steps=1",
-                   "trainer.val_check_interval=1", "val_dashboard.n_clips=0", "run_name=ft", "schedule.k=3")
+                   "trainer.val_check_interval=1", "val_dashboard.n_clips=0", "run_name=ft", "schedule.k=3", "seed=7")
     out = capsys.readouterr()
     assert "data as the checkpoint was trained (override with data=...)" in out.out + out.err
     tuned = tmp_path / "ckpt" / "ft" / "last.ckpt"
     hp = torch.load(tuned, weights_only=True)
     assert hp["global_step"] == 1 and hp["hyper_parameters"]["schedule"]["k"] == 3
+    assert hp["hyper_parameters"]["data"]["seed"] == 7  # seed= orders the batches too (the checkpoint had 0)
     run_in_process(mcar, "generate", f"ckpt={ckpt}", "prompt=0", f"hydra.run.dir={tmp_path}/gen")
     assert list((tmp_path / "gen").glob("clip0_*.mp4"))
     # evaluate (and play, through the same loader as generate) take the data and the schedule too: k=3 here

@@ -107,6 +107,8 @@ def prepare_finetune(cfg: DictConfig) -> str:
                          f"{hp.get('model_name', 'its own config')}); drop {asked[-1]}, or pass init_from= a "
                          f"checkpoint of that model")
     with open_dict(cfg):
+        if "data" in cfg and not any(o.split("=")[0].lstrip("+~") == "data.seed" for o in command_line_overrides()):
+            cfg.data.seed = cfg.seed  # the batch order follows this run's seed=, not the pre-training run's
         cfg.init_from = str(path)
         cfg.model.arch = hp["arch"]
         cfg.model.name = hp.get("model_name", cfg.model.name)
