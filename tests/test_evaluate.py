@@ -141,7 +141,8 @@ def test_score_reference_rows_and_action_f1_exactly():
     gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), acts, cb) for _ in range(2)])
     missing = M.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=tiny_vq(),
-                    nets={"i3d": missing, "lpips": missing, "dino": missing, "idm": ConstantIDM(0)},
+                    nets={"i3d": missing, "lpips": missing, "dino": missing, "raft": missing, "musiq": missing,
+                          "idm": ConstantIDM(0)},
                     names={0: "noop", 1: "move_left"},
                     moves=("move_left", "move_right", "move_up", "move_down"))  # Crafter's: the data's own moves
     row, curves, extra = score(gt.clone(), gt, scorer=scorer)
@@ -154,7 +155,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     # move_left is never predicted (precision undefined) and never found; the other moves are not in the clips
     assert (row["prec_move_left"], row["rec_move_left"], row["prec_move_up"], row["rec_move_up"]) == (None, 0.0,
                                                                                                      None, None)
-    assert row["notes"] == "lpips, fvd, subject_consistency: no weights"
+    assert row["notes"] == "lpips, fvd, subject_consistency, dynamic_degree, imaging_quality: no weights"
 
     noise = reference_clips("noise", gt, layout, P, cb, seed=0)
     assert torch.equal(noise[:, :layout.frame_len], gt[:, :layout.frame_len])  # the prompt frame is kept
@@ -187,7 +188,8 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "COLUMNS", (*R.COLUMNS, new))
     missing = M.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=missing,
-                    nets={"i3d": missing, "lpips": missing, "dino": missing, "idm": missing}, names={}, seed=3)
+                    nets={"i3d": missing, "lpips": missing, "dino": missing, "raft": missing, "musiq": missing,
+                          "idm": missing}, names={}, seed=3)
     outputs = {kind: (reference_clips(kind, gt, layout, P, cb, seed=0), {})
                for kind in ("ground_truth", "copy_last", "noise")}
     rows, curves, extras = score_rows(outputs, gt, scorer=scorer, common={"model": "m", "clips": len(gt)})

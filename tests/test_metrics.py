@@ -241,7 +241,7 @@ def test_scoring_gives_subject_consistency_per_clip_with_its_interval_or_says_wh
     monkeypatch.setattr(scoring, "_pixels", pixels)
     missing = M.Unavailable("no weights")
     base = dict(layout=layout, codebook_size=cb, prompt_frames=P, vq=None, names={})
-    nets = {"i3d": missing, "lpips": missing, "idm": missing}
+    nets = {"i3d": missing, "lpips": missing, "idm": missing, "raft": missing, "musiq": missing}
     still = reference_clips("copy_last", gt, layout, P, cb)
     row, _, extra = score(still, gt, scorer=Scorer(**base, nets=nets | {"dino": PooledPixels()}))
     assert row["subject_consistency"] == pytest.approx(1.0)

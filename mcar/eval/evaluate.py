@@ -5,23 +5,25 @@ generate the rest, compare with the ground truth. One results row per sampler se
     mcar evaluate -m ckpt=... 'sampler=ntp,diagd' n_clips=16     # rows gather in <sweep dir>/results.*
     mcar evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
     mcar evaluate ckpt=... vbench.dino=/weights/dino-vitb16        # pip install 'mcar[vbench]'
+    mcar evaluate ckpt=... vbench.raft=/weights/raft_large_C_T_V1-22a6c225.pth \
+        vbench.musiq=/weights/musiq_spaq_ckpt-358bb6af.pth          # torchvision + pyiqa: mcar/eval/metrics.py
 
 
 Columns (one entry each in mcar/eval/metric_registry.py): token_acc (the share of generated image tokens equal
 to the real ones), FVD (I3D from a local TorchScript file), PSNR / SSIM / LPIPS of generated vs ground-truth
 frames (both decoded by the VQ, so the VQ's own loss is not counted), SUBJ (VBench's subject consistency: DINO
-features of each generated frame against the one before and the first), the action-following macro F1 of the
-inverse-dynamics model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth
-pairs, its ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes
-per clip, i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the
-sampler's own schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around
-generation only, after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU
-(dtype=auto).
+features of each generated frame against the one before and the first), DYN and IMG (VBench's dynamic degree:
+the share of clips whose RAFT optical flow moves, and imaging quality: MUSIQ / 100), the action-following macro F1
+of the inverse-dynamics model (`mcar idm`) on generated frame pairs vs the conditioning actions (and on ground-truth
+pairs, its ceiling), FPS (generated frames per second), TP (generated tokens per second), STEP (forward passes per
+clip, i.e. per batch), LOSS_TF (the teacher-forced cross-entropy of the generated image tokens on the sampler's own
+schedule, ground truth fed: for DiagD the loss the fine-tuning masks train). Speed is timed around generation only,
+after a warm-up, synchronised on GPU; the model samples in bfloat16 on CUDA and float32 on CPU (dtype=auto).
 A metric whose weights are missing is 'n/a' with the reason in `notes`. A metric with per-clip values (token_acc,
-PSNR, SSIM, LPIPS, SUBJ, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo, <key>_hi;
-1000 resamples seeded by `seed`); results.json keeps each row's per-clip values (extra.<row>.per_clip, LOSS_TF's
-too), so that intervals can be pooled over several evaluations (mcar table3). The terminal shows a narrow table;
-everything logged to W&B is also written to the run's output dir: results.{md,csv,json} (every column),
+PSNR, SSIM, LPIPS, SUBJ, DYN, IMG, unchanged, action_acc) comes with a 95% bootstrap interval over clips (<key>_lo,
+<key>_hi; 1000 resamples seeded by `seed`); results.json keeps each row's per-clip values (extra.<row>.per_clip,
+LOSS_TF's too), so that intervals can be pooled over several evaluations (mcar table3). The terminal shows a narrow
+table; everything logged to W&B is also written to the run's output dir: results.{md,csv,json} (every column),
 per_frame.csv, videos/, mask_<sampler>.png.
 
 The parts: the checkpoint ready to sample and its held-out clips (mcar.sampling.WorldModel), metrics
@@ -77,6 +79,8 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
             "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips", trusted),
             "dino": M.load_dino(cfg.vbench.dino),
+            "raft": M.load_raft(cfg.vbench.raft),
+            "musiq": M.load_musiq(cfg.vbench.musiq),
             "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
                                    layout.n_a, cfg.data.action_vocab_size)}
     try:

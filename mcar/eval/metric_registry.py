@@ -66,6 +66,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("subject_consistency", "SUBJ", digits=3, better="higher", pool=mean_of, summary=True,
            means="VBench's subject consistency: DINO features of each generated frame against the one before and "
                  "the last prompt frame (vbench.dino=)"),
+    Column("dynamic_degree", "DYN", digits=3, pool=mean_of, summary=True,
+           means="VBench's dynamic degree: share of clips whose RAFT optical flow (top 5% per frame pair, from the "
+                 "last prompt frame on) moves past VBench's threshold; not a score: the ground truth's is the aim "
+                 "(copy_last: 0) (vbench.raft=)"),
+    Column("imaging_quality", "IMG", digits=3, better="higher", pool=mean_of, summary=True,
+           means="VBench's imaging quality: MUSIQ (SPAQ) score / 100 of each generated frame (vbench.musiq=)"),
     Column("unchanged", digits=3, pool=mean_of, tokens=_unchanged, summary=True,
            means="share of generated image tokens equal to the frame before (copy_last: 1)"),
     Column("action_f1", digits=3, better="higher", terminal=True, summary=True,

@@ -23,7 +23,8 @@ from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
 @dataclass(frozen=True)
 class Scorer:
     """What scoring needs besides the clips: the layout, the codebook size, P prompt frames (not scored), the VQ
-    (or M.Unavailable), the nets {i3d, lpips, dino, idm} (each a net or M.Unavailable) and the IDM's action names."""
+    (or M.Unavailable), the nets {i3d, lpips, dino, raft, musiq, idm} (each a net or M.Unavailable) and the IDM's
+    action names."""
 
     layout: Layout
     codebook_size: int
@@ -58,7 +59,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     per_clip = {c.key: c.tokens(gen.cpu(), gt.cpu(), layout, cb, P) for c in R.COLUMNS if c.tokens is not None}
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
     if isinstance(pix_gen, M.Unavailable):
-        for k in ("psnr", "ssim", "lpips", "fvd", "subject_consistency"):
+        for k in ("psnr", "ssim", "lpips", "fvd", "subject_consistency", "dynamic_degree", "imaging_quality"):
             row[k] = pix_gen
     else:
         g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
@@ -71,11 +72,13 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         else:
             per_clip["lpips"], curves["lpips"] = lp.double().mean(1), M.mean_over_clips(lp)
         row["fvd"] = M.fvd(nets["i3d"], pix_gen, pix_gt)  # whole clips, as MineWorld
-        subject = M.subject_consistency_per_clip(nets["dino"], pix_gen[:, P - 1:])
-        if isinstance(subject, M.Unavailable):  # from the last prompt frame on: the generated video and its start
-            row["subject_consistency"] = subject
-        else:
-            per_clip["subject_consistency"] = subject
+        # VBench's columns, each clip's values or the reason there are none: subject consistency and dynamic degree
+        # from the last prompt frame on (the generated video and its start), imaging quality of the generated frames
+        vbench = {"subject_consistency": M.subject_consistency_per_clip(nets["dino"], pix_gen[:, P - 1:]),
+                  "dynamic_degree": M.dynamic_degree_per_clip(nets["raft"], pix_gen[:, P - 1:]),
+                  "imaging_quality": M.imaging_quality_per_clip(nets["musiq"], g)}
+        for key, values in vbench.items():
+            (row if isinstance(values, M.Unavailable) else per_clip)[key] = values
     idm = nets["idm"]
     if isinstance(idm, M.Unavailable):
         row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
