@@ -19,6 +19,7 @@ import torch
 
 from mcar.core.buckets import bucket_plans
 from mcar.core.layout import Layout
+from mcar.core.model import padded_attention_bias
 from mcar.core.schedule import PassPlan, Schedule, ScheduleConfig
 
 
@@ -122,6 +123,81 @@ class RollingSchedule:
     def column(self, frame: int) -> int:
         """Ring column of frame `frame`'s first slot."""
         return frame % self.ring * self.layout.frame_len
+
+    def staged(self, groups: int, dtype) -> "StagedRolling":
+        """The passes as a compiled step reads them (`StagedRolling`), for a model of `groups` query heads per KV
+        head computing its cache in `dtype`; built once per (groups, dtype)."""
+        if not hasattr(self, "_staged"):
+            self._staged: dict = {}
+        if (groups, dtype) not in self._staged:
+            self._staged[groups, dtype] = StagedRolling(self, groups, dtype)
+        return self._staged[groups, dtype]
+
+
+class StagedRolling:
+    """Every pass after the prefill as the compiled step reads it: one set of input tensors per pass shape, at fixed
+    addresses (marked static for CUDA graphs), the mask already the attention bias. `passes(a)` fills them for
+    advance a from templates built once on the device, a few gathers and adds per pass with the frame shift as a
+    kernel argument: no host-to-device copy, no host sync, nothing built per frame (`RollingSchedule.shifted`
+    builds a shift vector on the host for every pass). CUDA graphs copy a graph input that is not static at every
+    replay; a bias built inside the graph is built again per attention call."""
+
+    def __init__(self, plan: RollingSchedule, groups: int, dtype):
+        self.plan, L, n = plan, plan.layout.frame_len, plan.n_cols
+        device = plan.prefill.src.device
+        self._step = torch.tensor([1, 0, 0, L], device=device)  # one frame on: time + 1, flat position + L
+        self._templates: dict[int, tuple] = {}  # id(pass) -> (its bias, the shape its buffers are keyed by)
+        self._buffers: dict[tuple, RollingPass] = {}  # shape -> the inputs at fixed addresses
+        self._columns: dict[tuple, torch.Tensor] = {}  # (phase, bias width, S) -> bias column order of that phase
+        for p in [q for adv in plan.warmup for q in adv] + plan.period:
+            # (1, 1, g*S, n+S): [own inputs | ring columns], as cached_attention_bias makes it per forward
+            bias = padded_attention_bias(p.mask, groups, dtype)[..., :p.mask.shape[-1]].contiguous()
+            shape = (len(p.src), len(p.out_rows), bias.shape[-1])
+            self._templates[id(p)] = (bias, shape)
+            if shape not in self._buffers:
+                buf = RollingPass(*(torch.empty_like(t) for t in p[:2]), torch.empty_like(bias), *(
+                    torch.empty_like(t) for t in p[3:]))
+                for t in buf:
+                    torch._dynamo.mark_static_address(t, guard=False)
+                self._buffers[shape] = buf
+        self._n = n
+
+    def _bias_columns(self, phase: int, width: int, S: int) -> torch.Tensor:
+        """The bias's columns for ring phase `phase`: own inputs, then ring column c shows the template's column
+        back(c)."""
+        key = (phase, width, S)
+        if key not in self._columns:
+            back = self.plan._rot[-phase % self.plan.ring][:self._n]
+            cols = torch.arange(width, device=back.device)
+            cols[S:S + self._n] = S + back
+            self._columns[key] = cols
+        return self._columns[key]
+
+    def load(self, p: RollingPass, j: int) -> RollingPass:
+        """Template `p` moved j frames on (`RollingSchedule.shifted`), in its shape's fixed-address inputs."""
+        bias, shape = self._templates[id(p)]
+        buf = self._buffers[shape]
+        rot = self.plan._rot[j % self.plan.ring]
+        for name in ("src", "cache_pos", "out_slots"):
+            torch.index_select(rot, 0, getattr(p, name), out=getattr(buf, name))
+        torch.add(p.coords, self._step, alpha=j, out=buf.coords)
+        torch.add(p.out_abs, j * self.plan.layout.frame_len, out=buf.out_abs)
+        buf.out_rows.copy_(p.out_rows)
+        torch.index_select(bias, -1, self._bias_columns(j % self.plan.ring, bias.shape[-1], len(p.src)),
+                           out=buf.mask)
+        return buf
+
+    def passes(self, advance: int):
+        """The inputs of each pass of `advance` after its prefill, in order (one buffer per shape: run each pass
+        before taking the next)."""
+        plan = self.plan
+        if advance < len(plan.warmup):
+            for p in plan.warmup[advance]:
+                yield self.load(p, 0)
+            return
+        j = advance - len(plan.warmup)
+        for p in plan.period:
+            yield self.load(p, j)
 
 
 def _padded(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -446,6 +446,9 @@ class Rollout:
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
         self._cache_version = self._cache.k_buf._version
         self.step = sampler.step_fn(_scored_rolling_pass if logprobs else _sample_rolling_pass, device)
+        # static shapes (compiled or not): the passes staged at fixed addresses, their bias built once
+        self.staged = plan.staged(model.cfg.n_heads // model.cfg.n_kv_heads, self._cache.k_buf.dtype) \
+            if sampler.is_static(device) else None
         # log-probabilities of the tokens drawn, in the ring's columns as the tokens; each returned frame's kept
         exact = model.output.weight.dtype == torch.float64  # a float64 model's log-probabilities kept as such (tests)
         self.logp = torch.zeros(self.tokens.shape, dtype=torch.float64 if exact else torch.float32,
@@ -476,10 +479,9 @@ class Rollout:
             self._write(plan.prefill, (_sample_rolling_pass if self.logp is None else _scored_rolling_pass)(
                 self.model, self.tokens, plan.prefill, *args))
             self.passes += 1
-        passes = plan.passes(a)
-        for p in passes:
+        for p in (plan.passes(a) if self.staged is None else self.staged.passes(a)):
             self._write(p, self.step(self.model, self.tokens, p, *args))
-        self.passes += len(passes)
+            self.passes += 1
         self.advances += 1
         self._cache_version = cache.k_buf._version
         done = u - plan.in_flight + 1
