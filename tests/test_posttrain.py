@@ -69,16 +69,16 @@ def test_starts_take_fresh_disjoint_worlds_per_step_and_rank_and_skip_deaths():
         def __call__(self, seed):
             if seed % 5 == 0:  # the player died
                 self.dead += 1
-                return None
-            return torch.full((3,), seed)
+                return []
+            return [torch.full((3,), seed)] * 2  # two clips per world
 
     seen = []
     for step in range(3):
         for rank in range(2):
-            item = StepStarts(Worlds(), 2, 100, rank, 2)[step]
-            seen += item["world_seed"].tolist()
-            assert len(item["tokens"]) == 2 and all(s % 5 for s in item["world_seed"].tolist())
-    assert len(seen) == len(set(seen)) == 12
+            item = StepStarts(Worlds(), 3, 100, rank, 2)[step]
+            seen += sorted(set(item["world_seed"].tolist()))
+            assert len(item["tokens"]) == 3 and all(s % 5 for s in item["world_seed"].tolist())
+    assert len(seen) == len(set(seen)) == 12  # 2 worlds per step and rank (3 clips, 2 per world), never shared
 
 
 def test_grpo_learns_a_reward_on_a_tiny_model():

@@ -1,11 +1,13 @@
 """Post-training starts: fresh Crafter worlds played by a policy, tokenised by the data's VQ (`mcar posttrain`).
 
-Step s of rank r takes worlds `seed_base + (s * world + r) * starts + j` (j < starts): never a training episode's
+Step s of rank r takes worlds from seed `seed_base + (s * world + r) * 4 * starts` on: never a training episode's
 (those come from the generator's seed, `data.gen_seed`, drawing their own world seeds), and a resumed run goes on
-with the worlds after the last step it finished. Each world is played for `warmup` + `frames` steps by a policy
-drawn from `policy_mix` (crafter_gen's policies); the last `frames` frames and their actions are the true clip a
-rollout from its prompt frames is scored against (Crafter is the simulator: the true next frames under the same
-actions). A world whose player dies first is skipped and counted, and the next seed taken in its place.
+with the worlds after the last step it finished. Each world is played by a policy drawn from `policy_mix`
+(crafter_gen's policies) for a random warm-up of up to `warmup` steps, then `clips_per_world` x `frames` steps: each
+run of `frames` frames and their actions is the true clip a rollout from its prompt frames is scored against
+(Crafter is the simulator: the true next frames under the same actions). Building a world costs seconds, more than
+a step's rollouts on a small model: one world gives several clips. A world whose player dies first is skipped and
+counted, and the next seed taken in its place.
 """
 from __future__ import annotations
 
@@ -29,13 +31,16 @@ class CrafterStarts:
     """World seed -> its true clip (frames * frame_len,) long, or None when the player dies before the end."""
 
     def __init__(self, layout: Layout, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
-                 policy_mix: dict, warmup: int = 16):
+                 policy_mix: dict, warmup: int = 16, clips_per_world: int = 1):
         if not policy_mix or any(k not in POLICIES for k in policy_mix):
             raise ValueError(f"starts.policy_mix={dict(policy_mix)}: weights over {sorted(POLICIES)}")
         if view is None or list(view) != [layout.w, layout.h]:
             raise ValueError(f"data.view={None if view is None else list(view)}: post-training starts need the "
                              f"tile-exact setting (view [{layout.w}, {layout.h}]: one tile per token)")
+        if clips_per_world < 1:
+            raise ValueError(f"starts.clips_per_world={clips_per_world}: at least 1")
         self.layout, self.codebook_size, self.frames, self.warmup = layout, codebook_size, frames, warmup
+        self.clips_per_world = clips_per_world
         self.vq = load_vq(vq_path)
         self.size = frame_size(self.vq, layout.h, layout.w)
         self.view, self.daylight = tuple(int(v) for v in view), daylight
@@ -44,23 +49,25 @@ class CrafterStarts:
         self.p = p / p.sum()
         self.dead = 0  # worlds skipped: the player died before the clip's end
 
-    def __call__(self, world_seed: int) -> torch.Tensor | None:
+    def __call__(self, world_seed: int) -> list[torch.Tensor]:
+        """The world's true clips (each (frames * frame_len,) long); [] when the player dies first."""
         rng = np.random.default_rng(world_seed)
         policy = POLICIES[self.names[rng.choice(len(self.names), p=self.p)]](rng)
         env, obs = make_env(world_seed, self.size, self.view, self.daylight)
         frames, actions = [], []
-        for _ in range(int(rng.integers(0, self.warmup + 1)) + self.frames):
+        n = self.frames * self.clips_per_world
+        for _ in range(int(rng.integers(0, self.warmup + 1)) + n):
             action = policy(env)
             frames.append(obs)
             actions.append(action)
             obs, _, done, _ = env.step(action)
             if done:
                 self.dead += 1
-                return None
-        frames, actions = frames[-self.frames:], actions[-self.frames:]
+                return []
         with torch.no_grad():
-            images = encode_tokens(self.vq, torch.from_numpy(np.stack(frames)))
-        return join_clip(images, torch.tensor(actions)[:, None], self.codebook_size)
+            images = encode_tokens(self.vq, torch.from_numpy(np.stack(frames[-n:])))
+        clip = join_clip(images, torch.tensor(actions[-n:])[:, None], self.codebook_size)
+        return list(clip.view(self.clips_per_world, -1))
 
 
 class StepStarts(Dataset):
@@ -76,15 +83,14 @@ class StepStarts(Dataset):
         first = self.seed_base + (step * self.world + self.rank) * self.starts * 4  # 4x room for skipped worlds
         clips, seeds = [], []
         for seed in range(first, first + 4 * self.starts):
-            clip = self.source(seed)
-            if clip is not None:
-                clips.append(clip)
-                seeds.append(seed)
+            made = self.source(seed)[:self.starts - len(clips)]
+            clips += made
+            seeds += [seed] * len(made)
             if len(clips) == self.starts:
                 return {"tokens": torch.stack(clips), "world_seed": torch.tensor(seeds),
                         "dead": torch.tensor(self.source.dead)}
-        raise RuntimeError(f"step {step}: the player died in {4 * self.starts - len(clips)} of {4 * self.starts} "
-                           f"worlds from seed {first}: lower starts.warmup or the clip's frames")
+        raise RuntimeError(f"step {step}: only {len(clips)} of {self.starts} clips from {4 * self.starts} worlds from "
+                           f"seed {first} (the player died): lower starts.warmup or the clip's frames")
 
 
 class StartsDataModule(L.LightningDataModule):
@@ -92,12 +98,13 @@ class StartsDataModule(L.LightningDataModule):
     are scored against the simulator as they are made)."""
 
     def __init__(self, layout: dict, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
-                 policy_mix: dict, starts: int = 2, seed_base: int = 1_000_000, warmup: int = 16):
+                 policy_mix: dict, starts: int = 2, seed_base: int = 1_000_000, warmup: int = 16,
+                 clips_per_world: int = 1):
         super().__init__()
         if starts < 1:
             raise ValueError(f"posttrain.starts={starts}: at least one start per step")
         self.source = CrafterStarts(Layout(**layout), codebook_size, frames, vq_path, view, daylight, policy_mix,
-                                    warmup)
+                                    warmup, clips_per_world)
         self.starts, self.seed_base = starts, seed_base
 
     def train_dataloader(self) -> DataLoader:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mcar.eval.metrics import Unavailable
-from mcar.idm.model import InverseDynamics, read_idm, tokens_name
+from mcar.idm.model import InverseDynamics, StaleIDM, read_idm, tokens_name
 
 
 def check_idm_fits(idm, datamodule, codebook_size: int, n_a: int, action_vocab_size: int):
@@ -41,5 +41,5 @@ def load_idm(path: str | None, config_key: str = "idm") -> InverseDynamics | Una
         return Unavailable(f"inverse-dynamics model not found: {config_key}={path} (train it: mcar idm)")
     try:
         return read_idm(path)
-    except ValueError as e:  # an old token-id IDM
+    except StaleIDM as e:
         return Unavailable(f"{config_key}={e}")

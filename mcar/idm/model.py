@@ -119,12 +119,16 @@ def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
     tmp.replace(path)
 
 
+class StaleIDM(ValueError):
+    """An IDM file of before 2026-11-22 (learned token-id embeddings, no VQ codebook): retrain it."""
+
+
 def read_idm(path: str | Path) -> InverseDynamics:
-    """The IDM saved by `save_idm` at `path`, loaded weights only (ValueError for one without a VQ codebook: the
-    token-id IDM of before 2026-11-22)."""
+    """The IDM saved by `save_idm` at `path`, loaded weights only (a file holding more is refused: ValueError;
+    StaleIDM for the token-id IDM of before 2026-11-22)."""
     ckpt = load_weights_only(path, "inverse-dynamics model")
     if "codebook" not in ckpt["state_dict"]:
-        raise ValueError(f"{path} is an old token-id IDM (no VQ codebook in it): retrain it (mcar idm)")
+        raise StaleIDM(f"{path} is an old token-id IDM (no VQ codebook in it): retrain it (mcar idm)")
     model = InverseDynamics(**ckpt["config"], codebook=ckpt["state_dict"]["codebook"])
     model.load_state_dict(ckpt["state_dict"])
     model.meta = ckpt.get("meta", {})

@@ -19,7 +19,8 @@ def starts_datamodule(cfg: DictConfig) -> StartsDataModule:
                             frames=cfg.posttrain.rollout_frames, vq_path=cfg.get("vq", {}).get("path"),
                             view=data.get("view"), daylight=data.get("daylight"),
                             policy_mix=to_dict(cfg.starts.policy_mix), starts=cfg.posttrain.starts,
-                            seed_base=cfg.starts.seed_base, warmup=cfg.starts.warmup)
+                            seed_base=cfg.starts.seed_base, warmup=cfg.starts.warmup,
+                            clips_per_world=cfg.starts.clips_per_world)
 
 
 @hydra_tool("posttrain")
