@@ -1,13 +1,26 @@
-"""mcar worldtest (mcar/eval/world_tests.py): the loop and collision scores on synthetic maps whose answers are
-known, and the command once on the shipped tile-exact model at the smallest sizes."""
+"""mcar worldtest (mcar/eval/world_tests.py): the loop, shape, collision, inventory and invented-tile scores on
+synthetic maps whose answers are known, and the command once on the shipped tile-exact model at the smallest
+sizes."""
 import json
 import re
 
 import pytest
 import torch
 
-from mcar.data.crafter_gen import MOVE_DELTA
-from mcar.eval.world_tests import MapGrid, loop_recall, rerevealed_mask, shifted, stay_or_move
+from mcar.data.crafter_gen import MOVE_DELTA, PERPENDICULAR, path_offsets
+from mcar.eval.world_tests import (
+    MapGrid,
+    fitting_shapes,
+    hidden_mask,
+    invented_share,
+    loop_recall,
+    markdown,
+    masked_recall,
+    parse_shape,
+    rerevealed_mask,
+    shifted,
+    stay_or_move,
+)
 
 from .conftest import REPO, run_in_process
 
@@ -78,19 +91,34 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     (the env is exact) at the top of the scale, the model's in [0, 1]."""
     from mcar.tools.worldtest import main
 
+    # an L (5 frames) is past this 3-frame model's window: run as a control (shapes_beyond_context=true)
     run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", "starts=1", "loop_lengths=[1]",
-                         "rollout_frames=1", "warmup=1", "max_moves=1", "logger=none", f"hydra.run.dir={tmp_path}")
+                   "rollout_frames=1", "warmup=1", "max_moves=1", "shapes=[L_n1_m1]", "shapes_beyond_context=true",
+                   "logger=none", f"hydra.run.dir={tmp_path}")
     files = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
-    assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/loop_n1.mp4"} <= files
-    loop = json.loads((tmp_path / "world_tests.json").read_text())["loops"]["1"]
-    assert set(loop) == {"model context=3", "model context=2", "copy_last", "real"}
-    assert loop["real"]["loop_acc"]["mean"] == 1.0 and loop["copy_last"]["recall"]["mean"] == 1.0
-    assert 0 <= loop["model context=3"]["recall"]["mean"] <= 1
-    rollout = json.loads((tmp_path / "world_tests.json").read_text())["rollout"]
+    assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/loop_n1.mp4",
+            "videos/shape_L_n1_m1.mp4"} <= files
+    res = json.loads((tmp_path / "world_tests.json").read_text())
+    rows = {"model context=3", "model context=2", "copy_last", "real"}
+    loop, shape = res["loops"]["1"], res["shapes"]["L_n1_m1"]
+    assert set(loop) == rows and set(shape["rows"]) == rows
+    assert shape["frames"] == 5 and shape["made"] == shape["starts"] == 1 and shape["beyond_context"]
+    for memory in (loop, shape["rows"]):
+        assert memory["real"]["loop_acc"]["mean"] == 1.0 and memory["copy_last"]["recall"]["mean"] == 1.0
+        assert 0 <= memory["model context=3"]["recall"]["mean"] <= 1
+        # the real frames invent nothing and agree on the inventory; nothing moves invents nothing either
+        assert memory["real"]["invented"]["mean"] == memory["copy_last"]["invented"]["mean"] == 0
+        assert memory["real"]["inventory"]["mean"] == 1.0
+        assert 0 <= memory["model context=2"]["invented"]["mean"] <= 1
+    rollout = res["rollout"]
     assert set(rollout) == {"model context=3", "model context=2", "copy_last"}
-    assert all(0 <= v["tv_mean"]["mean"] <= 1 for v in rollout.values())
+    assert all(0 <= v[k]["mean"] <= 1 for v in rollout.values()
+               for k in ("tv_mean", "map_mean", "inventory_mean", "invented_mean"))
+    assert rollout["copy_last"]["invented_mean"]["mean"] == 0
     header = (tmp_path / "rollout_agreement.csv").read_text().splitlines()[0]
-    assert header == "row,step,agreement,lo,hi,tv"
+    assert header == "row,step,agreement,lo,hi,tv,map,inventory,invented"
+    md = (tmp_path / "world_tests.md").read_text()
+    assert "| L_n1_m1 | 5 | 1 / 1 (beyond context: a control) | real | 1.000" in md
 
 
 def test_histogram_distance_reads_the_mix_of_tiles_not_where_they_are():
@@ -106,7 +134,8 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
     from mcar.tools.worldtest import main
 
     for bad, said in (("tests=[rollout,memory]", "tests=['rollout', 'memory']: choose some of"),
-                      ("windows=[1]", "windows=[1]: each window is >= 2 frames")):
+                      ("windows=[1]", "windows=[1]: each window is >= 2 frames"),
+                      ("shapes=[wait_n1]", "shapes: 'wait_n1' is not a shape: back_n<n>, wait_n<n>_w<w> or")):
         with pytest.raises(ValueError, match=re.escape(said)):
             run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", bad, "logger=none",
                            f"hydra.run.dir={tmp_path}")
@@ -123,3 +152,89 @@ def test_keep_alive_refills_the_players_needs_so_a_long_rollout_is_one_episode()
         assert alive == keep
         if keep:
             assert all(scene.env._player.inventory[k] >= v - 1 for k, v in KEPT_UP.items())
+
+
+@pytest.mark.parametrize("spec,frames", [("back_n3", 7), ("wait_n1_w2", 5), ("L_n2_m1", 7), ("L_n1_m1", 5)])
+def test_shapes_walk_back_to_the_start_along_their_path(spec, frames):
+    shape = parse_shape(spec)
+    assert shape.name == spec and shape.frames == frames
+    for a in MOVE_DELTA:
+        for b in PERPENDICULAR[a]:
+            acts = shape.actions(a, b)
+            offs = path_offsets(acts)
+            assert len(offs) == frames and offs[0] == offs[-1] == (0, 0)  # net zero
+            far = tuple(shape.n * d for d in MOVE_DELTA[a])
+            assert offs[shape.n] == far  # n tiles out along a
+            if shape.kind == "wait":  # it stands still at the far end, then comes back
+                assert offs[shape.n:shape.n + shape.m + 1] == [far] * (shape.m + 1) and acts.count(0) == shape.m
+            if shape.kind == "L":  # then m at right angles: the corner, and the same way back
+                corner = (far[0] + shape.m * MOVE_DELTA[b][0], far[1] + shape.m * MOVE_DELTA[b][1])
+                assert offs[shape.n + shape.m] == corner and offs == offs[::-1]
+    for bad in ("L_n0_m1", "loop_n1", "wait_n1", "back_n1_w2"):
+        with pytest.raises(ValueError, match="is not a shape"):
+            parse_shape(bad)
+    run, skipped = fitting_shapes([shape, parse_shape("back_n1")], context=6)
+    assert [s.name for s in run] == ([spec] if frames <= 6 else []) + ["back_n1"]
+    assert skipped == ({} if frames <= 6 else {spec: {"frames": frames, "skipped": f"{frames} frames > context 6"}})
+    assert len(fitting_shapes([shape], context=2, beyond=True)[0]) == 1
+
+
+def test_shape_recall_counts_every_tile_the_walk_hid():
+    """An L path: the real frames recall every hidden tile, a memoryless model none; the hidden tiles are the union
+    over the walk: the corner's view hides them all, more than the first leg's end alone."""
+    shape = parse_shape("L_n2_m1")
+    acts = shape.actions(2, 4)
+    views, offs = world_and_views(acts)
+    assert torch.equal(views[-1], views[0])
+    mask = hidden_mask(GRID, offs.tolist())
+    assert mask.equal(rerevealed_mask(GRID, *offs[shape.n + shape.m].tolist()))
+    assert mask.sum() > rerevealed_mask(GRID, *offs[shape.n].tolist()).sum()
+    assert masked_recall(views[-1:], views[:1], mask[None]).item() == 1.0
+    forgot = memoryless(views, acts)
+    assert torch.equal(forgot[-1] == UNSEEN, mask)  # exactly the hidden tiles are lost
+    assert masked_recall(forgot[-1:], views[:1], mask[None]).item() == 0.0
+    # a straight loop: its union is the far end's re-revealed tiles (loop_recall's)
+    loop = [1, 1, 2, 2]
+    views, offs = world_and_views(loop)
+    assert torch.equal(hidden_mask(GRID, offs.tolist()), rerevealed_mask(GRID, *offs[2].tolist()))
+    assert loop_recall(views[-1:], views[:1], GRID, offs[2][None]).item() == 1.0
+
+
+def test_invented_tiles_are_codes_in_neither_the_real_frame_nor_the_prompt():
+    real = torch.tensor([[0, 1], [2, 3]]).view(1, 1, 2, 2)
+    prompt = torch.tensor([[4, 4], [5, 5]]).view(1, 1, 2, 2)
+    assert invented_share(real.clone(), real, prompt).item() == 0  # a copy of the real frame
+    assert invented_share(prompt.clone(), real, prompt).item() == 0  # a copy of the prompt
+    assert invented_share(real.flip(-1), real, prompt).item() == 0  # misplaced tiles are not invented
+    made_up = real.clone()
+    made_up[..., 0, 0] = 9  # a code in neither
+    assert invented_share(made_up, real, prompt).item() == 0.25
+    # per frame against that frame's real codes: a frame-0 code drawn in frame 1 counts there
+    two = torch.stack([real[:, 0], real[:, 0] + 10], 1)  # (1, 2, 2, 2)
+    drawn = torch.stack([real[:, 0], real[:, 0]], 1)
+    assert invented_share(drawn, two, prompt).tolist() == [[0.0, 1.0]]
+    assert invented_share(drawn, two, real).tolist() == [[0.0, 0.0]]  # ... unless the prompt showed it
+
+
+def test_inventory_rows_are_scored_apart_from_the_map():
+    grid = MapGrid(map_h=3, w=4)
+    frame = torch.arange(20).view(1, 5, 4)
+    assert grid.maps(frame).shape == (1, 3, 4) and grid.inventory(frame).shape == (1, 2, 4)
+    assert torch.equal(torch.cat([grid.maps(frame), grid.inventory(frame)], -2), frame)
+    other = frame.clone()
+    other[0, 4, 0] = -1  # one inventory tile differs
+    assert torch.equal(grid.maps(other), grid.maps(frame))
+    assert (grid.inventory(other) == grid.inventory(frame)).double().mean().item() == 7 / 8
+
+
+def test_markdown_says_which_shapes_were_skipped_and_which_ran():
+    ci = {"mean": 0.5, "lo": 0.4, "hi": 0.6, "n": 2}
+    rows = {"real": {"recall": ci, "loop_acc": ci, "inventory": ci, "invented": ci}}
+    res = {"starts": 2, "context": 6, "sampler": "diagd", "loops": {}, "blocked": {}, "rollout": {},
+           "shapes": {"wait_n1_w2": {"frames": 5, "made": 2, "starts": 2, "beyond_context": False, "rows": rows},
+                      "L_n1_m1": {"frames": 5, "made": 0, "starts": 2, "beyond_context": False},
+                      "back_n3": {"frames": 7, "skipped": "7 frames > context 6"}}}
+    md = markdown(res)
+    assert "| wait_n1_w2 | 5 | 2 / 2 | real | 0.500 [0.400, 0.600] |" in md
+    assert "| L_n1_m1 | 5 | 0 / 2 |" in md
+    assert "| back_n3 | 7 | skipped: 7 frames > context 6 (shapes_beyond_context=true runs it) |" in md

@@ -63,16 +63,144 @@ class RandomPolicy:
         return int(self.rng.choice([a for a in range(len(ACTIONS)) if a != 6]))
 
 
+PERPENDICULAR = {1: (3, 4), 2: (3, 4), 3: (1, 2), 4: (1, 2)}  # a move -> the two moves at right angles to it
+NOOP = 0
+
+
+def shape_actions(kind: str, a: int, n: int, m: int = 0, b: int | None = None, order=()) -> list[int]:
+    """The actions of a walk that ends on the tile it started from when the env carries every move out (a recall
+    shape: what it hid comes back into view). back: n moves `a`, n back; wait: n moves, m noops, n back; L: n
+    moves `a`, m moves `b` (at right angles), m back, n back; revisit: n out and n back along each move of `order`
+    in turn (e.g. [a, b, a]: a's far view seen twice, b's in between)."""
+    if kind == "back":
+        return [a] * n + [BACK[a]] * n
+    if kind == "wait":
+        return [a] * n + [NOOP] * m + [BACK[a]] * n
+    if kind == "L":
+        if b not in PERPENDICULAR[a]:
+            raise ValueError(f"an L turns at right angles: move {b} after move {a}")
+        return [a] * n + [b] * m + [BACK[b]] * m + [BACK[a]] * n
+    if kind == "revisit":
+        return [act for d in order for act in [d] * n + [BACK[d]] * n]
+    raise ValueError(f"recall shape {kind!r}: one of back, wait, L, revisit")
+
+
+def path_offsets(actions) -> list[tuple[int, int]]:
+    """-> the player's (dx, dy) from its start before each action and after the last (len(actions) + 1), every move
+    carried out (noops and other actions stay)."""
+    out = [(0, 0)]
+    for act in actions:
+        dx, dy = MOVE_DELTA.get(int(act), (0, 0))
+        out.append((out[-1][0] + dx, out[-1][1] + dy))
+    return out
+
+
+def path_open(env, actions) -> bool:
+    """Every tile the walk steps on is walkable and empty now (the player's own tile left out)."""
+    x, y = (int(v) for v in env._player.pos)
+    return all(walkable(env, x + dx, y + dy) for dx, dy in set(path_offsets(actions)) - {(0, 0)})
+
+
+# The recall plans' settings (data.recall / crafter_gen's recall; {} = these): the explorer starts a plan on
+# p_explorer of its steps, the wanderer on p_wanderer (in place of its out-and-back loops); the plan's kind is drawn
+# from `mix` (back: n out and n back, n from `lengths`; long: the same with n from `long_lengths`; wait: n out,
+# w noops (w from `waits`), n back; L: n one way, m at right angles (both from `lengths`), m back, n back;
+# revisit: `legs` out-and-backs of n along two moves in a varied order, one of them walked twice); a plan of more
+# than max_actions actions is never drawn (null: no cap; clip_frames - 1 keeps every plan inside a training clip).
+RECALL_DEFAULTS = {"p_explorer": 0.1, "p_wanderer": 0.15,
+                   "mix": {"back": 0.25, "long": 0.15, "wait": 0.2, "L": 0.2, "revisit": 0.2},
+                   "lengths": [1, 2], "long_lengths": [3, 4], "waits": [1, 2, 3], "legs": 3, "max_actions": None}
+RECALL_KINDS = ("back", "long", "wait", "L", "revisit")
+
+
+def recall_settings(recall: dict | None) -> dict | None:
+    """data.recall -> the full settings (RECALL_DEFAULTS under what it names), None when it is None (today's
+    policies); an unknown key, kind or a kind no plan of which fits max_actions is refused."""
+    if recall is None:
+        return None
+    recall = dict(recall)
+    unknown = sorted(set(recall) - set(RECALL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"recall: unknown {unknown}; the settings are {sorted(RECALL_DEFAULTS)}")
+    out = {**RECALL_DEFAULTS, **recall}
+    out["mix"] = {str(k): float(v) for k, v in dict(out["mix"]).items()}
+    bad = sorted(set(out["mix"]) - set(RECALL_KINDS))
+    if bad or not out["mix"] or min(out["mix"].values()) < 0 or sum(out["mix"].values()) <= 0:
+        raise ValueError(f"recall.mix={out['mix']}: non-negative weights of some of {list(RECALL_KINDS)}")
+    for key in ("lengths", "long_lengths", "waits"):
+        out[key] = [int(v) for v in out[key]]
+        if not out[key] or min(out[key]) < 1:
+            raise ValueError(f"recall.{key}={out[key]}: one or more lengths >= 1")
+    out["legs"] = int(out["legs"])
+    if out["legs"] < 2:
+        raise ValueError(f"recall.legs={out['legs']}: a revisit walks >= 2 out-and-backs")
+    for key in ("p_explorer", "p_wanderer"):
+        out[key] = float(out[key])
+        if not 0 <= out[key] <= 1:
+            raise ValueError(f"recall.{key}={out[key]}: a probability")
+    if out["max_actions"] is not None:
+        out["max_actions"] = int(out["max_actions"])
+        plans = RecallPlans(np.random.default_rng(0), out)
+        empty = [k for k, w in out["mix"].items() if w > 0 and not plans.sizes[k]]
+        if empty:
+            raise ValueError(f"recall.max_actions={out['max_actions']}: no {empty} plan is that short")
+    return out
+
+
+class RecallPlans:
+    """Walks that come back to where they started, drawn from a mixture (recall_settings): out-and-back of short
+    and longer lengths, back after waiting, L-shaped, and revisits in a varied order. A plan walks a way that is
+    open now when there is one (the env then carries it out unless a creature steps in); else a random one."""
+
+    def __init__(self, rng: np.random.Generator, settings: dict):
+        self.rng, self.s = rng, settings
+        cap = settings["max_actions"]
+        lengths, legs = settings["lengths"], settings["legs"]
+        sizes = {"back": [(n, 0) for n in lengths], "long": [(n, 0) for n in settings["long_lengths"]],
+                 "wait": [(n, w) for n in lengths for w in settings["waits"]],
+                 "L": [(n, m) for n in lengths for m in lengths], "revisit": [(n, 0) for n in lengths]}
+        steps = {"back": lambda n, m: 2 * n, "long": lambda n, m: 2 * n, "wait": lambda n, m: 2 * n + m,
+                 "L": lambda n, m: 2 * (n + m), "revisit": lambda n, m: 2 * n * legs}
+        self.sizes = {k: [nm for nm in v if cap is None or steps[k](*nm) <= cap] for k, v in sizes.items()}
+        self.kinds = [k for k, w in settings["mix"].items() if w > 0 and self.sizes[k]]
+        w = np.array([settings["mix"][k] for k in self.kinds], float)
+        self.p = w / w.sum()
+
+    def draw(self, env) -> tuple[str, list[int]]:
+        """-> (the plan's kind, its actions) from the player's position now."""
+        kind = self.kinds[int(self.rng.choice(len(self.kinds), p=self.p))]
+        sizes = self.sizes[kind]
+        n, m = sizes[int(self.rng.integers(len(sizes)))]
+        candidates = []
+        for a in (int(v) for v in self.rng.permutation(MOVES)):
+            if kind == "L":
+                candidates += [shape_actions("L", a, n, m, int(b)) for b in self.rng.permutation(PERPENDICULAR[a])]
+            elif kind == "revisit":  # two ways, each walked once, the other legs either of them, in any order
+                for b in (int(v) for v in self.rng.permutation([d for d in MOVES if d != a])):
+                    order = [a, b] + [int(self.rng.choice([a, b])) for _ in range(self.s["legs"] - 2)]
+                    order = [int(d) for d in self.rng.permutation(order)]
+                    candidates.append(shape_actions("revisit", a, n, order=order))
+            else:
+                candidates.append(shape_actions("wait" if kind == "wait" else "back", a, n, m))
+        return kind, next((c for c in candidates if path_open(env, c)), candidates[0])
+
+
 class ExplorerPolicy:
-    """Holds a direction for several steps, collects what it faces, sometimes places or crafts things."""
+    """Holds a direction for several steps, collects what it faces, sometimes places or crafts things. With recall
+    plans (data.recall) it also starts one on p_plan of its steps (RecallPlans: walks back to where it was)."""
 
     name = "explorer"
 
-    def __init__(self, rng: np.random.Generator, hold=(3, 10), p_craft: float = 0.08, p_noop: float = 0.05):
+    def __init__(self, rng: np.random.Generator, hold=(3, 10), p_craft: float = 0.08, p_noop: float = 0.05,
+                 plans: RecallPlans | None = None, p_plan: float = 0.0):
         self.rng, self.hold_range, self.p_craft, self.p_noop = rng, hold, p_craft, p_noop
         self.direction, self.hold, self.hits = int(rng.choice(MOVES)), 0, 0
+        self.plans, self.p_plan, self.plan, self.current = plans, p_plan, [], None
 
     def __call__(self, env) -> int:
+        if self.plan:
+            return self.plan.pop(0)
+        self.current = None
         player = env._player
         target = (player.pos[0] + player.facing[0], player.pos[1] + player.facing[1])
         material, obj = env._world[target]
@@ -80,6 +208,9 @@ class ExplorerPolicy:
             self.hits += 1  # a few hits collect a tree / kill a cow; then move on
             return DO
         self.hits = 0
+        if self.plans is not None and self.rng.random() < self.p_plan:
+            self.current, self.plan = self.plans.draw(env)
+            return self.plan.pop(0)
         r = self.rng.random()
         if r < self.p_craft:
             return int(self.rng.choice(CRAFT))
@@ -97,20 +228,23 @@ class WandererPolicy:
     """Moves only, for a world model that must learn collisions and memory. It walks a few steps in one direction;
     facing an obstacle (tree, water, stone, a creature: the env refuses the move, the map stays put) it pushes on with
     probability p_push before it turns; it bumps into a blocked neighbour with probability p_bump; and it walks
-    out-and-back loops (n moves one way, n back: the start view comes back into sight) with probability p_loop."""
+    out-and-back loops (n moves one way, n back: the start view comes back into sight) with probability p_loop, or,
+    given recall plans (data.recall), one of those (RecallPlans: waits, L-shapes, longer ways, revisits)."""
 
     name = "wanderer"
 
     def __init__(self, rng: np.random.Generator, p_push: float = 0.7, p_bump: float = 0.4, p_loop: float = 0.15,
-                 loop_lengths=(1, 2, 3), hold=(3, 9), p_noop: float = 0.05):
+                 loop_lengths=(1, 2, 3), hold=(3, 9), p_noop: float = 0.05, plans: RecallPlans | None = None):
         self.rng, self.p_push, self.p_bump, self.p_loop = rng, p_push, p_bump, p_loop
         self.loop_lengths, self.hold_range, self.p_noop = tuple(loop_lengths), hold, p_noop
         self.plan: list[int] = []
+        self.plans, self.current = plans, None
         self.direction, self.hold = int(rng.choice(MOVES)), 0
 
     def __call__(self, env) -> int:
         if self.plan:
             return self.plan.pop(0)
+        self.current = None
         blocked = blocked_moves(env)
         if self.direction in blocked and self.rng.random() < self.p_push:
             return self.direction
@@ -118,6 +252,9 @@ class WandererPolicy:
         if blocked and r < self.p_bump:
             return int(self.rng.choice(blocked))
         if r < self.p_bump + self.p_loop:
+            if self.plans is not None:
+                self.current, self.plan = self.plans.draw(env)
+                return self.plan.pop(0)
             n, d = int(self.rng.choice(self.loop_lengths)), int(self.rng.choice(MOVES))
             self.plan = [d] * (n - 1) + [BACK[d]] * n
             return d
@@ -131,6 +268,17 @@ class WandererPolicy:
 
 
 POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy, "wanderer": WandererPolicy}
+
+
+def make_policy(name: str, rng: np.random.Generator, recall: dict | None = None):
+    """The policy `name`; recall (recall_settings' output, None: today's policies) gives the explorer and the
+    wanderer recall plans."""
+    if recall is None or name == "random":
+        return POLICIES[name](rng)
+    plans = RecallPlans(rng, recall)
+    if name == "explorer":
+        return ExplorerPolicy(rng, plans=plans, p_plan=recall["p_explorer"])
+    return WandererPolicy(rng, p_loop=recall["p_wanderer"], plans=plans)
 
 
 def episode_name(seed: int, index: int) -> str:
@@ -195,15 +343,17 @@ def make_env(env_seed: int, size: tuple[int, int], view: tuple[int, int] | None 
 
 
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
-                 view: tuple[int, int] | None = None, daylight: float | None = None):
+                 view: tuple[int, int] | None = None, daylight: float | None = None, recall: dict | None = None):
     """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies. view: Crafter's
     grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels). daylight: None for
     Crafter's day-night cycle, or a fixed light level (1.0: always noon; every frame then draws a tile with the
-    same pixels, which a patch VQ turns into the same token)."""
+    same pixels, which a patch VQ turns into the same token). recall: the explorer's and the wanderer's recall
+    plans (RECALL_DEFAULTS' keys; {}: those; None: none, today's episodes): a record made by a plan names its kind
+    ("plan")."""
     rng = np.random.default_rng([seed, index])
     names = sorted(policy_mix)
     p = np.array([policy_mix[n] for n in names], float)
-    policy = POLICIES[names[rng.choice(len(names), p=p / p.sum())]](rng)
+    policy = make_policy(names[rng.choice(len(names), p=p / p.sum())], rng, recall_settings(recall))
     env, obs = make_env(int(rng.integers(2**31 - 1)), size, view, daylight)
     out, records = [], []
     for t in range(frames):
@@ -213,6 +363,8 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
         records.append({"frame": t, "action": ACTIONS[action], "action_id": action, "reward": float(reward),
                         "policy": policy.name, "pos": [int(v) for v in info["player_pos"]],
                         "daylight": round(float(env._world.daylight), 4)})
+        if getattr(policy, "current", None) is not None:
+            records[-1]["plan"] = policy.current
         obs = next_obs
         if done:
             break
@@ -221,12 +373,12 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
 
 def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float],
                   size: tuple[int, int], view: tuple[int, int] | None = None, daylight: float | None = None,
-                  lossless: bool = False) -> str:
+                  lossless: bool = False, recall: dict | None = None) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
     if episode_complete(mp4, jsonl):
         return name  # cached
-    video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight)
+    video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight, recall)
     if lossless:  # bit-exact RGB: a tile drawn twice gives the same pixels, so a patch VQ gives the same token
         write_mp4(video, mp4, fps=FPS, crf=0, pix_fmt="rgb24", preset="veryfast", codec="libx264rgb")
     else:
@@ -269,27 +421,32 @@ def die_with_parent(parent: int) -> None:
 
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
              policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int],
-             view: tuple[int, int] | None = None, daylight: float | None = None, lossless: bool = False
-             ) -> list[str]:
+             view: tuple[int, int] | None = None, daylight: float | None = None, lossless: bool = False,
+             recall: dict | None = None) -> list[str]:
     """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names.
     view: Crafter's grid in tiles (W, H); None: its default 9x9. daylight: a fixed light level, None: Crafter's
-    day-night cycle. lossless: bit-exact RGB video (libx264rgb, crf 0) instead of near-lossless yuv444p."""
+    day-night cycle. lossless: bit-exact RGB video (libx264rgb, crf 0) instead of near-lossless yuv444p. recall:
+    the policies' recall plans (play_episode; None: none)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
     if frames < 1 or episodes < 1:
         raise ValueError(f"crafter generation needs episodes >= 1 and frames >= 1, got {episodes}, {frames}")
+    recall = None if recall is None else dict(recall)
+    recall_settings(recall)  # a bad setting fails here, not in a worker
     with writing_into(out_dir, "Crafter episodes"):  # one generator per folder; a second waits, then skips
-        return _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless)
+        return _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless,
+                         recall)
 
 
-def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless) -> list[str]:
+def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless,
+              recall=None) -> list[str]:
     names = [episode_name(seed, i) for i in range(episodes)]
     todo = [i for i, n in enumerate(names) if not episode_complete(out_dir / f"{n}.mp4", out_dir / f"{n}.jsonl")]
     if not todo:  # all cached: no progress bar to flash
         return names
     bar = tqdm(total=len(todo), desc=f"crafter episodes -> {out_dir}", unit="ep")
-    args = (frames, policy_mix, size, view, daylight, lossless)
+    args = (frames, policy_mix, size, view, daylight, lossless, recall)
     if workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(min(workers, len(todo)), initializer=die_with_parent,
                                  initargs=(os.getpid(),)) as pool:

@@ -4,7 +4,7 @@ one-token shift of the map): memory, collisions and long rollouts, from starts o
     mcar worldtest ckpt=checkpoints/shipped/crafter_tiles_diagd starts=32
 
 Every start is a fresh Crafter world (seed `seed_base + i`, never a training episode's), played in-process by a
-scripted policy and tokenised by the data's patch VQ. Three tests, each per start, with a 95% bootstrap interval
+scripted policy and tokenised by the data's patch VQ. Four tests, each per start, with a 95% bootstrap interval
 over starts (mcar.eval.metrics.bootstrap_ci):
 
 - loop: n moves one way and n back (a direction whose n tiles are walkable; a loop the env did not carry out
@@ -14,6 +14,17 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   context (`context`, default the checkpoint's clip_frames), the model on the smallest window the rolling sampler
   allows (2 frames: the frame being made and the one before), copy_last ("nothing moves", whose end frame is the
   start view: recall 1 by construction, so read it with loop_acc) and real (the env's own frames: the ceiling).
+  Each row also scores the inventory rows (the view's bottom rows, below the map: `inventory`, every frame) apart
+  from the map, and `invented`: the share of a generated frame's tiles whose code is in neither the real frame nor
+  the prompt frame(s) (tile types made up, not misplaced; copy_last and real score 0 by construction).
+- shapes: other walks back to the start view, the same rows and scores (`shapes`, e.g. [wait_n1_w2, L_n1_m1,
+  back_n3]): back_n<n> n out and n back (a longer loop); wait_n<n>_w<w> n out, w noops, n back (the view held
+  still while memory must last); L_n<n>_m<m> n one way, m at right angles, m back, n back. `recall` counts the
+  tiles the walk hid at any point (in view at the start, out of view on the way, in view at the end). A shape is
+  only a test of memory when the start frame is still in the model's window at the end: one of more frames than
+  the model's context is skipped and said so (`shapes_beyond_context=true` runs it, marked, as a control). Each
+  is walked after the wander from where it ended, along a way open then; a start where the env did not carry it
+  out exactly (a creature stepped in) or found no open way is counted out of that shape only ("made").
 - blocked: a move the env refused (player position unchanged) and a free move, each predicted from two real
   frames: `stayed` is the share of refused moves whose generated map is nearer the previous map than the previous
   map shifted one tile (the map the move would have shown), `moved` the share of free moves where it is the other
@@ -22,30 +33,44 @@ over starts (mcar.eval.metrics.bootstrap_ci):
 - rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
   frames per step (a curve), for the model on its context, the 2-frame window and copy_last; and whether the frames
   stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
-  histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common).
+  histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common); the agreement of the
+  map and of the inventory rows apart; and `invented` (as for the loops) per step.
 `tests` picks which run (a long horizon: `tests=[rollout] rollout_frames=512 keep_alive=true`: the player's needs
 are refilled before each step, so no start dies before its rollout ends); `windows` the model rows' windows.
 
-Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gif} (real | generated) under the
-output dir, and the same to W&B when logger is wandb (offline by default).
+Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gif}, videos/shape_<name>.{mp4,gif}
+(real | generated) under the output dir, and the same to W&B when logger is wandb (offline by default).
 """
 from __future__ import annotations
 
 import csv
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mcar.core.agreement import frame_agreement, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
-from mcar.data.crafter_gen import BACK, MOVE_DELTA, ExplorerPolicy, blocked_moves, make_env, walkable
+from mcar.data.crafter_gen import (
+    BACK,
+    MOVE_DELTA,
+    MOVES,
+    PERPENDICULAR,
+    ExplorerPolicy,
+    blocked_moves,
+    make_env,
+    path_offsets,
+    path_open,
+    shape_actions,
+    walkable,
+)
 from mcar.eval.metrics import bootstrap_ci
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
@@ -54,7 +79,7 @@ from mcar.tokenizer.vq_model import encode_tokens, frame_size
 from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.eval.world_tests")
-TESTS = ("loop", "blocked", "rollout")
+TESTS = ("loop", "shapes", "blocked", "rollout")
 
 
 
@@ -75,6 +100,10 @@ class MapGrid:
         """(..., h, w) image tokens -> (..., map_h, w) map tokens."""
         return images[..., :self.map_h, :]
 
+    def inventory(self, images: torch.Tensor) -> torch.Tensor:
+        """(..., h, w) image tokens -> (..., h - map_h, w) the inventory rows below the map."""
+        return images[..., self.map_h:, :]
+
 
 def map_rows(view) -> int:
     """Crafter's map rows in a view of (W, H) tiles: H less the inventory's rows (crafter.Env's item_rows)."""
@@ -90,14 +119,40 @@ def rerevealed_mask(grid: MapGrid, dx: int, dy: int) -> torch.Tensor:
     return (r < 0) | (r >= grid.map_h) | (c < 0) | (c >= grid.w)
 
 
+def hidden_mask(grid: MapGrid, offsets) -> torch.Tensor:
+    """(map_h, w) bool: the start view's tiles out of view at any of the view's (dx, dy) offsets (a walk's)."""
+    out = torch.zeros(grid.map_h, grid.w, dtype=torch.bool)
+    for dx, dy in offsets:
+        out |= rerevealed_mask(grid, int(dx), int(dy))
+    return out
+
+
+def masked_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """end_maps, start_maps (B, map_h, w), masks (B, map_h, w) bool -> (B,) share of the masked tiles where the end
+    frame equals the start frame (NaN where a mask is empty)."""
+    same = (end_maps == start_maps) & masks
+    return same.flatten(1).sum(1).double() / masks.flatten(1).sum(1).double()
+
+
 def loop_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, grid: MapGrid, far: torch.Tensor) -> torch.Tensor:
     """end_maps, start_maps (B, map_h, w), far (B, 2) the view's (dx, dy) at the loop's far end -> (B,) share of the
     re-revealed tiles where the end frame equals the start frame."""
-    out = []
-    for end, start, (dx, dy) in zip(end_maps, start_maps, far.tolist()):
-        m = rerevealed_mask(grid, dx, dy)
-        out.append((end[m] == start[m]).double().mean())
-    return torch.stack(out)
+    masks = torch.stack([rerevealed_mask(grid, dx, dy) for dx, dy in far.tolist()])
+    return masked_recall(end_maps, start_maps, masks)
+
+
+def invented_share(frames: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """frames, real (B, T, h, w) generated and real image codes, prompt (B, P, h, w) the prompt frames -> (B, T)
+    share of each generated frame's tiles whose code is in neither the real frame at that step nor any prompt
+    frame: tile types the model made up (0 for a frame that only rearranges what it was shown or what is there)."""
+    B, T = frames.shape[:2]
+    size = int(max(frames.max(), real.max(), prompt.max())) + 1
+    seen = torch.zeros(B, T, size, dtype=torch.bool)
+    seen.scatter_(2, real.flatten(2), True)
+    shown = torch.zeros(B, size, dtype=torch.bool)
+    shown.scatter_(1, prompt.flatten(1), True)
+    seen |= shown[:, None]
+    return (~seen.gather(2, frames.flatten(2))).double().mean(-1)
 
 
 def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +189,54 @@ def interval(per_start: torch.Tensor, seed: int) -> dict:
     return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v)}
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A walk back to the start view (`shapes`): back_n<n> (n out, n back), wait_n<n>_w<w> (n out, w noops, n back),
+    L_n<n>_m<m> (n one way, m at right angles, m back, n back)."""
+
+    kind: str
+    n: int
+    m: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_n{self.n}" + {"back": "", "wait": f"_w{self.m}", "L": f"_m{self.m}"}[self.kind]
+
+    def actions(self, a: int, b: int | None = None) -> list[int]:
+        """The walk's actions, first move `a` (and `b`, at right angles to it, for an L)."""
+        return shape_actions(self.kind, a, self.n, self.m, b)
+
+    @property
+    def frames(self) -> int:
+        """Frames of its clip: the start, one after each action."""
+        return len(self.actions(MOVES[0], PERPENDICULAR[MOVES[0]][0])) + 1
+
+
+SHAPE_NAME = re.compile(r"^(?:back_n(\d+)|wait_n(\d+)_w(\d+)|L_n(\d+)_m(\d+))$")
+
+
+def parse_shape(spec: str) -> Shape:
+    """'back_n3' | 'wait_n1_w2' | 'L_n1_m1' -> its Shape (each length >= 1)."""
+    match = SHAPE_NAME.match(str(spec))
+    if match is None or any(g is not None and int(g) < 1 for g in match.groups()):
+        raise ValueError(f"shapes: {spec!r} is not a shape: back_n<n>, wait_n<n>_w<w> or L_n<n>_m<m>, each "
+                         f"length >= 1 (e.g. [wait_n1_w2, L_n1_m1, back_n3]; conf/worldtest.yaml)")
+    g = match.groups()
+    if g[0] is not None:
+        return Shape("back", int(g[0]))
+    if g[1] is not None:
+        return Shape("wait", int(g[1]), int(g[2]))
+    return Shape("L", int(g[3]), int(g[4]))
+
+
+def fitting_shapes(shapes: list[Shape], context: int, beyond: bool = False) -> tuple[list[Shape], dict]:
+    """-> (the shapes to walk: those whose clip fits a window of `context` frames, every one when `beyond`, {name:
+    why} of the others)."""
+    run = [s for s in shapes if beyond or s.frames <= context]
+    return run, {s.name: {"frames": s.frames, "skipped": f"{s.frames} frames > context {context}"}
+                 for s in shapes if s not in run}
+
+
 # ------------------------------------------------------------------------------------------------ Crafter scenes
 @dataclass
 class Recording:
@@ -154,7 +257,7 @@ class Scene:
         self.env, self.obs = make_env(env_seed, size, view, daylight)
         self.rng = np.random.default_rng(env_seed)
         self.explorer = ExplorerPolicy(self.rng)
-        self.keep_alive = keep_alive
+        self.keep_alive, self.over = keep_alive, False
 
     @property
     def pos(self) -> tuple[int, int]:
@@ -170,6 +273,7 @@ class Scene:
             for need in KEPT_UP:
                 self.env._player.inventory[need] = KEPT_UP[need]
         self.obs, _, done, _ = self.env.step(int(action))
+        self.over = bool(done)
         return not done
 
     def close(self, rec: Recording) -> Recording:
@@ -194,23 +298,44 @@ class Scene:
     def loop(self, n: int, tries: int = 20) -> Recording | None:
         """n moves one way and n back, the frames recorded; None when no open direction was found or the env did not
         move the player exactly there and back."""
-        for _ in range(tries):
+        def out_and_back():
             a = self.open_direction(n)
-            if a is not None:
+            return None if a is None else [a] * n + [BACK[a]] * n
+
+        return self.walk(out_and_back, tries)
+
+    def open_shape(self, shape: Shape) -> list[int] | None:
+        """The shape's actions along a way whose every tile is walkable and empty now, None when there is none."""
+        for a in (int(v) for v in self.rng.permutation(MOVES)):
+            for b in [int(v) for v in self.rng.permutation(PERPENDICULAR[a])] if shape.kind == "L" else [None]:
+                acts = shape.actions(a, b)
+                if path_open(self.env, acts):
+                    return acts
+        return None
+
+    def shape(self, shape: Shape, tries: int = 20) -> Recording | None:
+        """The shape walked from where the player is (explorer steps first until a way is open), the frames recorded;
+        None when no open way was found, the episode ended, or the env did not move the player exactly along it."""
+        return self.walk(lambda: self.open_shape(shape), tries)
+
+    def walk(self, find, tries: int) -> Recording | None:
+        """The actions `find()` gives (explorer steps first while it finds none, up to `tries`), the frames recorded;
+        None when it found none, the episode ended, or the env did not move the player exactly along them."""
+        for _ in range(tries):
+            acts = find()
+            if acts is not None:
                 break
             if not self.step(self.explorer(self.env)):
                 return None
         else:
             return None
         rec = Recording()
-        for act in [a] * n + [BACK[a]] * n:
+        for act in acts:
             if not self.step(act, rec):
                 return None
         rec = self.close(rec)
-        dx, dy = MOVE_DELTA[a]
         x0, y0 = rec.pos[0]
-        expected = [(x0 + k * dx, y0 + k * dy) for k in [*range(n + 1), *range(n - 1, -1, -1)]]
-        return rec if rec.pos == expected else None
+        return rec if rec.pos == [(x0 + dx, y0 + dy) for dx, dy in path_offsets(acts)] else None
 
     def wander(self, steps: int, p_bump: float) -> Recording | None:
         """`steps` actions of the explorer policy, moving into a blocked neighbour tile with probability p_bump when
@@ -228,12 +353,14 @@ class Scene:
 class StartRecord:
     loops: dict  # n -> Recording
     wander: Recording
+    shapes: dict = field(default_factory=dict)  # shape name -> Recording, the shapes this start could make
 
 
 def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
-                 daylight, keep_alive: bool = False) -> StartRecord | None:
-    """One start: a few explorer steps into a fresh world, a loop of each length, then a wander; None when the
-    episode ended or a loop could not be made."""
+                 daylight, keep_alive: bool = False, shapes=()) -> StartRecord | None:
+    """One start: a few explorer steps into a fresh world, a loop of each length, a wander, then each of `shapes`
+    from where the wander ended; None when the episode ended or a loop could not be made (a shape that could not be
+    made is only missing from .shapes)."""
     scene = Scene(env_seed, size, view, daylight, keep_alive)
     for _ in range(int(scene.rng.integers(1, warmup + 1))):
         if not scene.step(scene.explorer(scene.env)):
@@ -245,7 +372,16 @@ def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, 
             return None
         loops[int(n)] = rec
     wander = scene.wander(wander_steps, p_bump)
-    return None if wander is None else StartRecord(loops, wander)
+    if wander is None:
+        return None
+    made = {}
+    for shape in shapes:
+        if scene.over:
+            break
+        rec = scene.shape(shape)
+        if rec is not None:
+            made[shape.name] = rec
+    return StartRecord(loops, wander, made)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -297,6 +433,10 @@ class WorldTests:
         # the model rows' windows: its own, and the smallest a rolling window allows (the frame being made and one
         # before, mcar.core.rolling)
         self.windows = [int(w) for w in cfg.windows] if cfg.get("windows") else [self.context, 2]
+        self.prompt = int(OmegaConf.select(cfg, "schedule.prompt_frames", default=1) or 1)
+        # the shapes to walk: those whose clip fits the model's window (the start frame still seen at the end)
+        shapes = [parse_shape(s) for s in cfg.get("shapes") or []] if "shapes" in cfg.tests else []
+        self.shapes, self.skipped = fitting_shapes(shapes, self.context, bool(cfg.get("shapes_beyond_context")))
 
     def generate(self, clips: torch.Tensor, context: int | None = None,
                  prompt_frames: int | None = None) -> torch.Tensor:
@@ -314,7 +454,7 @@ class WorldTests:
                 raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
                                    f"{list(cfg.loop_lengths)}: use shorter loop_lengths")
             rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
-                               self.view, self.daylight, bool(cfg.keep_alive))
+                               self.view, self.daylight, bool(cfg.keep_alive), self.shapes)
             seed += 1
             if rec is not None:
                 starts.append(rec)
@@ -326,7 +466,8 @@ class WorldTests:
         starts = self.record()
         t_record = time.perf_counter() - t0
         log.info("%d starts recorded from %d fresh Crafter worlds in %.0f s", len(starts), self.worlds_tried, t_record)
-        results = {"loops": {}, "blocked": {}, "rollout": {}, "context": self.context, "windows": self.windows,
+        results = {"loops": {}, "shapes": {}, "blocked": {}, "rollout": {}, "context": self.context,
+                   "windows": self.windows,
                    "starts": len(starts), "worlds_tried": self.worlds_tried, "sampler": self.wm.sampler(2).label}
         t1 = time.perf_counter()
         self.videos, self.curves = {}, {}
@@ -334,6 +475,20 @@ class WorldTests:
             for n in self.cfg.loop_lengths:
                 results["loops"][int(n)] = self.loop_test(int(n), [s.loops[int(n)] for s in starts])
                 log.info("loop n=%d scored (%.0f s so far)", n, time.perf_counter() - t1)
+        if "shapes" in self.cfg.tests:
+            for shape in self.shapes:
+                recs = [s.shapes[shape.name] for s in starts if shape.name in s.shapes]
+                entry = {"frames": shape.frames, "made": len(recs), "starts": len(starts),
+                         "beyond_context": shape.frames > self.context}
+                if recs:
+                    entry["rows"] = self.shape_test(shape, recs)
+                results["shapes"][shape.name] = entry
+                log.info("shape %s scored on %d of %d starts (%.0f s so far)", shape.name, len(recs), len(starts),
+                         time.perf_counter() - t1)
+            results["shapes"] |= self.skipped
+            if self.skipped:
+                log.info("shapes skipped, longer than the model's context of %d frames "
+                         "(shapes_beyond_context=true runs them): %s", self.context, ", ".join(self.skipped))
         if "blocked" in self.cfg.tests:
             results["blocked"] = self.blocked_test([s.wander for s in starts])
             log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
@@ -348,17 +503,41 @@ class WorldTests:
                 "copy_last": nothing_moves(clips, self.layout, 1), "real": clips}
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
+        masks = torch.stack([rerevealed_mask(self.grid, *(a - b for a, b in zip(r.pos[n], r.pos[0]))) for r in recs])
+        return self.memory_test(recs, masks, f"loop_n{n}")
+
+    def shape_test(self, shape: Shape, recs: list[Recording]) -> dict:
+        masks = torch.stack([hidden_mask(self.grid, [(x - r.pos[0][0], y - r.pos[0][1]) for x, y in r.pos])
+                             for r in recs])
+        return self.memory_test(recs, masks, f"shape_{shape.name}")
+
+    def memory_test(self, recs: list[Recording], masks: torch.Tensor, video: str) -> dict:
+        """Walks back to the start view, generated from their first frame: per row `recall` (the masked start tiles
+        at the end), `loop_acc` (map, every generated frame), `inventory` (its rows, every frame), `invented`."""
         clips = torch.stack([self.tokens.clip(r) for r in recs])
-        real_maps = self.grid.maps(images_of(clips, self.layout))
-        far = torch.tensor([[a - b for a, b in zip(r.pos[n], r.pos[0])] for r in recs])
+        real = images_of(clips, self.layout)
+        real_maps = self.grid.maps(real)
         out = {}
         for name, gen in self.rows_for(clips).items():
-            maps = self.grid.maps(images_of(gen, self.layout))
-            recall = loop_recall(maps[:, -1], real_maps[:, 0], self.grid, far)
+            images = images_of(gen, self.layout)
+            maps = self.grid.maps(images)
+            recall = masked_recall(maps[:, -1], real_maps[:, 0], masks)
             acc = (maps[:, 1:] == real_maps[:, 1:]).double().flatten(1).mean(1)
-            out[name] = {"recall": interval(recall, self.cfg.seed), "loop_acc": interval(acc, self.cfg.seed)}
+            out[name] = {"recall": interval(recall, self.cfg.seed), "loop_acc": interval(acc, self.cfg.seed),
+                         **self.split_scores(images, real)}
             if name.startswith(f"model context={self.context}"):
-                self.videos[n] = {"real": clips[0], name: gen[0]}
+                self.videos[video] = {"real": clips[0], name: gen[0]}
+        return out
+
+    def split_scores(self, images: torch.Tensor, real: torch.Tensor) -> dict:
+        """(B, T, h, w) generated and real image tokens -> {inventory: agreement of the inventory rows, invented:
+        share of made-up tile types}, each per start over frames 1.. (the prompt's own frames agree, invent nothing)."""
+        out = {}
+        if self.layout.h > self.grid.map_h:
+            inv = (self.grid.inventory(images)[:, 1:] == self.grid.inventory(real)[:, 1:]).double().flatten(1)
+            out["inventory"] = interval(inv.mean(1), self.cfg.seed)
+        invented = invented_share(images[:, 1:], real[:, 1:], real[:, :self.prompt])
+        out["invented"] = interval(invented.mean(1), self.cfg.seed)
         return out
 
     def blocked_test(self, recs: list[Recording]) -> dict:
@@ -399,47 +578,85 @@ class WorldTests:
         out, curves = {}, {}
         rows = self.rows_for(clips)
         rows.pop("real")
-        real = images_of(clips, self.layout)[:, 1:]
+        every = images_of(clips, self.layout)
+        real = every[:, 1:]
+        has_inv = self.layout.h > self.grid.map_h
         for name, gen in rows.items():
+            images = images_of(gen, self.layout)[:, 1:]
             per = frame_agreement(gen, clips, self.layout)[:, 1:]  # (B, T-1)
-            tv = histogram_distance(images_of(gen, self.layout)[:, 1:], real, self.cb)  # (B, T-1)
-            curves[name] = [interval(per[:, k], self.cfg.seed) | {"tv": float(tv[:, k].mean())}
-                            for k in range(per.shape[1])]
+            tv = histogram_distance(images, real, self.cb)  # (B, T-1)
+            maps = (self.grid.maps(images) == self.grid.maps(real)).double().flatten(2).mean(-1)  # (B, T-1)
+            inv = (self.grid.inventory(images) == self.grid.inventory(real)).double().flatten(2).mean(-1) \
+                if has_inv else torch.full_like(maps, float("nan"))
+            invented = invented_share(images, real, every[:, :self.prompt])  # (B, T-1)
+            curves[name] = [interval(per[:, k], self.cfg.seed) | {
+                "tv": float(tv[:, k].mean()), "map": float(maps[:, k].mean()), "inventory": float(inv[:, k].mean()),
+                "invented": float(invented[:, k].mean())} for k in range(per.shape[1])]
             out[name] = {"mean": interval(per.mean(1), self.cfg.seed), "last": interval(per[:, -1], self.cfg.seed),
-                         "tv_mean": interval(tv.mean(1), self.cfg.seed), "tv_last": interval(tv[:, -1], self.cfg.seed)}
+                         "tv_mean": interval(tv.mean(1), self.cfg.seed), "tv_last": interval(tv[:, -1], self.cfg.seed),
+                         "map_mean": interval(maps.mean(1), self.cfg.seed),
+                         **({"inventory_mean": interval(inv.mean(1), self.cfg.seed)} if has_inv else {}),
+                         "invented_mean": interval(invented.mean(1), self.cfg.seed),
+                         "invented_last": interval(invented[:, -1], self.cfg.seed)}
         return out, curves
 
 
 # ------------------------------------------------------------------------------------------------ reporting
-def _ci(d: dict) -> str:
-    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]" if "mean" in d else "n/a"
+def _ci(d: dict | None) -> str:
+    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]" if d and "mean" in d else "n/a"
+
+
+def _memory_cells(v: dict) -> str:
+    return (f"{_ci(v['recall'])} | {_ci(v['loop_acc'])} | {_ci(v.get('inventory'))} | "
+            f"{_ci(v.get('invented'))} |")
 
 
 def markdown(res: dict) -> str:
     lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames, "
-             f"sampler {res['sampler']}; 95% bootstrap intervals over starts.", "",
-             "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) |", "|---|---|---|---|"]
+             f"sampler {res['sampler']}; 95% bootstrap intervals over starts. inventory: its rows' agreement, every "
+             f"frame; invented: share of tiles whose type is in neither the real frame nor the prompt.", "",
+             "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) | inventory | invented |",
+             "|---|---|---|---|---|---|"]
     for n, rows in res["loops"].items():
-        lines += [f"| {n} | {name} | {_ci(v['recall'])} | {_ci(v['loop_acc'])} |" for name, v in rows.items()]
+        lines += [f"| {n} | {name} | {_memory_cells(v)}" for name, v in rows.items()]
+    if res.get("shapes"):
+        lines += ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | loop_acc (map) | "
+                      "inventory | invented |", "|---|---|---|---|---|---|---|---|"]
+        for name, v in res["shapes"].items():
+            if "skipped" in v:
+                lines.append(f"| {name} | {v['frames']} | skipped: {v['skipped']} (shapes_beyond_context=true runs "
+                             f"it) | | | | | |")
+                continue
+            mark = " (beyond context: a control)" if v.get("beyond_context") else ""
+            made = f"{v['made']} / {v['starts']}{mark}"
+            if not v.get("rows"):
+                lines.append(f"| {name} | {v['frames']} | {made} | | | | | |")
+            lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r)}"
+                      for row, r in v.get("rows", {}).items()]
     b = res["blocked"]
     lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
     for kind, key in (("blocked", "stayed"), ("free", "moved")) if b else ():
         v = b[kind]
         lines.append(f"| {kind} ({key}) | {v['n']} | {_ci(v.get(key, {}))} | {_ci(v.get('real_' + key, {}))} | "
                      f"{_ci(v.get('map_acc', {}))} |")
-    lines += ["", "| rollout row | token agreement, mean over steps | at the last step | tile-mix distance (tv), "
-                  "mean | at the last step |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |"
-              for name, v in res["rollout"].items()]
+    lines += ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
+                  "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v.get('map_mean'))} | "
+              f"{_ci(v.get('inventory_mean'))} | {_ci(v.get('invented_mean'))} | {_ci(v.get('invented_last'))} | "
+              f"{_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |" for name, v in res["rollout"].items()]
     return "\n".join(lines) + "\n"
 
 
+CURVE_COLUMNS = ["row", "step", "agreement", "lo", "hi", "tv", "map", "inventory", "invented"]
+
+
 def write_curves(curves: dict, path: Path) -> list[list]:
-    table = [[name, k + 1, c["mean"], c["lo"], c["hi"], c["tv"]] for name, per in curves.items()
-             for k, c in enumerate(per)]
+    table = [[name, k + 1, c["mean"], c["lo"], c["hi"], c["tv"], c["map"], c["inventory"], c["invented"]]
+             for name, per in curves.items() for k, c in enumerate(per)]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["row", "step", "agreement", "lo", "hi", "tv"])
+        w.writerow(CURVE_COLUMNS)
         w.writerows(table)
     return table
 
@@ -449,12 +666,15 @@ def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> Non
     run = open_run(cfg)
     if run is None:
         return
-    log_table(run, "world/rollout_agreement", ["row", "step", "agreement", "lo", "hi", "tv"], table,
+    log_table(run, "world/rollout_agreement", CURVE_COLUMNS, table,
               curve=("step", "agreement", "row", "token agreement per rollout step"))
     log_media(run, media)
     for n, rows in res["loops"].items():
         for name, v in rows.items():
             run.summary[f"loop{n}/{name}/recall"] = v["recall"]["mean"]
+    for shape, entry in res["shapes"].items():
+        for name, v in entry.get("rows", {}).items():
+            run.summary[f"{shape}/{name}/recall"] = v["recall"]["mean"]
     for kind, v in res["blocked"].items():
         for key in ("stayed", "moved"):
             if key in v:
@@ -473,18 +693,21 @@ def world_tests(cfg: DictConfig) -> dict:
     if cfg.get("windows") and any(int(w) < 2 for w in cfg.windows):
         raise ValueError(f"windows={list(cfg.windows)}: each window is >= 2 frames (the frame being made and one "
                          f"before; conf/worldtest.yaml)")
-    tests = WorldTests(cfg)
     bad = [n for n in cfg.loop_lengths if not 1 <= int(n)]
     if bad:
         raise ValueError(f"loop_lengths={list(cfg.loop_lengths)}: each n must be >= 1 (conf/worldtest.yaml)")
+    if "shapes" in cfg.tests:
+        for spec in cfg.get("shapes") or []:
+            parse_shape(spec)
+    tests = WorldTests(cfg)
     res = tests.run()
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     media = {}
     space = data_action_space(cfg.data)
-    for n, clips in tests.videos.items():
+    for key, clips in tests.videos.items():
         video = comparison_frames(clips, tests.layout, tests.cb, tests.vq, space)
-        media[f"world/loop_n{n}"] = write_video(video, out / "videos" / f"loop_n{n}", cfg.fps)[1]
+        media[f"world/{key}"] = write_video(video, out / "videos" / key, cfg.fps)[1]
     table = write_curves(tests.curves, out / "rollout_agreement.csv")
     (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
     (out / "world_tests.md").write_text(markdown(res))

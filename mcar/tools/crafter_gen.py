@@ -6,6 +6,9 @@ from mcar.hydra_app import compose_tool
 
 def main(argv: list[str] | None = None) -> None:
     c = compose_tool("crafter_gen", argv)
-    generate(c.out, int(c.episodes), int(c.frames), int(c.seed), {"random": c.random, "explorer": c.explorer},
-             int(c.workers), size=tuple(c.size), view=tuple(c.view) if c.view else None, daylight=c.daylight,
-             lossless=bool(c.lossless))
+    from omegaconf import OmegaConf
+
+    mix = {"random": c.random, "explorer": c.explorer} | ({"wanderer": c.wanderer} if c.wanderer else {})
+    recall = None if c.recall is None else OmegaConf.to_container(c.recall, resolve=True)
+    generate(c.out, int(c.episodes), int(c.frames), int(c.seed), mix, int(c.workers), size=tuple(c.size),
+             view=tuple(c.view) if c.view else None, daylight=c.daylight, lossless=bool(c.lossless), recall=recall)
