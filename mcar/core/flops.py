@@ -72,3 +72,23 @@ def train_step_flops(n_params_no_emb: int, n_layers: int, dim: int, rows: int, b
 def mfu(step_flops: float, seconds: float, peak: float | None, devices: int = 1) -> float | None:
     """Model FLOPs utilisation of a step taking `seconds` over `devices` devices of `peak` FLOP/s each."""
     return step_flops / seconds / (peak * devices) if peak else None
+
+
+def play_floor(cfg, layout, context: int, sessions: int, bandwidth: float, k: int = 2, d: int | None = None,
+               item: int = 2) -> dict:
+    """The bandwidth floor of steady play (a rolling DiagD rollout, docs/diagd.md section 7) for `sessions` games
+    batched as one rollout: every pass reads the weights (less the embedding table) once and each session's whole
+    ring of K/V (the attention kernel reads masked columns too), `d` passes per frame (null: s_spa, one frame at a
+    time). cfg: a ModelConfig (n_kv_heads < n_heads: GQA, fewer K/V bytes); item: bytes per value (bf16: 2).
+    -> the bytes and frames/s no implementation can beat at `bandwidth` bytes/s."""
+    from mcar.core.model import Transformer
+
+    with torch.device("meta"):
+        weights = Transformer(cfg).num_params(embeddings=False) * item
+    s_spa = (layout.h - 1) * k + layout.w
+    d = s_spa if d is None else d
+    ring = context + -(-s_spa // d) - 1
+    kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * item * ring * layout.frame_len
+    frame_seconds = d * (weights + sessions * kv) / bandwidth
+    return dict(weight_bytes=weights, kv_bytes_per_session=kv, passes_per_frame=d,
+                fps_per_session=1 / frame_seconds, fps_total=sessions / frame_seconds)
