@@ -89,7 +89,7 @@ def gpu_check(out, *args):
 # one sampler length (--tiny runs two): each stage is a process start (~4-10 s on 2 cores), and a second length
 # checks nothing the first does not
 ONE_LENGTH = "bench.gpu.sampler_frames=[4]"
-STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "memory"]
+STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "play", "memory"]
 
 
 @pytest.mark.slow
@@ -112,10 +112,15 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     for name, passes in (("ntp_4f", 3 * 12), ("diagd_4f", 3 * 8)):  # NTP: a pass per token; DiagD: (T-2)*d + s_spa
         assert r["sampler"][name]["passes"] == passes and r["sampler"][name]["fps"] > 0
     assert r["diagd_over_causal_step"] > 0
+    play = r["play"]["sessions"]
+    assert list(play) == ["1", "2"]
+    assert all(p["fps_total"] > 0 and p["p95_ms"] >= p["p50_ms"] > 0 for p in play.values())
+    assert play["2"]["fps_total"] == pytest.approx(2 * play["2"]["fps_per_session"], rel=1e-3)
     assert {t["target"] for t in r["targets"]} >= {"training MFU, diagd", "DiagD step / causal step",
                                                    "DiagD frames/s at 4 frames"}
     md = (out / "bench_gpu.md").read_text()
     assert "| causal | bf16-mixed |" in md and "| diagd | bf16-mixed |" in md and "| diagd k=2 | 4 | 24 |" in md
+    assert "| play: sessions (context 3, k=2, d=8) |" in md
     assert md in p.stdout
 
     flex = json.loads((out / "flex.json").read_text())

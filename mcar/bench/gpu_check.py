@@ -19,6 +19,9 @@ Stages:
 - flex: flex attention with the DiagD BlockMask against SDPA with the dense mask, in the training dtype;
 - sampler_<ntp|diagd>_<F>f: the sampler speed check at F frames (compiled on CUDA): ms/pass against the bandwidth
   floor, frames/s; it compiles the generation step alone (no bare-forward graphs: bench.bare_forward=auto);
+- play: steady play as the server runs it, `bench.gpu.play_sessions` games as the rows of one rolling rollout at
+  context `bench.gpu.play_context` (compiled on CUDA): each session's and all sessions' frames/s, p50 / p95 ms from
+  an action to its frame, against play's bandwidth floor (mcar.core.flops.play_floor);
 - memory: the planned training peak of each train stage's shape against its measured peaks.
 `bench.gpu.stage=all` (the default) runs every stage in this process (torch.compiler.reset() between). With
 data=synthetic and logger=csv it imports none of wandb, av, diffusers, crafter.
@@ -34,9 +37,9 @@ import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.bench.speed import run_sampler
+from mcar.bench.speed import peak_bandwidth, run_sampler, setup
 from mcar.core.devices import resolve_device, sync
-from mcar.core.flops import mfu, peak_flops
+from mcar.core.flops import mfu, peak_flops, play_floor
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
@@ -236,6 +239,53 @@ def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
                                                   "compiled_graphs": compiled_graphs()}
 
 
+@torch.no_grad()
+def play_check(cfg: DictConfig) -> dict:
+    """Each of bench.gpu.play_sessions games batched as the rows of one rolling rollout (the configured sampler and
+    schedule, context bench.gpu.play_context, compiled on CUDA), past its warm-up advances: the time of each tick
+    (one advance: every game's action in, its frame out; a frame d < s_spa started in_flight ticks earlier
+    arrives after in_flight ticks), synced, over bench.gpu.play_steps ticks."""
+    from mcar.core.sampler import build_sampler
+
+    g = cfg.bench.gpu
+    device, dtype, layout, model = setup(cfg)
+    model = model.to(dtype).eval()
+    context, cb = int(g.play_context), int(cfg.data.codebook_size)
+    sampler = build_sampler(to_dict(cfg.sampler) | {"context": context}, layout, context + 1, cb, to_dict(cfg.schedule))
+    plan = sampler.rolling_schedule(device)
+    peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
+    rows = {}
+    for sessions in g.play_sessions:
+        n = int(sessions)
+        prompt = torch.randint(0, cb, (n, plan.prompt_frames * layout.frame_len), device=device)
+        actions = torch.randint(cb, int(cfg.data.vocab_size), (n, layout.n_a), device=device)
+        run = sampler.rollout(model, prompt)
+        for _ in range(len(plan.warmup) + int(g.play_warmup)):  # past the warm-up advances; compiles, records graphs
+            run.advance(actions)
+        ticks = []
+        for _ in range(int(g.play_steps)):
+            sync(device)
+            t0 = time.perf_counter()
+            run.advance(actions)
+            sync(device)
+            ticks.append(time.perf_counter() - t0)
+        t = torch.tensor(ticks, dtype=torch.float64)
+        floor = play_floor(model.cfg, layout, context, n, peak, sampler.config.k, sampler.config.d,
+                           next(model.parameters()).element_size()) if peak else None
+        fps = n / float(t.mean())
+        rows[str(n)] = {"sessions": n, "ms_per_tick": round(1000 * float(t.mean()), 3),
+                        "fps_per_session": round(1 / float(t.mean()), 3), "fps_total": round(fps, 3),
+                        "p50_ms": round(1000 * plan.in_flight * float(t.quantile(0.5)), 3),
+                        "p95_ms": round(1000 * plan.in_flight * float(t.quantile(0.95)), 3),
+                        "floor_fps_total": round(floor["fps_total"], 3) if floor else None,
+                        "of_floor": round(fps / floor["fps_total"], 3) if floor else None}
+        del run
+        model.swap_caches(None)
+    return {"context": context, "k": sampler.config.k, "d": plan.d, "in_flight": plan.in_flight,
+            "compile": sampler.compiles(device), "passes_per_tick": plan.d, "sessions": rows,
+            "compiled_graphs": compiled_graphs()}
+
+
 def memory_check(cfg: DictConfig, out: Path) -> dict:
     """The planned training peak (mcar.train.memory) of each train stage's shape against its measured peaks."""
     from mcar.train.memory import plan_training
@@ -265,7 +315,7 @@ def stages(cfg: DictConfig) -> list[str]:
     """Every stage, in the order scripts/gpu_check.sh runs them."""
     g = cfg.bench.gpu
     return ([f"train_{m}" for m in g.masks] + ["flex"]
-            + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["memory"])
+            + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["play", "memory"])
 
 
 def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> dict:
@@ -280,6 +330,8 @@ def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> d
     elif stage.startswith("sampler_"):
         _, name, frames = stage.split("_")
         result = sampler_check(cfg, name, int(frames.removesuffix("f")))
+    elif stage == "play":
+        result = play_check(cfg)
     else:
         result = memory_check(cfg, out)
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
@@ -325,7 +377,8 @@ def merge(cfg: DictConfig, out: Path) -> dict:
          "stage_seconds": {s: v["seconds"] for s, v in found.items()},
          "train": {s.removeprefix("train_"): v["result"] for s, v in found.items() if s.startswith("train_")},
          "sampler": {s.removeprefix("sampler_"): v["result"] for s, v in found.items() if s.startswith("sampler_")},
-         "flex_vs_dense": found.get("flex", {}).get("result"), "memory": found.get("memory", {}).get("result")}
+         "flex_vs_dense": found.get("flex", {}).get("result"), "memory": found.get("memory", {}).get("result"),
+         "play": found.get("play", {}).get("result")}
     if {"causal", "diagd"} <= r["train"].keys():
         r["diagd_over_causal_step"] = round(r["train"]["diagd"]["ms_per_step"] / r["train"]["causal"]["ms_per_step"], 3)
     r["targets"] = check_targets(r, cfg.bench.gpu.targets)
@@ -363,6 +416,10 @@ def check_targets(r: dict, t: DictConfig) -> list[dict]:
     add(f"DiagD frames/s at {frames} frames", diag["fps"] if diag else None, t.diagd_fps, True)
     for name, s in r["sampler"].items():
         add(f"{name}: ms/pass over the bandwidth floor", s["over_floor"], t.pass_over_floor, False)
+    for n, p in ((r.get("play") or {}).get("sessions") or {}).items():
+        add(f"play, {n} session(s): frames/s over the bandwidth floor", p["of_floor"], t.play_of_floor, True)
+        if n == "1":
+            add("play, one player: p95 ms from an action to its frame", p["p95_ms"], t.play_p95_ms, False)
     return rows
 
 
@@ -387,6 +444,14 @@ def markdown(r: dict) -> str:
         lines.append(f"| {s['sampler']} k={s['k']} | {s['clip_frames']} | {s['passes']} | {s['ms_per_pass']} | "
                      f"{s['floor_ms_per_pass'] or na} | {s['over_floor'] or na} | {s['fps']} | "
                      f"{s['padded_rows_per_pass']} | {s['cache_cols_per_pass']} | {s['compile']} |")
+    play = r.get("play")
+    if play:
+        lines += ["", f"| play: sessions (context {play['context']}, k={play['k']}, d={play['d']}) | ms/tick | "
+                      f"frames/s each | frames/s all | floor, all | of floor | p50 / p95 ms action to frame |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {p['sessions']} | {p['ms_per_tick']} | {p['fps_per_session']} | {p['fps_total']} | "
+                  f"{p['floor_fps_total'] or na} | {p['of_floor'] or na} | {p['p50_ms']} / {p['p95_ms']} |"
+                  for p in play["sessions"].values()]
     f = r["flex_vs_dense"]
     lines.append("")
     if f:
