@@ -89,7 +89,8 @@ def gpu_check(out, *args):
 # one sampler length (--tiny runs two): each stage is a process start (~4-10 s on 2 cores), and a second length
 # checks nothing the first does not
 ONE_LENGTH = "bench.gpu.sampler_frames=[4]"
-STAGES = ["train_causal", "train_diagd", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "play", "memory"]
+STAGES = ["train_causal", "train_diagd", "train_causal_noac", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "play",
+          "memory"]  # --tiny drops the diagd_tma variant (flex's USE_TMA: nothing on CPU)
 
 
 @pytest.mark.slow
@@ -112,6 +113,8 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     for name, passes in (("ntp_4f", 3 * 12), ("diagd_4f", 3 * 8)):  # NTP: a pass per token; DiagD: (T-2)*d + s_spa
         assert r["sampler"][name]["passes"] == passes and r["sampler"][name]["fps"] > 0
     assert r["diagd_over_causal_step"] > 0
+    noac = r["train"]["causal_noac"]  # a variant: train.py's overrides on the causal mask
+    assert not noac["activation_checkpointing"] and noac["batch_size"] == 2 and noac["accumulate_grad_batches"] == 4
     play = r["play"]["sessions"]
     assert list(play) == ["1", "2"]
     assert all(p["fps_total"] > 0 and p["p95_ms"] >= p["p50_ms"] > 0 for p in play.values())
@@ -162,7 +165,7 @@ def test_gpu_check_runs_every_stage_in_one_process_by_default(tmp_path):
     merge; its printed JSON is bench_gpu.json."""
     p = subprocess.run([sys.executable, "-m", "mcar.cli", "bench", "gpu", "experiment=paper", *TINY, "data=synthetic",
                         "logger=csv", "trainer.accelerator=cpu", "bench.gpu.steps=2", "bench.gpu.warmup_steps=1",
-                        "bench.repeats=1", "bench.warmup=0", "bench.gpu.sampler_frames=[3]",
+                        "bench.repeats=1", "bench.warmup=0", "bench.gpu.sampler_frames=[3]", "~bench.gpu.variants",
                         "bench.memory.direct=false", f"hydra.run.dir={tmp_path}"],
                        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -373,9 +376,9 @@ def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_n
     assert plan_calls({"merge": 30}, budget=400, call_s=10)["calls"] == []  # every stage done: no call
 
 
-def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
+def test_the_shipped_700m_estimates_pack_into_four_calls_of_540_s(tmp_path):
     """`gpu_calls.py plan` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m: every stage
-    in 3 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
+    in 4 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
     planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
     import zipfile
 
@@ -387,14 +390,14 @@ def test_the_shipped_700m_estimates_pack_into_three_calls_of_540_s(tmp_path):
     overrides = ["experiment=paper", "model=700m", f"bench.gpu.dir={tmp_path}"]
     cfg = compose("bench", overrides)
     plan = calls.main(["plan", "--budget", "540", *overrides])
-    assert len(plan["calls"]) == 3 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
+    assert len(plan["calls"]) == 4 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
     assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
     assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]  # goals first
     e = OmegaConf.load(calls.ESTIMATES)
     assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
         e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
-    assert "call 3, ~" in plan["text"] and "sampler_diagd_16f 165 = 25 start-up" in plan["text"]
+    assert "call 4, ~" in plan["text"] and "sampler_diagd_16f 165 = 25 start-up" in plan["text"]
 
     stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
     with zipfile.ZipFile(tmp_path / calls.COMPILE_CACHE, "w") as z:

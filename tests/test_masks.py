@@ -116,6 +116,16 @@ def test_flex_gets_the_kernel_options_on_cuda_only(monkeypatch):
             model_module._flex(q, q, q, None)
     assert seen == [model_module.FLEX_KERNEL_OPTIONS, None]
     assert model_module.FLEX_KERNEL_OPTIONS == {"num_warps": 8, "num_stages": 2}
+    # a run's flex_kernel_options (the GPU check's diagd_tma variant) go over the defaults, and back with null
+    try:
+        model_module.set_flex_kernel_options({"USE_TMA": True})
+        with FakeTensorMode():
+            model_module._flex(torch.empty(1, 2, 8, 4, device="cuda"), *[torch.empty(1, 2, 8, 4, device="cuda")] * 2,
+                               None)
+        assert seen[-1] == {"num_warps": 8, "num_stages": 2, "USE_TMA": True}
+    finally:
+        model_module.set_flex_kernel_options(None)
+    assert model_module._flex_options == model_module.FLEX_KERNEL_OPTIONS
 
 
 def rule_as_written(feed_pass, pos, is_proxy, full):

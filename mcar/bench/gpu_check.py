@@ -12,10 +12,11 @@ overrides, tiny or not, torch, device); merge refuses stages of different finger
 the stages one process each under a timeout, resumably (scripts/gpu_calls.py: what splitting them over short
 borrowed device calls needs: estimates, the call plan, inductor's artifacts carried between machines).
 Stages:
-- train_<mask> (causal, diagd): train.py's own path (Lightning, the configured trainer, precision, activation
-  checkpointing, per-block compile on CUDA with static shapes) for bench.gpu.steps steps: ms/step over the timed
-  window, tokens/s, MFU over the rows the mask computes, peak allocated and reserved memory, host syncs per step
-  (CUDA's sync debug mode), graphs compiled;
+- train_<mask> (causal, diagd), and train_<variant> for each of bench.gpu.variants (a mask and overrides: the
+  training-speed route, e.g. no activation checkpointing with gradient accumulation, flex's USE_TMA): train.py's
+  own path (Lightning, the configured trainer, precision, activation checkpointing, per-block compile on CUDA with
+  static shapes) for bench.gpu.steps steps: ms/step over the timed window, tokens/s, MFU over the rows the mask
+  computes, peak allocated and reserved memory, host syncs per step (CUDA's sync debug mode), graphs compiled;
 - flex: flex attention with the DiagD BlockMask against SDPA with the dense mask, in the training dtype;
 - sampler_<ntp|diagd>_<F>f: the sampler speed check at F frames (compiled on CUDA): ms/pass against the bandwidth
   floor, frames/s; it compiles the generation step alone (no bare-forward graphs: bench.bare_forward=auto);
@@ -160,13 +161,17 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def train_check(cfg: DictConfig, mask: str, out: Path, overrides: list[str]) -> dict:
+def train_check(cfg: DictConfig, name: str, out: Path, overrides: list[str]) -> dict:
+    """train_<name>: a mask (causal, diagd) or a variant of bench.gpu.variants (its mask and overrides)."""
     from mcar.train.memory import GiB
     from mcar.train.task import run
 
-    tcfg = compose(config_name="train", overrides=train_overrides(cfg, mask, out, overrides))
+    variant = (cfg.bench.gpu.get("variants") or {}).get(name)
+    mask, extra = (variant.mask, list(variant.get("overrides") or [])) if variant is not None else (name, [])
+    tcfg = compose(config_name="train", overrides=train_overrides(cfg, mask, out, overrides) + extra
+                   + [f"run_name=gpucheck-{name}"])
     with open_dict(tcfg):
-        tcfg.paths.output_dir = str(out / f"train_{mask}")
+        tcfg.paths.output_dir = str(out / f"train_{name}")
     timer = step_times(int(cfg.bench.gpu.warmup_steps))
     cuda = torch.cuda.is_available() and tcfg.trainer.accelerator != "cpu"
     if cuda:
@@ -183,7 +188,8 @@ def train_check(cfg: DictConfig, mask: str, out: Path, overrides: list[str]) -> 
     world = int(tcfg.trainer.devices) * int(tcfg.trainer.num_nodes) if cuda else 1
     shape = training_shape(tcfg)
     u = mfu(timer.step_flops, step, peak_flops(dev, tcfg.get("peak_flops")), world)
-    return {"mask": mask, "precision": str(tcfg.trainer.precision), "compile": bool(tcfg.compile),
+    return {"mask": mask, "variant": extra or None, "precision": str(tcfg.trainer.precision),
+            "compile": bool(tcfg.compile), "accumulate_grad_batches": int(tcfg.trainer.accumulate_grad_batches),
             "activation_checkpointing": shape["activation_checkpointing"], "batch_size": shape["batch"],
             "seq_len": shape["seq_len"], "clip_len": int(tcfg.data.clip_frames) * (int(tcfg.data.h) * int(tcfg.data.w)
                                                                                   + int(tcfg.data.n_a)),
@@ -314,7 +320,7 @@ def mask_config(cfg: DictConfig, mask: str) -> DictConfig:
 def stages(cfg: DictConfig) -> list[str]:
     """Every stage, in the order scripts/gpu_check.sh runs them."""
     g = cfg.bench.gpu
-    return ([f"train_{m}" for m in g.masks] + ["flex"]
+    return ([f"train_{m}" for m in g.masks] + [f"train_{v}" for v in (g.get("variants") or {})] + ["flex"]
             + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["play", "memory"])
 
 
@@ -431,9 +437,9 @@ def markdown(r: dict) -> str:
     lines += ["| mask | precision | compile | act. ckpt | batch x rows | ms/step | tokens/s | TFLOP/s | MFU | "
               "syncs/step | peak alloc. / reserved GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | "
               "--- | --- |"]
-    for t in r["train"].values():
+    for name, t in r["train"].items():
         mfu_ = f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else na
-        lines.append(f"| {t['mask']} | {t['precision']} | {t['compile']} | {t['activation_checkpointing']} | "
+        lines.append(f"| {name} | {t['precision']} | {t['compile']} | {t['activation_checkpointing']} | "
                      f"{t['batch_size']} x {t['seq_len']} | {t['ms_per_step']} | {t['tokens_per_s']:,.0f} | "
                      f"{t['tflops_per_s']} | {mfu_} | "
                      f"{t['host_syncs_per_step'] if t['host_syncs_per_step'] is not None else na} | "

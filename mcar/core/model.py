@@ -70,6 +70,14 @@ _flex_compiled = None  # torch.compile(flex_attention), made at the first eager 
 # 255 registers, spilled and serialized its wgmma pipeline (ptxas C7511); 8 warps / 2 stages keep the 128 x 128
 # tiles with no spill in the forward or the backward (BENCHMARKS.md, "GPU kernels compiled on CPU").
 FLEX_KERNEL_OPTIONS = {"num_warps": 8, "num_stages": 2}
+_flex_options = dict(FLEX_KERNEL_OPTIONS)  # what CUDA flex calls pass (set_flex_kernel_options)
+
+
+def set_flex_kernel_options(options: dict | None) -> None:
+    """flex_attention's kernel options on CUDA for this process: FLEX_KERNEL_OPTIONS updated by `options` (a run's
+    mask.flex_kernel_options, e.g. {USE_TMA: true}: TMA loads on Hopper); None: the defaults."""
+    _flex_options.clear()
+    _flex_options.update(FLEX_KERNEL_OPTIONS | dict(options or {}))
 
 
 # The cached passes' attention, chosen here rather than by SDPA's dispatcher at trace time (which picked cuDNN under
@@ -85,7 +93,7 @@ def _flex(q, k, v, block_mask):
     eager)."""
     global _flex_compiled
     gqa = q.shape[1] != k.shape[1]
-    options = FLEX_KERNEL_OPTIONS if q.is_cuda else None
+    options = dict(_flex_options) if q.is_cuda else None
     if _wants_compiled_flex(q) and not torch.compiler.is_compiling():
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)

@@ -18,7 +18,7 @@ import torch
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, masked_loss
-from mcar.core.model import ModelConfig, Transformer
+from mcar.core.model import ModelConfig, Transformer, set_flex_kernel_options
 from mcar.core.schedule import ScheduleConfig
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
@@ -109,7 +109,7 @@ class MCARModule(L.LightningModule):
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
                  lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None,
-                 stage: str = "train"):
+                 stage: str = "train", flex_kernel_options: dict | None = None):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -118,13 +118,15 @@ class MCARModule(L.LightningModule):
         constant rate). schedule: the run's `schedule` group (None: ScheduleConfig's defaults).
         data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
         that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config). stage: train
-        (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only)."""
+        (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only).
+        flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true})."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
         self.model = Transformer(ModelConfig(**arch))
         self.layout = Layout(**layout)
         mask = dict(mask)
+        set_flex_kernel_options(flex_kernel_options)  # CUDA flex only; null: the defaults
         self.schedule = ScheduleConfig.of(schedule)  # the run's one schedule: training mask, validation, sampling
         self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames, schedule=self.schedule,
                                                action_loss=action_loss, **mask)
