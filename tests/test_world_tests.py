@@ -238,3 +238,19 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
     assert "| wait_n1_w2 | 5 | 2 / 2 | real | 0.500 [0.400, 0.600] |" in md
     assert "| L_n1_m1 | 5 | 0 / 2 |" in md
     assert "| back_n3 | 7 | skipped: 7 frames > context 6 (shapes_beyond_context=true runs it) |" in md
+
+
+def test_versus_compares_two_runs_start_by_start():
+    """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
+    from mcar.eval.world_tests import interval, paired_versus, versus_markdown
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.rand(32, generator=g, dtype=torch.float64)
+    run = lambda shift: {"rollout": {"model context=6": {"mean": interval(base + shift, 0)}},
+                         "loops": {"1": {"model context=6": {"recall": interval(base, 0)}}}}
+    rows = {r["what"]: r for r in paired_versus(run(0.05), json.loads(json.dumps(run(0.0))), 0)}
+    better = rows["rollout model context=6: mean"]
+    assert better["difference"] == pytest.approx(0.05) and better["lo"] == pytest.approx(0.05)  # every start +0.05
+    same = rows["loop 1 model context=6: recall"]
+    assert same["difference"] == 0 and same["lo"] == same["hi"] == 0
+    assert "| rollout model context=6: mean |" in versus_markdown(list(rows.values()), "x.json")

@@ -183,10 +183,11 @@ def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, gri
 
 
 def interval(per_start: torch.Tensor, seed: int) -> dict:
-    """per-start values -> {mean, lo, hi, n}: the mean and its 95% bootstrap interval over starts."""
+    """per-start values -> {mean, lo, hi, n, per_start}: the mean and its 95% bootstrap interval over starts, and the
+    values (the same seed_base gives every model the same starts: two runs compare paired, start by start)."""
     v = per_start.double()
     lo, hi = bootstrap_ci(v, lambda x: x.mean(-1), seed)
-    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v)}
+    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v), "per_start": [round(float(x), 6) for x in v]}
 
 
 @dataclass(frozen=True)
@@ -648,6 +649,41 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
+    """This run's model rows minus another run's (`versus`: its world_tests.json), start by start (the same
+    seed_base and starts: the same worlds and actions), each with a 95% bootstrap interval over starts: the
+    rollout's agreement (mean, last step), map, inventory and invented tiles, and each loop's and shape's recall."""
+    pairs = []
+    for name, row in mine.get("rollout", {}).items():
+        for key in ("mean", "last", "map_mean", "inventory_mean", "invented_mean", "tv_mean"):
+            pairs.append((f"rollout {name}: {key}", row.get(key), theirs.get("rollout", {}).get(name, {}).get(key)))
+    for n, rows in mine.get("loops", {}).items():
+        for name, r in rows.items():
+            pairs.append((f"loop {n} {name}: recall", r.get("recall"),
+                          theirs.get("loops", {}).get(str(n), {}).get(name, {}).get("recall")))
+    for shape, v in mine.get("shapes", {}).items():
+        for name, r in v.get("rows", {}).items():
+            pairs.append((f"shape {shape} {name}: recall", r.get("recall"),
+                          theirs.get("shapes", {}).get(shape, {}).get("rows", {}).get(name, {}).get("recall")))
+    out = []
+    for what, a, b in pairs:
+        if not a or not b or "per_start" not in a or "per_start" not in b or len(a["per_start"]) != len(b["per_start"]):
+            continue
+        d = torch.tensor(a["per_start"], dtype=torch.float64) - torch.tensor(b["per_start"], dtype=torch.float64)
+        lo, hi = bootstrap_ci(d, lambda x: x.mean(-1), seed)
+        out.append({"what": what, "mine": a["mean"], "theirs": b["mean"], "difference": float(d.mean()), "lo": lo,
+                    "hi": hi, "n": len(d)})
+    return out
+
+
+def versus_markdown(rows: list[dict], versus: str) -> str:
+    lines = [f"This run minus {versus}, start by start (95% bootstrap interval over starts):", "",
+             "| measure | this run | versus | difference |", "|---|---|---|---|"]
+    lines += [f"| {r['what']} | {r['mine']:.3f} | {r['theirs']:.3f} | {r['difference']:+.3f} [{r['lo']:+.3f}, "
+              f"{r['hi']:+.3f}] |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 CURVE_COLUMNS = ["row", "step", "agreement", "lo", "hi", "tv", "map", "inventory", "invented"]
 
 
@@ -699,6 +735,11 @@ def world_tests(cfg: DictConfig) -> dict:
     if "shapes" in cfg.tests:
         for spec in cfg.get("shapes") or []:
             parse_shape(spec)
+    versus = None
+    if cfg.get("versus"):  # checked now, not after the run
+        versus = Path(cfg.versus) / "world_tests.json" if Path(cfg.versus).is_dir() else Path(cfg.versus)
+        if not versus.is_file():
+            raise FileNotFoundError(f"versus={cfg.versus}: no world_tests.json there (another worldtest's output)")
     tests = WorldTests(cfg)
     res = tests.run()
     out = Path(cfg.paths.output_dir)
@@ -710,7 +751,13 @@ def world_tests(cfg: DictConfig) -> dict:
         media[f"world/{key}"] = write_video(video, out / "videos" / key, cfg.fps)[1]
     table = write_curves(tests.curves, out / "rollout_agreement.csv")
     (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
-    (out / "world_tests.md").write_text(markdown(res))
+    md = markdown(res)
+    if versus is not None:
+        path = versus
+        res["versus"] = {"path": str(path), "rows": paired_versus(res, json.loads(path.read_text()), int(cfg.seed))}
+        md += "\n" + versus_markdown(res["versus"]["rows"], str(path))
+        (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
+    (out / "world_tests.md").write_text(md)
     log_wandb(cfg, res, table, media)
-    log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", markdown(res), out)
+    log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", md, out)
     return res
