@@ -133,3 +133,22 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
     load_model(ckpt)  # generate, evaluate and play read it
     run_in_process(main, *common, "steps=3", "ckpt_path=last")
     assert load_checkpoint(ckpt)["global_step"] == 3
+
+
+def test_the_supervised_control_is_the_samplers_loss_on_the_true_clips():
+    """posttrain.objective=supervised: the same worlds' true clips teacher-forced on the rollout sampler's schedule
+    and window, the mean negative log-probability of their generated tokens; an unknown objective is refused."""
+    from mcar.train.posttrain import PostTrainModule
+
+    post = dict(group=2, rollout_frames=4, context=3, clip_eps=0.2, kl_coef=0.0, objective="supervised",
+                rewards={"tiles": {"_target_": "mcar.train.rewards.TileAgreement", "weight": 1}})
+    kw = dict(arch=dict(vocab_size=CB + 4, dim=32, n_layers=1, n_heads=2, mlp_dim=64), layout=vars(LAYOUT),
+              clip_frames=3, mask={"name": "diagd"}, optim={}, max_steps=1, data={"codebook_size": CB},
+              sampler={"name": "diagd", "temperature": 1.0})
+    module = PostTrainModule(post, **kw)
+    clips = clips_of([[1, 2, 3, 4], [5, 6, 7, 8]])
+    logp = module.scorer(module.model, clips, module.rule("cpu"))
+    assert module.training_step({"tokens": clips}, 0).item() == pytest.approx(
+        -logp[:, module.scorer.generated_mask()].mean().item())
+    with pytest.raises(ValueError, match="posttrain.objective='ppo'"):
+        PostTrainModule(post | {"objective": "ppo"}, **kw)

@@ -56,6 +56,9 @@ class PostTrainModule(MCARModule):
         posttrain.kl_coef must be 0). The other arguments are MCARModule's."""
         super().__init__(**module_args)
         p = self.post = dict(posttrain)
+        if p.get("objective", "grpo") not in ("grpo", "supervised"):
+            raise ValueError(f"posttrain.objective={p.get('objective')!r}: grpo (rollouts and rewards) or supervised "
+                             f"(the control: the same worlds' true clips, teacher-forced)")
         self.group, self.frames = int(p["group"]), int(p["rollout_frames"])
         if self.group < 2:
             raise ValueError(f"posttrain.group={self.group}: GRPO compares rollouts of one start, at least 2")
@@ -117,6 +120,8 @@ class PostTrainModule(MCARModule):
 
     # --- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.post.get("objective", "grpo") == "supervised":
+            return self.supervised_step(batch)
         step, every = self.global_step, int(self.post.get("updates_per_batch") or 1)
         if self._rollouts is None or step % every == 0:
             self._rollouts = self.rollouts(batch["tokens"], step)
@@ -145,9 +150,23 @@ class PostTrainModule(MCARModule):
         self.last_rollouts = r
         return out.loss
 
+    def supervised_step(self, batch: dict) -> torch.Tensor:
+        """posttrain.objective=supervised, the control: the same fresh worlds' true clips, no rollouts, the loss the
+        negative log-probability the sampler (its schedule and window) gives their tokens: a DiagD fine-tune on
+        the simulator's data at the cost of the same steps."""
+        logp = self.scorer(self.model, batch["tokens"], self.rule(batch["tokens"].device))
+        loss = -logp[:, self.scorer.generated_mask(logp.device)].mean()
+        if self._loss_watch is None:
+            self._loss_watch = LossWatch(deferred=loss.is_cuda)
+        self._loss_watch.push(loss, self.global_step)
+        self._stop_on_non_finite_loss()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Throughput in rollout tokens (the parent's counts the batch's true clips)."""
-        super().on_train_batch_end(outputs, {"tokens": self._rollouts["tokens"]}, batch_idx)
+        tokens = self._rollouts["tokens"] if self._rollouts is not None else batch["tokens"]
+        super().on_train_batch_end(outputs, {"tokens": tokens}, batch_idx)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:  # no validation set: rewards are measured
         return None
