@@ -632,3 +632,20 @@ def test_a_soak_of_players_coming_and_going_draws_every_frame_as_played_alone(cr
     assert r["mismatched"] == 0 and r["frames"] >= 10 and r["games"] >= 3, r
     assert r["splits"] >= 1  # partners stepping apart were split, not restarted
     assert base.server.leaves_nothing()  # every game gone, every rollout's cache with it
+
+
+def test_a_game_gradio_deletes_twice_leaves_once():
+    """gradio calls a State's delete callback when it expires and again when its session closes: the game leaves
+    the server once and the live count never goes below the games held (it read -1 on a loaded machine)."""
+    from mcar.tools.play import Games
+
+    left = []
+    server = type("Server", (), {"leave": lambda self, game: left.append(game)})()
+    game = type("Game", (), {"server": server, "steps": 3})()
+    base = type("Base", (), {"fork": lambda self: game})()
+    games = Games(base)
+    assert games.of(None) is game and games.live == 1
+    games.dropped(game)
+    games.dropped(game)
+    games.dropped(None)
+    assert games.live == 0 and left == [game]

@@ -63,7 +63,8 @@ class Games:
     one after the session's idle time)."""
 
     def __init__(self, base: PlaySession, refuse=RuntimeError):
-        self.base, self.live, self.refuse, self._lock = base, 0, refuse, threading.Lock()
+        self.base, self.refuse, self._lock = base, refuse, threading.Lock()
+        self._held: set[int] = set()  # ids of the games sessions hold
 
     def of(self, game: PlaySession | None) -> PlaySession:
         """The session's game; a new one (from the start frame) for a session that has none yet; `refuse` (the
@@ -75,15 +76,22 @@ class Games:
         except GamesFull as e:
             raise self.refuse(str(e)) from None
         with self._lock:
-            self.live += 1
+            self._held.add(id(game))
         return game
 
+    @property
+    def live(self) -> int:
+        return len(self._held)
+
     def dropped(self, game: PlaySession | None) -> None:
-        if game is not None:
-            with self._lock:
-                self.live -= 1
-            game.server.leave(game)
-            log.info("mcar.play: an idle game was dropped after %d step(s); %d live", game.steps, self.live)
+        """gradio's callback for a session state it deletes: on expiry and again when the session closes, so a game
+        may come twice; it leaves once."""
+        with self._lock:
+            if game is None or id(game) not in self._held:
+                return
+            self._held.discard(id(game))
+        game.server.leave(game)
+        log.info("mcar.play: an idle game was dropped after %d step(s); %d live", game.steps, self.live)
 
 
 def key_script(keys: dict[str, str]) -> str:
