@@ -89,6 +89,37 @@ def test_more_distinct_patches_than_codes_uses_every_code():
     assert stats["distinct"] == 64 and stats["codes_used"] == 16
 
 
+def test_fixed_patches_get_codes_of_their_own_and_kept_ids_stay():
+    """fixed=: every listed patch gets an exact code of its own, seen in the frames or not; keep=: a listed patch
+    that was a code of an older VQ keeps its id (its tokens stay valid); patches of the frames that are none of them
+    get the codes left over (k-means); the rest are never chosen."""
+    tile_set = tiles(12)
+    g = torch.Generator().manual_seed(2)
+    frames = torch.stack([scene(tile_set[:5], gr) for gr in torch.randint(0, 5, (4, 3, 4), generator=g)])
+    old, _ = fit_patch_vq(frames, patch=P, codes=8, iters=3)  # the 5 tiles it saw: codes 0-4 in k-means' order
+    vq, stats = fit_patch_vq(frames, patch=P, codes=16, fixed=tile_set, keep=old.quantize.embedding.weight)
+    assert (stats["fixed"], stats["kept_ids"], stats["patches_not_fixed"], stats["mse"]) == (12, 5, 0, 0.0)
+    ids = encode_tokens(vq, tile_set).view(-1)
+    assert ids.unique().numel() == 12 and int(ids.max()) < 12
+    assert torch.equal(to_uint8(decode_tokens(vq, ids.view(-1, 1, 1))), tile_set)
+    assert torch.equal(ids[:5], encode_tokens(old, tile_set[:5]).view(-1))
+    noise = torch.randint(0, 256, (64, P, P, 3), generator=g, dtype=torch.uint8)
+    assert int(encode_tokens(vq, noise).max()) < 12  # the 4 codes left over repeat code 0: never the nearest
+    again, _ = fit_patch_vq(frames, patch=P, codes=16, fixed=tile_set, keep=vq.quantize.embedding.weight)
+    assert torch.equal(again.quantize.embedding.weight, vq.quantize.embedding.weight)  # rebuilding changes nothing
+    extra = tiles(3, seed=9)  # in the frames but not listed: k-means gives them the codes left over
+    more = torch.cat([frames, torch.stack([scene(extra, torch.randint(0, 3, (3, 4), generator=g))])])
+    vq2, stats2 = fit_patch_vq(more, patch=P, codes=16, fixed=tile_set, iters=5)
+    assert stats2["patches_not_fixed"] == 12 and stats2["mse"] < 1e-10
+    both = torch.cat([tile_set, extra])
+    assert encode_tokens(vq2, both).unique().numel() == 15
+    assert torch.equal(to_uint8(decode_tokens(vq2, encode_tokens(vq2, both).view(-1, 1, 1))), both)
+    with pytest.raises(ValueError, match="do not fit codes=8"):
+        fit_patch_vq(frames, patch=P, codes=8, fixed=tile_set)
+    with pytest.raises(ValueError, match="same pixels"):
+        fit_patch_vq(frames, patch=P, codes=16, fixed=torch.cat([tile_set, tile_set[:1]]))
+
+
 def test_the_committed_tile_vq_is_exact_on_tile_crafter():
     """The committed vq_crafter_tiles on a fresh episode of data=crafter_tiles (seed 7, not a training seed):
     every 16x16 tile decodes to its own pixels, and the tile under a moving player's old neighbour is the same
@@ -134,6 +165,8 @@ def test_crafter_tiles_config_uses_the_committed_patch_vq():
     cfg = compose("train", ["data=crafter_tiles"])
     assert Path(cfg.vq.path) == Path(__file__).parents[1] / "mcar" / "assets" / "vq_crafter_tiles"
     assert cfg.data.codebook_size == load_vq(cfg.vq.path).config.num_vq_embeddings == 128
+    every = compose("train", ["data=crafter_tiles", "vq=tiles_all"])  # every tile its own code (test_tile_vq.py)
+    assert every.data.codebook_size == load_vq(every.vq.path).config.num_vq_embeddings == 256
     assert list(cfg.data.view) == [24, 14] and cfg.data.daylight == 1.0 and cfg.data.lossless
     # its own name (own IDM, own run names) but Crafter's actions: named in the IDM's table, mcar.play and generate
     from mcar.idm.scores import action_names

@@ -1,9 +1,11 @@
 """A VQ without a network: each p x p pixel patch of a frame becomes the id of the nearest of K codebook patches.
 
-The codebook is k-means over training patches (`fit_patch_vq`, a minute on a CPU). A token depends on its own
-patch only, so a scene shifted by whole patches gives a token grid shifted exactly: Crafter rendered with one
-16 x 16 tile per token (`data=crafter_tiles`: data.view=[24,14] at 384x224) turns a move into a one-token shift,
-which a conv VQ (whose every token sees its neighbours) does not guarantee.
+The codebook is k-means over training patches (`fit_patch_vq`, a minute on a CPU), or (fixed=) a listed set of patches
+that each get an exact code, k-means fitting the rest: the committed vq_crafter_tiles holds every tile Crafter can
+draw (mcar.data.crafter_textures). A token depends on its own patch only, so a scene shifted by whole patches gives
+a token grid shifted exactly: Crafter rendered with one 16 x 16 tile per token (`data=crafter_tiles`:
+data.view=[24,14] at 384x224) turns a move into a one-token shift, which a conv VQ (whose every token sees its
+neighbours) does not guarantee.
 
 It has the parts of a diffusers `VQModel` that mcar uses (`encode(x).latents`, `quantize`, `post_quant_conv`,
 `decoder`, `config`), so tokenising, decoding, the IDM's code vectors and `vq_eval` take it unchanged; it is
@@ -93,23 +95,28 @@ def nearest(x: torch.Tensor, codes: torch.Tensor, chunk: int = 8192) -> torch.Te
     return torch.cat([(c2 - 2 * xc @ codes.t()).argmin(1) for xc in x.split(chunk)])
 
 
-@torch.no_grad()
-def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters: int = 15, seed: int = 0,
-                 max_patches: int = 100_000, max_seed_pool: int = 20_000) -> tuple[PatchVQ, dict]:
-    """k-means (k-means++ seeding on a sample, Lloyd iterations) over the p x p patches of `frames`
-    (N, H, W, 3) uint8. -> (the VQ, {patches, distinct, codes_used, mse}). Empty clusters are re-seeded with the
-    patches farthest from their code, so every code ends up in use when there are enough distinct patches."""
-    g = torch.Generator().manual_seed(seed)
-    x = F.pixel_unshuffle(frames.permute(0, 3, 1, 2), patch)  # (N, D, h, w), still uint8: frames can be many
-    x = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-    if len(x) > max_patches:
-        x = x[torch.randperm(len(x), generator=g)[:max_patches]]
-    x = x.float().div(127.5).sub(1)
+HALF_LEVEL = 0.5 / 127.5  # half a grey level in [-1, 1]: patches closer than this in every value are the same pixels
+
+
+def patch_vectors(patches: torch.Tensor) -> torch.Tensor:
+    """(N, p, p, C) uint8 patches -> (N, C p p) in [-1, 1], in the order `PatchVQ.encode` flattens a patch."""
+    x = patches.permute(0, 3, 1, 2).float().div(127.5).sub(1)
+    return F.pixel_unshuffle(x, patches.shape[1]).flatten(1)
+
+
+def same_pixels(x: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (index of the nearest row of `codes` for each row of x, whether it has x's pixels: every value within half
+    a grey level)."""
+    idx = nearest(x, codes)
+    return idx, (x - codes[idx]).abs().amax(1) < HALF_LEVEL
+
+
+def _kmeans(x: torch.Tensor, k: int, iters: int, g: torch.Generator, max_seed_pool: int) -> torch.Tensor:
+    """k centres for the rows of x (k-means++ seeding on a sample of its distinct rows, Lloyd iterations); empty
+    clusters are re-seeded with the rows farthest from their centre. k <= the number of distinct rows."""
     distinct = torch.unique((x * 16).round(), dim=0) / 16
-    n_distinct = len(distinct)
-    if n_distinct > max_seed_pool:
-        distinct = distinct[torch.randperm(n_distinct, generator=g)[:max_seed_pool]]
-    k = min(codes, len(distinct))
+    if len(distinct) > max_seed_pool:
+        distinct = distinct[torch.randperm(len(distinct), generator=g)[:max_seed_pool]]
     # k-means++ seeding on (a sample of) the distinct patches: common textures do not take every seed
     c = distinct[torch.randint(len(distinct), (1,), generator=g)]
     d2 = ((distinct - c) ** 2).sum(1)
@@ -128,12 +135,68 @@ def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters:
         if empty.any():  # re-seed empty codes with the worst-fitted patches
             err = ((x - centres[idx]) ** 2).sum(1)
             centres[empty] = x[err.topk(int(empty.sum())).indices]
-    idx = nearest(x, centres)
-    mse = float(((x - centres[idx]) ** 2).mean())
+    return centres
+
+
+@torch.no_grad()
+def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters: int = 15, seed: int = 0,
+                 max_patches: int = 100_000, max_seed_pool: int = 20_000, fixed: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> tuple[PatchVQ, dict]:
+    """k-means (k-means++ seeding on a sample, Lloyd iterations) over the p x p patches of `frames`
+    (N, H, W, 3) uint8. -> (the VQ, {patches, distinct, codes_used, mse, ...}). Empty clusters are re-seeded with the
+    patches farthest from their code, so every code ends up in use when there are enough distinct patches.
+
+    fixed: (F, p, p, 3) uint8 patches, all different, that each get a code of their own holding exactly their pixels
+    (every tile a game can draw: mcar.data.crafter_textures), whether or not the frames show them; k-means then
+    fits the codes left over on the patches of `frames` that are none of them (none, when `fixed` is every tile the
+    frames can hold). keep: a previous codebook (K0, C p p): a fixed patch that is one of its codes keeps that
+    code's id, so tokens made with it stay valid; its other codes are not kept. Codes left over repeat the first
+    code, never chosen."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.pixel_unshuffle(frames.permute(0, 3, 1, 2), patch)  # (N, D, h, w), still uint8: frames can be many
+    x = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    if len(x) > max_patches:
+        x = x[torch.randperm(len(x), generator=g)[:max_patches]]
+    x = x.float().div(127.5).sub(1)
+    n_distinct = len(torch.unique((x * 16).round(), dim=0))
+    stats: dict = {}
+    book = torch.zeros(codes, x.shape[1])
+    taken = torch.zeros(codes, dtype=torch.bool)
+    rest = x
+    if fixed is not None:
+        if fixed.shape[1:3] != (patch, patch):
+            raise ValueError(f"fixed patches of {tuple(fixed.shape[1:3])} pixels, the VQ's patch is {patch}")
+        fx = patch_vectors(fixed)
+        if len(torch.unique(fixed.flatten(1), dim=0)) < len(fixed):
+            raise ValueError("two fixed patches have the same pixels: they cannot have a code each")
+        if len(fx) > codes:
+            raise ValueError(f"{len(fx)} fixed patches do not fit codes={codes}")
+        ids = torch.full((len(fx),), -1)
+        if keep is not None:
+            ki, match = same_pixels(fx, keep.float())
+            if (ki[match] >= codes).any():
+                raise ValueError(f"keep: a fixed patch is code {int(ki[match].max())} of the kept codebook, past "
+                                 f"codes={codes}")
+            ids[match] = ki[match]
+            stats["kept_ids"] = int(match.sum())
+        free = [i for i in range(codes) if i not in set(ids.tolist())]
+        ids[ids < 0] = torch.tensor(free[:int((ids < 0).sum())], dtype=ids.dtype)
+        book[ids], taken[ids] = fx, True
+        _, known = same_pixels(x, fx)
+        rest = x[~known]
+        stats.update(fixed=len(fx), patches_not_fixed=len(rest))
+    k = min(int((~taken).sum()), len(torch.unique((rest * 16).round(), dim=0))) if len(rest) else 0
+    if k:
+        book[(~taken).nonzero()[:k, 0]] = _kmeans(rest, k, iters, g, max_seed_pool)
+        taken[(~taken).nonzero()[:k, 0]] = True
+    # fewer distinct patches than codes: the rest repeat the first code (never chosen: the nearest code is the first
+    # of equals); one before it (keep left code 0 free) holds a vector far outside [-1, 1], never nearest either
+    first = int(taken.nonzero()[0, 0]) if taken.any() else 0
+    pads = (~taken).nonzero()[:, 0]
+    book[pads] = torch.where((pads > first)[:, None], book[first], torch.full_like(book[first], 5.0))
+    idx = nearest(x, book)
+    mse = float(((x - book[idx]) ** 2).mean())
     vq = PatchVQ(patch, codes, frames.shape[-1])
-    vq.quantize.embedding.weight.data.zero_()
-    vq.quantize.embedding.weight.data[:k] = centres
-    if k < codes:  # fewer distinct patches than codes: the rest repeat code 0 and are never chosen first
-        vq.quantize.embedding.weight.data[k:] = centres[0]
+    vq.quantize.embedding.weight.data.copy_(book)
     return vq.eval(), {"patches": len(x), "distinct": n_distinct, "codes_used": int(idx.unique().numel()),
-                       "mse": mse}
+                       "mse": mse, **stats}
