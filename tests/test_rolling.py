@@ -172,6 +172,9 @@ def test_static_rollout_passes_are_staged_at_fixed_addresses_with_nothing_built_
 
     def record(model, tokens, p, *args):
         assert all(get_static_address_type(t) is not None for t in p) and p.mask.dtype == torch.float32
+        codes, rule = args[-2:]  # shared by the sampler's rollouts: held at one address each (the rollout's own
+        assert get_static_address_type(codes) is not None  # tokens, row keys and first slots are not, yet)
+        assert rule.temperature is None or get_static_address_type(rule.temperature) is not None
         seen.append(tuple(t.data_ptr() for t in p))
         return step(model, tokens, p, *args)
 

@@ -441,6 +441,11 @@ class Rollout:
         temperature = sampler.temperature if temperature is None else temperature
         top_k = sampler.top_k if top_k is None else top_k
         self.rule = SamplingRule.of(temperature, top_k, sampler.top_p, sampler.codebook_size, device)
+        if sampler.is_static(device):  # what every rollout of this sampler shares, at one address (held: static)
+            r = self.rule
+            self.codes = sampler.held("value codes", self.codes)
+            self.rule = SamplingRule(sampler.held(f"temperature {temperature}", r.temperature), r.top_k,
+                                     sampler.held(f"top_p {sampler.top_p}", r.top_p), r.codebook_size)
         sampler._open_cache(model, B, plan.n_cols + 1, setup_cache, device)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
