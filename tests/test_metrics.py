@@ -224,23 +224,10 @@ def test_dino_loads_weights_only_from_a_local_folder_or_says_which_path_to_set(t
 def test_scoring_gives_subject_consistency_per_clip_with_its_interval_or_says_why_not(monkeypatch):
     """score(): SUBJ from the decoded frames of the last prompt frame on (copy_last: a still video, 1), with a
     bootstrap interval and per-clip values; without a DINO net the column is n/a and the notes say why."""
-    from mcar.eval import scoring
     from mcar.eval.scoring import Scorer, reference_clips, score
-    from mcar.tokenizer.clips import join_clip
 
-    layout, cb, T, P = Layout(2, 3, 1), 4, 4, 1
-    g = torch.Generator().manual_seed(0)
-    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.zeros(T, 1, dtype=torch.long),
-                                cb) for _ in range(5)])
-
-    def pixels(scorer, gen, real):  # a frame's pixels from its tokens, as a VQ decoding would give them
-        as_video = lambda clips: (clips.view(len(clips), T, -1)[:, :, :6].float() / cb).view(len(clips), T, 1, 2, 3)
-        return tuple(as_video(c).expand(-1, -1, 3, -1, -1).repeat_interleave(4, -1).repeat_interleave(4, -2)
-                     for c in (gen, real))
-
-    monkeypatch.setattr(scoring, "_pixels", pixels)
-    missing = M.Unavailable("no weights")
-    base = dict(layout=layout, codebook_size=cb, prompt_frames=P, vq=None, names={})
+    layout, cb, P = Layout(2, 3, 1), 4, 1
+    gt, missing, base = token_video_scoring(monkeypatch, P)
     nets = {"i3d": missing, "lpips": missing, "idm": missing, "raft": missing, "musiq": missing}
     still = reference_clips("copy_last", gt, layout, P, cb)
     row, _, extra = score(still, gt, scorer=Scorer(**base, nets=nets | {"dino": PooledPixels()}))
@@ -251,3 +238,25 @@ def test_scoring_gives_subject_consistency_per_clip_with_its_interval_or_says_wh
     row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": M.load_dino(None)}))
     assert isinstance(row["subject_consistency"], M.Unavailable) and "subject_consistency: no DINO weights" in \
         row["notes"]
+
+
+def token_video_scoring(monkeypatch, prompt_frames: int):
+    """What the scoring tests share: 5 random 4-frame clips of a 2 x 3 layout whose pixels are their tokens (each
+    token a 4 x 4 grey patch, as a VQ decoding would give them: scoring._pixels replaced), a missing net, and the
+    Scorer's fixed arguments -> (clips, missing, base)."""
+    from mcar.eval import scoring
+    from mcar.tokenizer.clips import join_clip
+
+    layout, cb, T = Layout(2, 3, 1), 4, 4
+    g = torch.Generator().manual_seed(0)
+    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.zeros(T, 1, dtype=torch.long),
+                                cb) for _ in range(5)])
+
+    def pixels(scorer, gen, real):
+        as_video = lambda clips: (clips.view(len(clips), T, -1)[:, :, :6].float() / cb).view(len(clips), T, 1, 2, 3)
+        return tuple(as_video(c).expand(-1, -1, 3, -1, -1).repeat_interleave(4, -1).repeat_interleave(4, -2)
+                     for c in (gen, real))
+
+    monkeypatch.setattr(scoring, "_pixels", pixels)
+    return gt, M.Unavailable("no weights"), dict(layout=layout, codebook_size=cb, prompt_frames=prompt_frames,
+                                                 vq=None, names={})

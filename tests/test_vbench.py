@@ -171,27 +171,17 @@ def test_scoring_gives_both_columns_per_clip_with_intervals_or_says_why_not(monk
     the columns are n/a and the notes name the key to set."""
     from mcar.eval import scoring
     from mcar.eval.scoring import Scorer, reference_clips, score
-    from mcar.tokenizer.clips import join_clip
 
-    layout, cb, T, P = Layout(2, 3, 1), 4, 4, 2
-    g = torch.Generator().manual_seed(0)
-    gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), torch.zeros(T, 1, dtype=torch.long),
-                                cb) for _ in range(5)])
+    from .test_metrics import token_video_scoring
 
-    def pixels(scorer, gen, real):  # a frame's pixels from its tokens, as a VQ decoding would give them
-        as_video = lambda clips: (clips.view(len(clips), T, -1)[:, :, :6].float() / cb).view(len(clips), T, 1, 2, 3)
-        return tuple(as_video(c).expand(-1, -1, 3, -1, -1).repeat_interleave(4, -1).repeat_interleave(4, -2)
-                     for c in (gen, real))
-
-    monkeypatch.setattr(scoring, "_pixels", pixels)
-    missing = M.Unavailable("no weights")
-    base = dict(layout=layout, codebook_size=cb, prompt_frames=P, vq=None, names={})
+    layout, cb, P = Layout(2, 3, 1), 4, 2
+    gt, missing, base = token_video_scoring(monkeypatch, P)
     nets = {"i3d": missing, "lpips": missing, "dino": missing, "idm": missing, "raft": ChangeAsFlow(),
             "musiq": Brightness()}
     still = reference_clips("copy_last", gt, layout, P, cb)
     row, _, extra = score(still, gt, scorer=Scorer(**base, nets=nets))
     assert row["dynamic_degree"] == 0.0 and len(extra["per_clip"]["dynamic_degree"]) == 5
-    brightness = pixels(None, still, gt)[0][:, P:].flatten(1).mean(1).double()  # generated frames only
+    brightness = scoring._pixels(None, still, gt)[0][:, P:].flatten(1).mean(1).double()  # generated frames only
     assert extra["per_clip"]["imaging_quality"] == pytest.approx(brightness.tolist())
     assert row["imaging_quality_lo"] <= row["imaging_quality"] <= row["imaging_quality_hi"]
     row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets))
