@@ -237,7 +237,11 @@ def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
     class Oracle:  # a rollout whose next frame is the real one (any model would do as well as this at best)
         passes, rows, temperature, top_k = 1, None, 1.0, None
 
+        def rolling_schedule(self, device):
+            return type("Ring", (), {"cache_slots": 1})()
+
         def rollout(self, model, prompt, **settings):
+            model.setup_cache(len(prompt), 1)  # a rollout runs on the model's cache (play lends it from its pool)
             self.last = prompt[0, -L:-1]
             return self
 
@@ -604,7 +608,7 @@ def test_a_games_noise_does_not_depend_on_who_joins(crafter_files):
 
 def test_games_are_capped_and_their_memory_returned(crafter_files):
     """max_games: the next join is refused with a message the page shows; games that leave free their place and
-    their rollout's KV cache, and a server whose players all left holds none."""
+    give their rollout's KV cache back to the server's pool, and a server whose players all left lends none."""
     from mcar.sampling.play import GamesFull
 
     base = crafter_session(crafter_files, "max_games=2")
@@ -622,6 +626,82 @@ def test_games_are_capped_and_their_memory_returned(crafter_files):
         crafter_session(crafter_files, "max_games=0")
 
 
+def cache_addresses_by_width(model) -> dict:
+    """Batch width -> the KV cache addresses (each layer's k and v buffers) the model's cached passes have read,
+    collected from now on. Every cache seen is kept alive, so a freed buffer's address never returns as a new
+    cache's."""
+    seen, kept = {}, []
+
+    def record(module, args):
+        caches = module.kv_caches()
+        if caches is not None:
+            kept.append(caches)
+            ptrs = tuple(b.data_ptr() for c in caches for b in (c.k_buf, c.v_buf))
+            seen.setdefault(args[0].shape[0], set()).add(ptrs)
+
+    model.register_forward_pre_hook(record)
+    return seen
+
+
+def test_joins_leaves_resets_and_k_changes_keep_each_widths_kv_caches_at_the_same_addresses(crafter_files, monkeypatch):
+    """CUDA graphs read the KV caches at fixed addresses: a cache that moved is recorded again (and after 128
+    records of a shape torch stops graphing it). Rollouts borrow their caches from the server's pool, so a width's
+    passes see no more cache sets than rollouts of that width ever live at once, however often players come, go,
+    reset or change k."""
+    from mcar.sampling.play import PlaySession
+
+    monkeypatch.setattr(PlaySession, "decode", lambda self, tokens: np.zeros((1, 1, 3), np.uint8))  # images unused
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    server = base.server
+    seen = cache_addresses_by_width(server.model)
+    a, b = base.fork(seed=1), base.fork(seed=2)
+    server.step_together([(a, "do"), (b, "noop")])  # one rollout of width 2
+    b.reset()
+    server.step_together([(a, "do"), (b, "noop")])  # a split off (width 1), b restarted (width 1): two live
+    b.set_k(1)
+    server.step_together([(a, "do"), (b, "noop")])  # b restarted at k=1: the set it left
+    server.leave(b)
+    c = base.fork(seed=3)
+    server.step_together([(a, "do"), (c, "noop")])  # c starts on b's set
+    server.leave(a), server.leave(c)
+    d, e = base.fork(seed=4), base.fork(seed=5)
+    server.step_together([(d, "do"), (e, "noop")])  # a width-2 rollout again: the first one's set
+    server.leave(d), server.leave(e)
+    assert server.restarts == 5 and server.splits == 1
+    assert {w: len(sets) for w, sets in seen.items()} == {1: 2, 2: 1}
+    assert server.leaves_nothing()
+
+
+def test_a_game_on_a_recycled_kv_cache_draws_what_it_draws_on_a_fresh_one(crafter_files, monkeypatch):
+    """A rollout started on a cache another game filled sees nothing of it (the prefill zeroes the set): the same
+    game, seed and actions draw the same frames token for token as on a fresh server's new cache."""
+    from mcar.sampling.play import PlaySession
+
+    monkeypatch.setattr(PlaySession, "decode", lambda self, tokens: np.zeros((1, 1, 3), np.uint8))  # tokens compared
+    acts = ["move_left", "do", "noop", "move_up"]
+    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    server = base.server
+
+    def drawn(game) -> list[torch.Tensor]:
+        frames = []
+        for act in acts:
+            game.step(act)
+            frames.append(game.history[-1].clone())
+        return frames
+
+    fresh = base.fork(seed=7)
+    want = drawn(fresh)
+    cache = server.model.kv_caches()[0]
+    server.leave(fresh)
+    other = base.fork(seed=8)  # another game fills the set (every ring slot) first
+    drawn(other)
+    server.leave(other)
+    again = base.fork(seed=7)
+    assert all(torch.equal(x, y) for x, y in zip(want, drawn(again)))
+    assert server.model.kv_caches()[0] is cache  # the very same buffers, recycled twice
+    server.leave(again)
+
+
 def test_a_soak_of_players_coming_and_going_draws_every_frame_as_played_alone(crafter_files):
     """Players join, step, reset, change k and leave at random (batched in ticks); every game, replayed alone
     with the same events, draws the same frames token for token (mcar bench play bench.play.soak_ticks=N)."""
@@ -631,7 +711,7 @@ def test_a_soak_of_players_coming_and_going_draws_every_frame_as_played_alone(cr
     r = soak_games(base, ticks=14, max_players=3, seed=3)
     assert r["mismatched"] == 0 and r["frames"] >= 10 and r["games"] >= 3, r
     assert r["splits"] >= 1  # partners stepping apart were split, not restarted
-    assert base.server.leaves_nothing()  # every game gone, every rollout's cache with it
+    assert base.server.leaves_nothing()  # every game gone, every rollout's cache back in the pool
 
 
 def test_a_game_gradio_deletes_twice_leaves_once():

@@ -117,8 +117,13 @@ class KVCache(nn.Module):
         self.register_buffer("k_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        """A new cache holding copies of batch rows `rows` (a batch of games split: each row's keys exactly)."""
+    def select(self, rows: torch.Tensor, into: "KVCache | None" = None) -> "KVCache":
+        """A cache holding copies of batch rows `rows` (a batch of games split: each row's keys exactly): `into`,
+        written in place (a cache of len(rows) rows, otherwise this one's shape, at an address kept), or new."""
+        if into is not None:
+            torch.index_select(self.k_buf, 0, rows, out=into.k_buf)
+            torch.index_select(self.v_buf, 0, rows, out=into.v_buf)
+            return into
         out = KVCache.__new__(KVCache)
         nn.Module.__init__(out)
         out.staging = self.staging

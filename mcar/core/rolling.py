@@ -120,6 +120,11 @@ class RollingSchedule:
         return RollingPass(rot[p.src], p.coords + step, mask, rot[p.cache_pos], p.out_rows, rot[p.out_slots],
                            p.out_abs + j * L)
 
+    @property
+    def cache_slots(self) -> int:
+        """KV cache slots a rollout on this ring needs: the ring's columns and the scratch slot."""
+        return self.n_cols + 1
+
     def column(self, frame: int) -> int:
         """Ring column of frame `frame`'s first slot."""
         return frame % self.ring * self.layout.frame_len

@@ -33,6 +33,7 @@ from mcar.core.buckets import BIAS_ALIGN, MAX_PREFIX_CLASSES, StagedBucket, Stat
 from mcar.core.compiling import compiled
 from mcar.core.keyed_rng import SlotNoise, keyed_exponential, mix32, row_keys, seed_key, value_codes
 from mcar.core.layout import Layout, check_clip
+from mcar.core.model import KVCache
 from mcar.core.rolling import RollingPass, RollingSchedule
 from mcar.core.schedule import Schedule, ScheduleConfig
 
@@ -446,7 +447,7 @@ class Rollout:
             self.codes = sampler.held("value codes", self.codes)
             self.rule = SamplingRule(sampler.held(f"temperature {temperature}", r.temperature), r.top_k,
                                      sampler.held(f"top_p {sampler.top_p}", r.top_p), r.codebook_size)
-        sampler._open_cache(model, B, plan.n_cols + 1, setup_cache, device)
+        sampler._open_cache(model, B, plan.cache_slots, setup_cache, device)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
         self._cache_version = self._cache.k_buf._version
@@ -504,10 +505,11 @@ class Rollout:
             self.logp[:, p.out_slots] = logp
         self.tokens[:, p.out_slots] = drawn
 
-    def split(self, rows: list[int]) -> "Rollout":
+    def split(self, rows: list[int], into: list[KVCache] | None = None) -> "Rollout":
         """A new rollout of batch rows `rows` of this one, with copies of their KV cache (installed in the model):
-        it goes on exactly as those rows would have here. This rollout's cache must be the model's (the caller
-        swaps it back in afterwards when both go on)."""
+        it goes on exactly as those rows would have here. into: the caches to copy them into (a set of len(rows)
+        rows, otherwise shaped as this one's: kept at their addresses for CUDA graphs; None: new ones). This
+        rollout's cache must be the model's (the caller swaps it back in afterwards when both go on)."""
         caches = self.model.kv_caches()
         if caches is None or caches[0] is not self._cache:
             raise RuntimeError("split: this rollout's KV cache is not the model's: swap it in first")
@@ -516,7 +518,7 @@ class Rollout:
         out.tokens, out.rows, out.first_slots = self.tokens[index].clone(), self.rows[index], self.first_slots[index]
         out.logp = None if self.logp is None else self.logp[index].clone()
         out._last_actions = None if self._last_actions is None else self._last_actions[index]
-        self.model.swap_caches([c.select(index) for c in caches])
+        self.model.swap_caches([c.select(index, to) for c, to in zip(caches, into or [None] * len(caches))])
         out._cache = self.model.kv_caches()[0]
         out._cache_version = out._cache.k_buf._version
         return out

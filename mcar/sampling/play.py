@@ -13,8 +13,11 @@ its last frames only on its own account (new, reset, k or temperature changed), 
 the tick that need one at the same settings (one prefill of the window). A restart recomputes the window's cached
 keys from its tokens, which from the second layer on differ from the kept ones (section 7), so restarts happen
 only when the game itself asks: **a game draws the frames it draws played alone**, whoever else plays, joins or
-leaves. Each rollout keeps its own KV cache (`Transformer.swap_caches`), dropped when its last game leaves. Noise
-is keyed by the game's seed and each frame's index in the game, whenever its rollout began.
+leaves. Each rollout has its own KV cache (`Transformer.swap_caches`), borrowed from the server's pool and given
+back when its last game leaves: the next rollout of that batch width runs on the very same buffers (zeroed by its
+prefill, or written over by a split's copy), since CUDA graphs read the caches at fixed addresses and record again
+for a cache that moved. Noise is keyed by the game's seed and each frame's index in the game, whenever its rollout
+began.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from omegaconf import DictConfig, open_dict
 from mcar.core.devices import set_threads
 from mcar.core.keyed_rng import seed_key
 from mcar.core.layout import Layout
+from mcar.core.model import KVCache
 from mcar.core.sampler import Rollout, ScheduleSampler, build_sampler
 from mcar.hydra_app import to_dict
 from mcar.sampling.world_model import WorldModel
@@ -49,10 +53,41 @@ class _Group:
         return {s for s in self.rows if s is not None}
 
 
+class _CachePool:
+    """KV cache sets (a KVCache per layer) lent to rollouts and taken back when their last game leaves, so that a
+    later rollout of the same shape runs on the very same buffers: CUDA graphs read the caches at fixed addresses,
+    record again for a set that moved, and stop graphing a shape after 128 records. A set is made only when none of
+    its shape is free, so the pool holds as many sets of a shape as were ever lent at once."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[list[KVCache]]] = {}
+        self.lent = 0
+
+    @staticmethod
+    def shape(caches: list[KVCache]) -> tuple:
+        """(batch width, slots, dtype, device): what a rollout's prefill checks before reusing the model's caches."""
+        k = caches[0].k
+        return k.shape[0], k.shape[2], k.dtype, k.device
+
+    def take(self, shape: tuple) -> list[KVCache] | None:
+        """A free set of `shape`, or None (none free: the caller makes one)."""
+        free = self._free.get(shape)
+        return free.pop() if free else None
+
+    def lend(self, caches: list[KVCache]) -> list[KVCache]:
+        self.lent += 1
+        return caches
+
+    def give_back(self, caches: list[KVCache]) -> None:
+        self._free.setdefault(self.shape(caches), []).append(caches)
+        self.lent -= 1
+
+
 class PlayServer:
     """The model, its VQ and the rollouts of every game (`join` makes one); `step_together` runs one tick, `step`
     is a game's step from any thread, batched with the steps other threads are waiting on. At most `max_games`
-    games at once (None: no cap); a game's memory (its rollout's KV cache) goes when it leaves."""
+    games at once (None: no cap); a game's memory (its rollout's KV cache) goes back to the server's cache pool
+    when it leaves, for the next rollout of that width."""
 
     def __init__(self, model, vq, layout: Layout, codebook_size: int, *, context: int, sampler: dict | None = None,
                  schedule: dict | None = None, actions: dict | None = None, device: str | torch.device = "cpu",
@@ -71,6 +106,7 @@ class PlayServer:
         self.games: set[PlaySession] = set()  # joined and not yet gone
         self._samplers: dict[tuple[int, int], ScheduleSampler] = {}
         self._groups: list[_Group] = []  # rollouts with at least one game
+        self._caches = _CachePool()  # the rollouts' KV caches, at addresses kept for CUDA graphs
         self._model_lock = threading.RLock()  # a tick, a leave: one at a time (the model has one cache slot)
         self._cv = threading.Condition()
         self._waiting: dict[PlaySession, tuple[str, list[int]]] = {}
@@ -179,8 +215,9 @@ class PlayServer:
         """`members` of `group` as a rollout of their own, going on from where they are (their rows in `group`
         become ghosts, never advanced: a rollout advances only when every row steps)."""
         self.model.swap_caches(group.caches)
-        run = group.run.split([group.rows.index(s) for s in members])
-        new = _Group(list(members), group.settings, run, self.model.kv_caches())
+        into = self._caches.take((len(members), *self._caches.shape(group.caches)[1:]))  # None: split makes one
+        run = group.run.split([group.rows.index(s) for s in members], into)
+        new = _Group(list(members), group.settings, run, self._caches.lend(self.model.kv_caches()))
         for s in members:
             self._drop_row(s)
             s._group = new
@@ -195,12 +232,17 @@ class PlayServer:
         s0 = members[0]
         held = s0.held
         prompt = torch.stack([s.history[-held:].reshape(-1) for s in members]).to(self.device)
-        self.model.swap_caches(None)  # the other rollouts keep their caches: a fresh one for this rollout
-        run = self.sampler(s0.k, held).rollout(
+        sampler = self.sampler(s0.k, held)
+        shape = (len(members), sampler.rolling_schedule(prompt.device).cache_slots,
+                 self.model.cache_dtype(prompt.device), prompt.device)
+        # the other rollouts keep their caches: a free set of this shape, which the prefill zeroes and reuses in
+        # place (nothing of its last game is seen), or None and the prefill makes one
+        self.model.swap_caches(self._caches.take(shape))
+        run = sampler.rollout(
             self.model, prompt, temperature=s0.temperature, top_k=s0.top_k,
             noise_keys=torch.tensor([seed_key(s.seed) for s in members]),
             first_frames=torch.tensor([s.frames_played - held for s in members]))
-        group = _Group(list(members), s0.settings(), run, self.model.kv_caches())
+        group = _Group(list(members), s0.settings(), run, self._caches.lend(self.model.kv_caches()))
         for s in members:
             s._group = group
         self._groups.append(group)
@@ -208,7 +250,8 @@ class PlayServer:
         return group
 
     def _drop_row(self, session: "PlaySession") -> None:
-        """`session`'s row of its rollout becomes a ghost; a rollout left with no game goes, its memory with it."""
+        """`session`'s row of its rollout becomes a ghost; a rollout left with no game goes, its KV cache back to
+        the pool."""
         group, session._group = session._group, None
         if group is None:
             return
@@ -218,6 +261,7 @@ class PlayServer:
             live = self.model.kv_caches()
             if live is not None and live[0] is group.caches[0]:
                 self.model.swap_caches(None)
+            self._caches.give_back(group.caches)
             group.caches = group.run = None
 
     def detach(self, session: "PlaySession") -> None:
@@ -232,8 +276,9 @@ class PlayServer:
             self.games.discard(session)
 
     def leaves_nothing(self) -> bool:
-        """No game and no rollout is held (what a server whose players all left must come back to)."""
-        return not self.games and not self._groups and self.model.kv_caches() is None
+        """No game and no rollout is held, and every KV cache set is back in the pool (what a server whose players
+        all left must come back to; the pool keeps the sets for the next players)."""
+        return not self.games and not self._groups and self.model.kv_caches() is None and self._caches.lent == 0
 
 
 class PlaySession:
