@@ -115,6 +115,9 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert all(0 <= v[k]["mean"] <= 1 for v in rollout.values()
                for k in ("tv_mean", "map_mean", "inventory_mean", "invented_mean"))
     assert rollout["copy_last"]["invented_mean"]["mean"] == 0
+    by_type = res["blocked"]["blocked"]["by_type"]  # the refused moves by what refused them, placed ones apart
+    assert sum(v["n"] for v in by_type.values() if not v["placed"]) == res["blocked"]["blocked"]["n"]
+    assert {k: v["tried"] for k, v in by_type.items() if v["placed"]} == {"table (placed)": 1, "furnace (placed)": 1}
     header = (tmp_path / "rollout_agreement.csv").read_text().splitlines()[0]
     assert header == "row,step,agreement,lo,hi,tv,map,inventory,invented"
     md = (tmp_path / "world_tests.md").read_text()
@@ -135,7 +138,8 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
 
     for bad, said in (("tests=[rollout,memory]", "tests=['rollout', 'memory']: choose some of"),
                       ("windows=[1]", "windows=[1]: each window is >= 2 frames"),
-                      ("shapes=[wait_n1]", "shapes: 'wait_n1' is not a shape: back_n<n>, wait_n<n>_w<w> or")):
+                      ("shapes=[wait_n1]", "shapes: 'wait_n1' is not a shape: back_n<n>, wait_n<n>_w<w> or"),
+                      ("placed=[chest]", "placed=['chest']: Crafter places ['furnace', 'plant', 'stone', 'table']")):
         with pytest.raises(ValueError, match=re.escape(said)):
             run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", bad, "logger=none",
                            f"hydra.run.dir={tmp_path}")
@@ -254,3 +258,108 @@ def test_versus_compares_two_runs_start_by_start():
     same = rows["loop 1 model context=6: recall"]
     assert same["difference"] == 0 and same["lo"] == same["hi"] == 0
     assert "| rollout model context=6: mean |" in versus_markdown(list(rows.values()), "x.json")
+
+
+# ------------------------------------------------------------------------------------------------ refused moves by type
+VIEW, SIZE, TILE = (9, 9), (144, 144), 16  # Crafter's 9x9 view at 16 pixels a tile
+
+
+class TileCodes:
+    """A stand-in for the data's patch VQ: every distinct 16x16 tile of pixels its own code (exact at a fixed
+    daylight), for the blocked test's scoring without a model."""
+
+    cb = 4096
+
+    def __init__(self):
+        self.codes: dict[bytes, int] = {}
+
+    def images(self, frames) -> torch.Tensor:
+        return torch.tensor([[[self.codes.setdefault(f[r * TILE:(r + 1) * TILE, c * TILE:(c + 1) * TILE].tobytes(),
+                                                     len(self.codes)) for c in range(VIEW[0])] for r in range(VIEW[1])]
+                              for f in frames])
+
+    def clip(self, rec) -> torch.Tensor:
+        from mcar.tokenizer.clips import join_clip
+
+        return join_clip(self.images(rec.frames), torch.tensor(rec.actions)[:, None], self.cb)
+
+
+def stand_in_tests():
+    """WorldTests without a model: tile codes for the VQ, and a perfect model (the real frames come back)."""
+    from omegaconf import OmegaConf
+
+    from mcar.core.layout import Layout
+    from mcar.eval.world_tests import WorldTests, map_rows
+
+    wt = object.__new__(WorldTests)
+    wt.cfg = OmegaConf.create({"seed": 0, "max_moves": 256})
+    wt.layout, wt.grid, wt.tokens = Layout(VIEW[1], VIEW[0], 1), MapGrid(map_rows(VIEW), VIEW[0]), TileCodes()
+    wt.generate = lambda clips, context=None, prompt_frames=None: clips
+    return wt
+
+
+@pytest.fixture(scope="module")
+def placed_world():
+    """One fresh world (the test's first seed): a wander that bumps often, then a table and a furnace placed and
+    walked into."""
+    from mcar.eval.world_tests import Scene
+
+    scene = Scene(100000, SIZE, VIEW, 1.0)
+    wander = scene.wander(48, p_bump=0.6)
+    placed = {name: scene.place_and_bump(name) for name in ("table", "furnace")}
+    return scene, wander, placed
+
+
+def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_world):
+    from mcar.eval.world_tests import tile_kind
+
+    scene, _, placed = placed_world
+    grid, codes = MapGrid(5, VIEW[0]), TileCodes()
+    pr, pc = grid.map_h // 2 + 1, grid.w // 2  # the player's tile in Crafter's 9x7 map view
+    for name, rec in placed.items():
+        assert rec is not None, f"{name}: could not be placed in this world"
+        move, place = rec.actions[0], rec.actions[1]
+        assert rec.actions == [move, place, move, 0] and place == 8 + (name == "furnace")  # place_table, _furnace
+        (x, y), (dx, dy) = rec.pos[1], MOVE_DELTA[move]
+        assert rec.pos[0] == (x - dx, y - dy) and rec.pos[1] == rec.pos[2] == rec.pos[3]  # one step, then refused
+        assert scene.env._world[(x + dx, y + dy)][0] == name and tile_kind(scene.env, x + dx, y + dy) == name
+        assert rec.blocker[2] == name
+        before, after, bumped = codes.images(rec.frames[1:4])
+        assert before[pr + dy, pc + dx] != after[pr + dy, pc + dx]  # drawn where it was placed ...
+        assert after[pr + dy, pc + dx] == bumped[pr + dy, pc + dx]  # ... and still there after the refused move
+
+
+def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type(placed_world):
+    from mcar.eval.world_tests import markdown
+
+    _, wander, placed = placed_world
+    assert wander is not None
+    out = stand_in_tests().blocked_test([wander], {name: [rec] for name, rec in placed.items()})
+    blocked, by_type = out["blocked"], out["blocked"]["by_type"]
+    wandered = {k: v for k, v in by_type.items() if not v["placed"]}
+    assert len(wandered) >= 2 and sum(v["n"] for v in wandered.values()) == blocked["n"] > 0
+    assert {k for k, v in by_type.items() if v["placed"]} == {"table (placed)", "furnace (placed)"}
+    for name, v in by_type.items():  # the real frames: every refused move keeps the map, whatever refused it
+        assert v["stayed"]["mean"] == v["real_stayed"]["mean"] == v["map_acc"]["mean"] == 1.0, name
+    assert by_type["furnace (placed)"] | {"stayed": None} == {
+        "type": "furnace", "placed": True, "tried": 1, "n": 1, "starts": 1, "stayed": None,
+        "real_stayed": by_type["furnace (placed)"]["real_stayed"], "map_acc": by_type["furnace (placed)"]["map_acc"]}
+    assert blocked["stayed"]["mean"] == 1.0 and out["free"]["moved"]["mean"] == 1.0
+    md = markdown({"starts": 1, "context": 2, "sampler": "x", "loops": {}, "shapes": {}, "rollout": {},
+                   "blocked": out})
+    rows = [line for line in md.splitlines() if line.startswith("| ") and " | 1.000 (one start) |" in line]
+    ns = [int(r.split(" | ")[1]) for r in rows]
+    assert len(rows) == len(by_type) and ns[:len(wandered)] == sorted(ns[:len(wandered)], reverse=True)
+    assert rows[-2:] == [f"| {name} (placed) | 1 | 1 of 1 worlds | 1.000 (one start) | 1.000 (one start) | "
+                         f"1.000 (one start) |" for name in ("furnace", "table")]  # after the wander's, by name
+
+
+def test_pooled_interval_draws_starts_not_moves():
+    from mcar.eval.world_tests import pooled_interval
+
+    v = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+    one = pooled_interval(v, [7] * 6, 0)
+    assert one == {"mean": pytest.approx(4 / 6), "lo": None, "hi": None, "n": 6, "starts": 1}
+    two = pooled_interval(v, [0, 0, 0, 1, 1, 1], 0)  # start 0 kept all three, start 1 one of three
+    assert two["mean"] == pytest.approx(4 / 6) and two["starts"] == 2
+    assert two["lo"] == pytest.approx(1 / 3) and two["hi"] == 1.0  # a draw is both starts' moves, or one's twice

@@ -29,7 +29,14 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   frames: `stayed` is the share of refused moves whose generated map is nearer the previous map than the previous
   map shifted one tile (the map the move would have shown), `moved` the share of free moves where it is the other
   way round (a model that never moves scores stayed 1, moved 0). The player's own tile (its sprite turns) is left
-  out.
+  out. The refused moves are also split by what refused them (`by_type`: the target tile's object, e.g. cow,
+  zombie, plant, else its material, e.g. tree, water, stone, table; `edge` outside the world), each type's share
+  with a 95% bootstrap interval over starts (starts drawn with replacement, their moves pooled). Placed obstacles
+  (`placed`, default [table, furnace]): after the other walks each world's player is given what Crafter's place
+  rule uses (inventory counts set directly), steps onto a free tile facing another, places the obstacle with
+  Crafter's own place action (drawn as Crafter draws it; checked in env._world), then walks into it: the refused
+  move is scored like the others, on the frames before and after the placing, as `<type> (placed)`; a world where
+  it could not be placed (no open way, a creature stepped in, the episode ended) is counted out of that type only.
 - rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
   frames per step (a curve), for the model on its context, the 2-frame window and copy_last; and whether the frames
   stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
@@ -59,6 +66,7 @@ from mcar.core.agreement import frame_agreement, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.data.crafter_gen import (
+    ACTIONS,
     BACK,
     MOVE_DELTA,
     MOVES,
@@ -190,6 +198,21 @@ def interval(per_start: torch.Tensor, seed: int) -> dict:
     return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v), "per_start": [round(float(x), 6) for x in v]}
 
 
+def pooled_interval(values: torch.Tensor, starts, seed: int) -> dict:
+    """per-move values and the start each came from -> {mean: over the moves, lo, hi: its 95% bootstrap interval
+    over starts (starts drawn with replacement, their moves pooled: moves of one start are not independent draws;
+    None with fewer than 2 starts), n: moves, starts}."""
+    v = values.double()
+    _, which = torch.unique(torch.as_tensor(starts), return_inverse=True)
+    k = int(which.max()) + 1
+    per = torch.stack([torch.zeros(k, dtype=torch.float64).index_add_(0, which, v),
+                       torch.bincount(which, minlength=k).double()], 1)  # (starts, [sum, moves])
+    lo = hi = None
+    if k >= 2:
+        lo, hi = bootstrap_ci(per, lambda x: x[..., 0].sum(-1) / x[..., 1].sum(-1), seed)
+    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v), "starts": k}
+
+
 @dataclass(frozen=True)
 class Shape:
     """A walk back to the start view (`shapes`): back_n<n> (n out, n back), wait_n<n>_w<w> (n out, w noops, n back),
@@ -246,6 +269,25 @@ class Recording:
     frames: list = field(default_factory=list)
     actions: list = field(default_factory=list)
     pos: list = field(default_factory=list)
+    blocker: list = field(default_factory=list)  # per move action, what its target tile held then (tile_kind)
+
+
+def tile_kind(env, x: int, y: int) -> str:
+    """What tile (x, y) holds, by Crafter's names: its object's kind when there is one (cow, zombie, skeleton,
+    plant, arrow, ...), else its material (grass, sand, path, tree, water, stone, coal, iron, diamond, table,
+    furnace, lava); `edge` outside the world."""
+    material, obj = env._world[(x, y)]
+    if obj is not None:
+        return type(obj).__name__.lower()
+    return "edge" if material is None else str(material)
+
+
+def placeable() -> dict:
+    """Crafter's place rules (its data.yaml `place`): name -> {uses: inventory spent, where: materials it goes on,
+    type: material | object, ...}."""
+    from crafter import constants
+
+    return {str(k): dict(v) for k, v in constants.place.items()}
 
 
 KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima, refilled before each step (keep_alive)
@@ -270,6 +312,7 @@ class Scene:
             rec.frames.append(self.obs)
             rec.actions.append(int(action))
             rec.pos.append(self.pos)
+            rec.blocker.append(self.target_kind(int(action)))
         if self.keep_alive:  # a long rollout is one episode: hunger, thirst, fatigue and zombies never end it
             for need in KEPT_UP:
                 self.env._player.inventory[need] = KEPT_UP[need]
@@ -286,6 +329,55 @@ class Scene:
 
     def free(self, x: int, y: int) -> bool:
         return walkable(self.env, x, y)
+
+    def target_kind(self, action: int) -> str | None:
+        """What the tile a move action goes to holds now (tile_kind), None for other actions."""
+        if action not in MOVE_DELTA:
+            return None
+        (x, y), (dx, dy) = self.pos, MOVE_DELTA[action]
+        return tile_kind(self.env, x + dx, y + dy)
+
+    def place_and_bump(self, name: str, tries: int = 20) -> Recording | None:
+        """The obstacle `name` placed with Crafter's own place action and walked into, the frames recorded: the
+        player is given what placing uses, steps onto a free tile in a direction whose next tile is free and one
+        the rule allows (explorer steps first while there is none, up to `tries`), places it there (facing it) and
+        moves into it. -> a recording whose last action is that refused move, None when no open way was found, a
+        creature stepped in, the obstacle is not there after placing, the env let the player through, or the
+        episode ended."""
+        rule = placeable()[name]
+        place = ACTIONS.index(f"place_{name}")
+
+        def find() -> int | None:
+            x, y = self.pos
+            for a in (int(v) for v in self.rng.permutation(MOVES)):
+                dx, dy = MOVE_DELTA[a]
+                if (self.free(x + dx, y + dy) and self.free(x + 2 * dx, y + 2 * dy)
+                        and self.env._world[(x + 2 * dx, y + 2 * dy)][0] in rule["where"]):
+                    return a
+            return None
+
+        for _ in range(tries):
+            if self.over:
+                return None
+            a = find()
+            if a is not None:
+                break
+            if not self.step(self.explorer(self.env)):
+                return None
+        else:
+            return None
+        inventory = self.env._player.inventory
+        for item, amount in rule["uses"].items():
+            inventory[item] = max(inventory[item], int(amount))
+        rec, (x, y), (dx, dy) = Recording(), self.pos, MOVE_DELTA[a]
+        target = (x + 2 * dx, y + 2 * dy)
+        if not self.step(a, rec) or self.pos != (x + dx, y + dy) or not self.free(*target):
+            return None
+        if not self.step(place, rec) or tile_kind(self.env, *target) != name:
+            return None
+        if not self.step(a, rec) or self.pos != (x + dx, y + dy):
+            return None
+        return self.close(rec)
 
     def open_direction(self, n: int) -> int | None:
         """A move whose next n tiles are walkable and empty now, None when there is none."""
@@ -355,13 +447,15 @@ class StartRecord:
     loops: dict  # n -> Recording
     wander: Recording
     shapes: dict = field(default_factory=dict)  # shape name -> Recording, the shapes this start could make
+    placed: dict = field(default_factory=dict)  # obstacle name -> Recording (place_and_bump), those it could place
 
 
 def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
-                 daylight, keep_alive: bool = False, shapes=()) -> StartRecord | None:
+                 daylight, keep_alive: bool = False, shapes=(), placed=()) -> StartRecord | None:
     """One start: a few explorer steps into a fresh world, a loop of each length, a wander, then each of `shapes`
-    from where the wander ended; None when the episode ended or a loop could not be made (a shape that could not be
-    made is only missing from .shapes)."""
+    from where the wander ended, then each obstacle of `placed` placed and walked into (Scene.place_and_bump);
+    None when the episode ended or a loop could not be made (a shape or an obstacle that could not be made is only
+    missing from .shapes / .placed)."""
     scene = Scene(env_seed, size, view, daylight, keep_alive)
     for _ in range(int(scene.rng.integers(1, warmup + 1))):
         if not scene.step(scene.explorer(scene.env)):
@@ -382,7 +476,12 @@ def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, 
         rec = scene.shape(shape)
         if rec is not None:
             made[shape.name] = rec
-    return StartRecord(loops, wander, made)
+    bumped = {}
+    for name in placed:
+        rec = None if scene.over else scene.place_and_bump(str(name))
+        if rec is not None:
+            bumped[str(name)] = rec
+    return StartRecord(loops, wander, made, bumped)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -438,6 +537,8 @@ class WorldTests:
         # the shapes to walk: those whose clip fits the model's window (the start frame still seen at the end)
         shapes = [parse_shape(s) for s in cfg.get("shapes") or []] if "shapes" in cfg.tests else []
         self.shapes, self.skipped = fitting_shapes(shapes, self.context, bool(cfg.get("shapes_beyond_context")))
+        # the obstacles placed and walked into, scored with the refused moves
+        self.placed = [str(n) for n in cfg.get("placed") or []] if "blocked" in cfg.tests else []
 
     def generate(self, clips: torch.Tensor, context: int | None = None,
                  prompt_frames: int | None = None) -> torch.Tensor:
@@ -455,7 +556,7 @@ class WorldTests:
                 raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
                                    f"{list(cfg.loop_lengths)}: use shorter loop_lengths")
             rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
-                               self.view, self.daylight, bool(cfg.keep_alive), self.shapes)
+                               self.view, self.daylight, bool(cfg.keep_alive), self.shapes, self.placed)
             seed += 1
             if rec is not None:
                 starts.append(rec)
@@ -491,7 +592,8 @@ class WorldTests:
                 log.info("shapes skipped, longer than the model's context of %d frames "
                          "(shapes_beyond_context=true runs them): %s", self.context, ", ".join(self.skipped))
         if "blocked" in self.cfg.tests:
-            results["blocked"] = self.blocked_test([s.wander for s in starts])
+            results["blocked"] = self.blocked_test([s.wander for s in starts],
+                                                   {n: [s.placed.get(n) for s in starts] for n in self.placed})
             log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
         if "rollout" in self.cfg.tests:
             results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
@@ -541,36 +643,67 @@ class WorldTests:
         out["invented"] = interval(invented.mean(1), self.cfg.seed)
         return out
 
-    def blocked_test(self, recs: list[Recording]) -> dict:
-        """Refused and free moves of the wanders, each predicted from the two real frames before it."""
+    def blocked_test(self, recs: list[Recording], placed: dict | None = None) -> dict:
+        """Refused and free moves of the wanders, each predicted from the two real frames before it; the refused
+        ones also by what refused them (`by_type`), with the placed obstacles' (placed: name -> per start, its
+        place_and_bump recording or None) as `<name> (placed)`."""
         P = 2
         events = {"blocked": [], "free": []}
-        for r in recs:
+        for i, r in enumerate(recs):
             for t in range(P - 1, len(r.actions) - 1):
                 a = r.actions[t]
                 if a in MOVE_DELTA:
-                    events["blocked" if r.pos[t + 1] == r.pos[t] else "free"].append((r, t, a))
+                    refused = r.pos[t + 1] == r.pos[t]
+                    events["blocked" if refused else "free"].append((r, t, a, i, r.blocker[t] if refused else None))
         out, cap = {}, int(self.cfg.max_moves)
         for kind, evs in events.items():
             evs = [evs[i] for i in np.random.default_rng(self.cfg.seed).permutation(len(evs))[:cap]]
             if not evs:
                 out[kind] = {"n": 0}
                 continue
-            clips = torch.stack([self.tokens.clip(Recording(r.frames[t - P + 1:t + 2], r.actions[t - P + 1:t + 2],
-                                                            r.pos[t - P + 1:t + 2])) for r, t, _ in evs])
-            moves = torch.tensor([a for _, _, a in evs])
-            gen = self.generate(clips, prompt_frames=P)
-            real, made = (self.grid.maps(images_of(c, self.layout)) for c in (clips, gen))
-            stay, move = stay_or_move(real[:, -2], made[:, -1], moves, self.grid)
-            real_stay, real_move = stay_or_move(real[:, -2], real[:, -1], moves, self.grid)
-            share = (stay > move) if kind == "blocked" else (move > stay)
-            real_share = (real_stay > real_move) if kind == "blocked" else (real_move > real_stay)
+            share, real_share, acc = self.score_moves(evs, refused=kind == "blocked")
             key = "stayed" if kind == "blocked" else "moved"
-            out[kind] = {key: interval(share.double(), self.cfg.seed),
-                         f"real_{key}": interval(real_share.double(), self.cfg.seed),
-                         "map_acc": interval((made[:, -1] == real[:, -1]).double().flatten(1).mean(1),
-                                             self.cfg.seed),
-                         "n": len(evs)}
+            out[kind] = {key: interval(share, self.cfg.seed), f"real_{key}": interval(real_share, self.cfg.seed),
+                         "map_acc": interval(acc, self.cfg.seed), "n": len(evs)}
+            if kind == "blocked":
+                out[kind]["by_type"] = {name: {"type": name, "placed": False, **scores} for name, scores in
+                                        self.by_type(evs, share, real_share, acc).items()}
+        by_type = out["blocked"].setdefault("by_type", {})
+        for name, per_start in (placed or {}).items():
+            evs = [(r, len(r.actions) - 2, r.actions[-2], i, name) for i, r in enumerate(per_start) if r is not None]
+            entry = {"type": name, "placed": True, "tried": len(per_start), "n": 0}
+            if evs:
+                entry |= self.by_type(evs, *self.score_moves(evs, refused=True))[name]
+            by_type[f"{name} (placed)"] = entry
+        return out
+
+    def score_moves(self, evs: list[tuple], refused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Moves (recording, t, action, ...): each generated from the two real frames before it -> per move (the
+        model's map nearer the previous map than the shifted one (refused) or the other way round (free), the same
+        for the real frames, the generated map's agreement with the real one)."""
+        P = 2
+        clips = torch.stack([self.tokens.clip(Recording(r.frames[t - P + 1:t + 2], r.actions[t - P + 1:t + 2],
+                                                        r.pos[t - P + 1:t + 2])) for r, t, *_ in evs])
+        moves = torch.tensor([a for _, _, a, *_ in evs])
+        gen = self.generate(clips, prompt_frames=P)
+        real, made = (self.grid.maps(images_of(c, self.layout)) for c in (clips, gen))
+        stay, move = stay_or_move(real[:, -2], made[:, -1], moves, self.grid)
+        real_stay, real_move = stay_or_move(real[:, -2], real[:, -1], moves, self.grid)
+        share = (stay > move) if refused else (move > stay)
+        real_share = (real_stay > real_move) if refused else (real_move > real_stay)
+        acc = (made[:, -1] == real[:, -1]).double().flatten(1).mean(1)
+        return share.double(), real_share.double(), acc
+
+    def by_type(self, evs: list[tuple], share: torch.Tensor, real_share: torch.Tensor, acc: torch.Tensor) -> dict:
+        """Refused moves (recording, t, action, start, what refused it) and their scores -> {type: {n, starts,
+        stayed, real_stayed, map_acc}}, each with a bootstrap interval over starts (pooled_interval)."""
+        out = {}
+        for name in sorted({e[4] for e in evs}):
+            pick = [k for k, e in enumerate(evs) if e[4] == name]
+            starts = [evs[k][3] for k in pick]
+            scored = {key: pooled_interval(v[pick], starts, int(self.cfg.seed))
+                      for key, v in (("stayed", share), ("real_stayed", real_share), ("map_acc", acc))}
+            out[name] = {"n": len(pick), "starts": scored["stayed"]["starts"], **scored}
         return out
 
     def rollout_test(self, recs: list[Recording]) -> tuple[dict, dict]:
@@ -604,7 +737,16 @@ class WorldTests:
 
 # ------------------------------------------------------------------------------------------------ reporting
 def _ci(d: dict | None) -> str:
-    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]" if d and "mean" in d else "n/a"
+    if not d or "mean" not in d:
+        return "n/a"
+    if d.get("lo") is None:  # one start: no interval
+        return f"{d['mean']:.3f} (one start)"
+    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]"
+
+
+def type_rows(by_type: dict) -> list[tuple[str, dict]]:
+    """by_type's rows in table order: the wander's types by n (most first), then the placed obstacles."""
+    return sorted(by_type.items(), key=lambda kv: (bool(kv[1].get("placed")), -kv[1]["n"], kv[0]))
 
 
 def _memory_cells(v: dict) -> str:
@@ -640,6 +782,14 @@ def markdown(res: dict) -> str:
         v = b[kind]
         lines.append(f"| {kind} ({key}) | {v['n']} | {_ci(v.get(key, {}))} | {_ci(v.get('real_' + key, {}))} | "
                      f"{_ci(v.get('map_acc', {}))} |")
+    if b and b.get("blocked", {}).get("by_type"):
+        lines += ["", "Refused moves by what refused them (the share whose map stayed put; 95% bootstrap interval "
+                      "over starts; placed: put there by Crafter's place action, then walked into):", "",
+                  "| refused by | n | starts | model stayed | real frames | map_acc |", "|---|---|---|---|---|---|"]
+        for name, v in type_rows(b["blocked"]["by_type"]):
+            starts = f"{v.get('starts', 0)} of {v['tried']} worlds" if v.get("placed") else v.get("starts", 0)
+            lines.append(f"| {name} | {v['n']} | {starts} | {_ci(v.get('stayed'))} | {_ci(v.get('real_stayed'))} | "
+                         f"{_ci(v.get('map_acc'))} |")
     lines += ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
                   "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -715,6 +865,10 @@ def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> Non
         for key in ("stayed", "moved"):
             if key in v:
                 run.summary[f"{kind}/{key}"] = v[key]["mean"]
+    for name, v in res["blocked"].get("blocked", {}).get("by_type", {}).items():
+        run.summary[f"blocked/{name}/n"] = v["n"]
+        if "stayed" in v:
+            run.summary[f"blocked/{name}/stayed"] = v["stayed"]["mean"]
 
 
 def world_tests(cfg: DictConfig) -> dict:
@@ -735,6 +889,9 @@ def world_tests(cfg: DictConfig) -> dict:
     if "shapes" in cfg.tests:
         for spec in cfg.get("shapes") or []:
             parse_shape(spec)
+    unknown = [str(n) for n in cfg.get("placed") or [] if str(n) not in placeable()]
+    if unknown:
+        raise ValueError(f"placed={list(cfg.placed)}: Crafter places {sorted(placeable())} (conf/worldtest.yaml)")
     versus = None
     if cfg.get("versus"):  # checked now, not after the run
         versus = Path(cfg.versus) / "world_tests.json" if Path(cfg.versus).is_dir() else Path(cfg.versus)
