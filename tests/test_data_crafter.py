@@ -227,7 +227,7 @@ def test_episodes_are_the_same_in_every_process():
             "print([hashlib.md5(play_episode(0, e, 300, {'random': 0.25, 'explorer': 0.75}, (64, 64))[0].tobytes())"
             ".hexdigest() for e in range(4)])")
     runs = {subprocess.run([sys.executable, "-c", code, str(j)], capture_output=True, text=True, check=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout for j in (0, 7, 13)}
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout for j in (0, 13)}
     assert len(runs) == 1, runs
 
 

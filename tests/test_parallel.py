@@ -104,15 +104,23 @@ def test_fsdp_config_is_fsdp2_over_every_process():
 @pytest.mark.slow
 def test_fsdp_on_two_gloo_processes_matches_ddp_and_resumes_exactly(tmp_path):
     """trainer=fsdp (Lightning ModelParallelStrategy + fully_shard per Block) on 2 CPU processes: the same losses as
-    DDP, a checkpoint the plain model loads, and resumed runs (single-file and sharded checkpoints) that repeat the
-    uninterrupted one exactly."""
+    DDP (whose two processes see different clips), a checkpoint the plain model loads, and resumed runs
+    (single-file and sharded checkpoints) that repeat the uninterrupted one exactly."""
     common = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "logger=csv",
               "log_every_n_steps=1", "trainer.val_check_interval=3", "val_dashboard.videos=false",
               "val_dashboard.min_steps=0",
               "checkpoint.every_n_steps=3", *SMALL_DATA]
     full = run_script("train.py", "trainer=fsdp", "trainer.max_steps=6", *common, *job_overrides(tmp_path / "full"))
     assert "FSDP2: 4 blocks + root sharded over 2 processes" in full.stdout + full.stderr
-    run_script("train.py", "trainer=ddp", "trainer.max_steps=3", *common, *job_overrides(tmp_path / "ddp"))
+    run_script("train.py", "trainer=ddp", "trainer.max_steps=3", "record_seen_clips=true", *common,
+               *job_overrides(tmp_path / "ddp"))
+    seen = {}  # DDP's two processes train on different clips at every step
+    for rank in (0, 1):
+        lines = (tmp_path / "ddp" / "out" / f"seen_clips_rank{rank}.txt").read_text().split("\n")
+        seen[rank] = {int(l.split()[0]): set(map(int, l.split()[1:])) for l in lines if l}
+    assert sorted(seen[0]) == sorted(seen[1]) == [1, 2, 3]  # global step after each batch
+    for step in seen[0]:
+        assert not seen[0][step] & seen[1][step], f"step {step}: both ranks trained on the same clips"
     ref = metrics(tmp_path / "full" / "out", "train/loss")
     ddp = metrics(tmp_path / "ddp" / "out", "train/loss")
     assert sorted(ref) == list(range(6))
