@@ -345,3 +345,17 @@ def test_the_sweeps_table_is_never_left_half_written(tmp_path, monkeypatch):
         reporting.merge_rows(sweep, [{"model": "b", "sampler": "ntp", "psnr": 21.0}])
     assert {f: (sweep / f).read_text() for f in before} == before
     assert sorted(p.name for p in sweep.iterdir()) == ["results.csv", "results.md"]  # no temp file left
+
+
+def test_command_line_overrides_on_an_adopted_checkpoint_config_parse_as_hydra_parses_them():
+    """finetune init_from=... data.recall={max_actions:5,...}: a mapping on the command line reached the adopted
+    data config as the keys 'max_actions:5' (a YAML dotlist), and the data refused them."""
+    from omegaconf import OmegaConf
+
+    from mcar.checkpoint.config import apply_overrides
+
+    cfg = OmegaConf.create({"data": {"n_a": 2, "recall": {"legs": 3, "mix": {"back": 1.0}}, "view": [24, 14]}})
+    apply_overrides(cfg, ["data.recall={max_actions:5,mix:{wait:0.5},legs:2}", "data.n_a=1", "data.view=[9,9]",
+                          "+data.seed=4"])
+    assert OmegaConf.to_container(cfg.data) == {
+        "n_a": 1, "recall": {"legs": 2, "mix": {"back": 1.0, "wait": 0.5}, "max_actions": 5}, "view": [9, 9], "seed": 4}

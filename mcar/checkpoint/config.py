@@ -6,6 +6,7 @@ import logging
 import re
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mcar.hydra_app import CONF_DIR, command_line_overrides
@@ -142,6 +143,13 @@ def own_locations(group: str, adopted: dict, packaged: dict | None) -> dict:
 COPIED_MODEL_FIELDS = ("arch", "model_name")
 
 
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Command-line `key=value` overrides set on `cfg` as Hydra sets them: parsed by Hydra's grammar (a YAML dotlist
+    would read data.recall={a:1,b:2} as the keys 'a:1' and 'b:2'), a mapping merged into the one there."""
+    for override in OverridesParser.create().parse_overrides(overrides):
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True, force_add=True)
+
+
 def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "vq")) -> list[str]:
     """Take the config groups a checkpoint carries (its data and VQ, for sampling also its schedule) unless the
     command line names them: `mcar finetune` after `mcar train data=synthetic`, or `mcar evaluate ckpt=...`, need
@@ -162,8 +170,8 @@ def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "
         for group in taken:  # asset paths (the VQ) of the install that trained it point into this one's
             cfg[group] = OmegaConf.create(adopted[group])
         # data.n_a=1 on the command line still applies, on top of the checkpoint's data (and is then checked)
-        cfg.merge_with_dotlist([o.lstrip("+") for key, o in keys
-                                if key.split(".")[0] in taken and "." in key and not o.startswith("~")])
+        apply_overrides(cfg, [o for key, o in keys if key.split(".")[0] in taken and "." in key
+                              and not o.startswith("~")])
     if taken:
         log.info("%s: %s as the checkpoint was trained (override with %s)", source, " and ".join(taken),
                  ", ".join(f"{g}=..." for g in taken))
