@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mcar.core.precision import active_dtype
 from mcar.core.rope import ROPES, rotate, rotation_tables
@@ -188,6 +189,51 @@ def padded_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tenso
     return bias.view(Bm, 1, groups * S, padded)
 
 
+# ---- small-row GEMMs on CPU: prepacked weights --------------------------------------------------------------
+# A cached pass feeds a few rows (NTP 1, DiagD k=2 ~7). On a float32 CPU, MKL's sgemm (F.linear) with the weight
+# (out, in) costs ~2.5x at 7 rows what it costs at 1, while oneDNN's inner product on the weight reordered once
+# into its blocked layout costs ~1.7x MKL's 1-row time: `model=small`'s 33 linears, 1 thread, 2026-11-28 (a busy
+# machine, shuffled runs): 4 rows 24.2 -> 19.0 ms, 7 rows 31.9 -> 21.9, 10 rows 39.4 -> 22.0, 13 rows 44.5 -> 24.7;
+# at 1-3 rows MKL is faster (12.8 vs 16.5 at 1). It was what capped DiagD's speedup over NTP on CPU (BENCHMARKS.md,
+# "DiagD vs NTP on CPU"): ~70% of a DiagD pass was aten::mm. Results agree with F.linear to float32 rounding, not
+# bit for bit.
+PACKED_ROWS = range(4, 65)  # rows (batch x inputs) of a pass that take the packed path: where it won (the prefill,
+# hundreds of rows, stays on MKL: the two were level there)
+_packed = WeakIdKeyDictionary()  # weight (by identity) -> (its data as packed, (address, version), packed copy)
+_packing_ok = [hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()]
+
+
+def packs_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a cached pass with hidden states x (B, S, C) runs its linears on packed weights: a float32 CPU model
+    with no autograd (the packed op has none), eager (never inside torch.compile), B*S in PACKED_ROWS, and oneDNN
+    present."""
+    if torch.compiler.is_compiling():  # first: traced, the row count below is symbolic
+        return False
+    return (_packing_ok[0] and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and x.shape[0] * x.shape[1] in PACKED_ROWS and not torch.is_grad_enabled()
+            and not weight.is_inference())  # an inference tensor has no version counter
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """layer(x), on its packed weight where `packed` (see `packs_rows`). The packed copy is made at first use and
+    again whenever the weight changes: another tensor, or an in-place write (an optimizer step, load_state_dict:
+    the version counter; writes through `.data` are not seen, and nothing writes the model's weights that way). It
+    holds the weight it was made from, so no other tensor takes that address meanwhile. Costs one more copy of the
+    weights in memory while the model lives."""
+    if not packed:
+        return layer(x)
+    w = layer.weight
+    entry = _packed.get(w)
+    if entry is None or entry[1] != (w.data_ptr(), w._version):
+        try:
+            entry = (w.detach(), (w.data_ptr(), w._version), torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8))
+        except RuntimeError:  # a build whose oneDNN cannot: F.linear from now on
+            _packing_ok[0] = False
+            return layer(x)
+        _packed[w] = entry
+    return torch.ops.mkldnn._linear_pointwise(x, entry[2], None, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -209,10 +255,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, mask, cache_pos=None):
+    def forward(self, x, cos, sin, mask, cache_pos=None, packed: bool = False):
         B, S, _ = x.shape  # (B, S, C)
         H, Hkv = self.n_heads, self.n_kv
-        qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, self.hd).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+        qkv = linear(self.wqkv, x, packed).view(B, S, H + 2 * Hkv, self.hd).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
         qk = rotate(qkv[:, :H + Hkv], cos, sin)  # queries and keys rotated together: one set of kernels
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, S, D), (B, Hkv, S, D) x 2
         if cache_pos is not None:
@@ -223,7 +269,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
             )
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return linear(self.wo, y.transpose(1, 2).reshape(B, S, -1), packed)
 
     def _cached(self, q, k, v, bias, cache_pos):
         """Write each input's key/value at its slot, then attend to [this pass's inputs | the first n cache slots]
@@ -257,9 +303,9 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.mlp_dim, bias=False)
         self.w2 = nn.Linear(cfg.mlp_dim, cfg.dim, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x, packed: bool = False):
+        gate, up = linear(self.w13, x, packed).chunk(2, dim=-1)
+        return linear(self.w2, F.silu(gate) * up, packed)
 
 
 class Block(nn.Module):
@@ -270,9 +316,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, mask, cache_pos=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x, cos, sin, mask, cache_pos=None, packed: bool = False):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache_pos, packed)
+        return x + self.feed_forward(self.ffn_norm(x), packed)
 
 
 class Transformer(nn.Module):
@@ -369,7 +415,9 @@ class Transformer(nn.Module):
             caches = self.kv_caches()
             dtype = x.dtype if caches is None else caches[0].k_buf.dtype
             mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)
+        # a cached pass of a few rows on a float32 CPU: its linears on prepacked weights (`packs_rows`)
+        packed = cache_pos is not None and packs_rows(x, self.output.weight)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache_pos)
-        logits = self.output(self.norm(x))
+            x = layer(x, cos, sin, mask, cache_pos, packed)
+        logits = linear(self.output, self.norm(x), packed)
         return logits if logits.dtype == torch.float64 else logits.float()  # float64: exactness tests
