@@ -74,7 +74,7 @@ if [ "$tiny" = 1 ]; then
     data.action_vocab_size=8 trainer.accelerator=cpu bench.device=cpu bench.gpu.steps=3 bench.gpu.warmup_steps=1 \
     bench.repeats=1 bench.warmup=0 'bench.gpu.sampler_frames=[2,4]' bench.memory.direct=false \
     'bench.gpu.play_sessions=[1,2]' bench.gpu.play_context=3 bench.gpu.play_warmup=1 bench.gpu.play_steps=3 \
-    '~bench.gpu.variants.diagd_tma' "$@"
+    '~bench.gpu.variants.diagd_tma' '~bench.gpu.variants.causal_noac_bf16res' "$@"
 else
   out=${out:-outputs/gpu_check}
   set -- experiment=paper model=700m "$@"

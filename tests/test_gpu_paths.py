@@ -275,3 +275,14 @@ def test_the_cached_attention_kernel_is_chosen_by_us_not_by_the_trace(monkeypatc
         ScheduleSampler(LAYOUT, FRAMES, 1, k=2, temperature=0).generate(m, clip)
     assert seen and set(seen) == {(True, True, False)}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call
+
+
+def test_residual_dtype_reaches_the_model_and_a_bad_one_names_the_field():
+    from mcar.train.module import MCARModule
+
+    kw = dict(arch=dict(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64), layout=dict(h=3, w=4, n_a=2),
+              clip_frames=3, mask={"name": "causal"}, optim={}, max_steps=1)
+    assert MCARModule(**kw).model.residual_dtype is None
+    assert MCARModule(**kw, residual_dtype="bfloat16").model.residual_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"residual_dtype='fp16': one of \['bfloat16', 'float32'\]"):
+        MCARModule(**kw, residual_dtype="fp16")

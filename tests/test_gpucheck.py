@@ -41,17 +41,18 @@ def test_fake_tensors_measure_the_same_peak_as_real_ones():
                                                                                         fake=False)
 
 
-@pytest.mark.parametrize("autocast, ac, batch", [(None, False, 3), (torch.bfloat16, False, 2), (None, True, 3),
-                                                 (torch.bfloat16, True, 4)])
-def test_plan_from_one_and_two_layers_predicts_the_measured_peak_of_a_deeper_model(autocast, ac, batch):
+@pytest.mark.parametrize("autocast, ac, batch, residual", [(None, False, 3, None), (torch.bfloat16, False, 2, None),
+                                                           (None, True, 3, None), (torch.bfloat16, True, 4, None),
+                                                           (torch.bfloat16, True, 4, torch.bfloat16)])
+def test_plan_from_one_and_two_layers_predicts_the_measured_peak_of_a_deeper_model(autocast, ac, batch, residual):
     """Planned from 1- and 2-layer measurements, checked against a real (not fake) step of a 6-layer model."""
     cfg = ModelConfig(vocab_size=1088, dim=64, n_layers=6, n_heads=4, mlp_dim=256)
-    fit = fit_activations(cfg, 256, batch, autocast, ac)
+    fit = fit_activations(cfg, 256, batch, autocast, ac, residual_dtype=residual)
     predicted = plan(cfg, batch, 256, fit, autocast_dtype=autocast)["peak_bytes"]
-    measured = measure_step_peak(cfg, batch, 256, autocast, ac, fake=False)
+    measured = measure_step_peak(cfg, batch, 256, autocast, ac, fake=False, residual_dtype=residual)
     assert predicted == pytest.approx(measured, rel=0.01)
-    if ac:  # with checkpointing each layer keeps only its input: the fp32 residual stream
-        assert fit["per_token_per_layer"] == pytest.approx(4 * cfg.dim, rel=0.01)
+    if ac:  # with checkpointing each layer keeps only its input: the residual stream (fp32, or bf16 by choice)
+        assert fit["per_token_per_layer"] == pytest.approx((2 if residual else 4) * cfg.dim, rel=0.01)
 
 
 def test_fsdp_shards_the_state_and_adds_gathered_blocks():
@@ -90,7 +91,8 @@ def gpu_check(out, *args):
 # checks nothing the first does not
 ONE_LENGTH = "bench.gpu.sampler_frames=[4]"
 STAGES = ["train_causal", "train_diagd", "train_causal_noac", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "play",
-          "memory"]  # --tiny drops the diagd_tma variant (flex's USE_TMA: nothing on CPU)
+          "memory"]  # --tiny drops the diagd_tma variant (flex's USE_TMA: nothing on CPU) and causal_noac_bf16res
+# (a process start for what test_bf16_residual_stream_under_autocast checks; its overrides: the test below)
 
 
 @pytest.mark.slow
@@ -528,3 +530,18 @@ def test_a_compiled_sampler_stage_compiles_the_generation_step_alone(monkeypatch
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()
+
+
+def test_every_training_variant_composes_with_train_py():
+    """The variants a sitting times (bench.gpu.variants) are train.py overrides that compose and mean what they say;
+    --tiny skips some, so a typo there would otherwise surface only on the GPU."""
+    from .conftest import compose
+
+    variants = compose("bench", []).bench.gpu.variants
+    assert {"causal_noac", "diagd_tma", "causal_noac_bf16res"} <= set(variants)
+    for name, v in variants.items():
+        cfg = compose("train", [f"mask={v.mask}", *v.overrides])
+        assert cfg.mask.name == v.mask, name
+    bf16 = compose("train", list(variants.causal_noac_bf16res.overrides))
+    assert bf16.residual_dtype == "bfloat16" and bf16.module.residual_dtype == "bfloat16"
+    assert not bf16.model.activation_checkpointing and bf16.trainer.accumulate_grad_batches == 4

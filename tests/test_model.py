@@ -196,6 +196,44 @@ def test_rms_norm_fast_path_is_the_formula(seed, dim, scale):
     x = torch.randn(2, 5, dim, generator=g) * 10.0**scale
     want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight
     assert torch.equal(norm(x), want)
-    xb = x.bfloat16()  # other dtypes: normalise in float32, cast, then scale (LLaMA's order)
-    want_b = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * norm.weight
-    assert torch.equal(norm(xb), want_b)
+    xb = x.bfloat16()  # other dtypes: normalise in float32, cast, then scale in x's dtype (LLaMA's order)
+    want_b = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() \
+        * norm.weight.bfloat16()
+    got_b = norm(xb)
+    assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, want_b)  # a bf16 stream stays bf16
+    xd = x.double()  # float64 (exactness tests): normalised in float64, not rounded through float32
+    want_d = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    torch.testing.assert_close(norm.double()(xd), want_d, rtol=1e-14, atol=0)
+
+
+def test_bf16_residual_stream_under_autocast():
+    """Transformer.residual_dtype=bfloat16 (train.yaml residual_dtype): under autocast every block reads and
+    returns a bf16 stream, the loss stays within bf16 rounding of the float32 stream's and gradients reach every
+    weight; without autocast (CPU float32) the setting changes nothing."""
+    torch.manual_seed(0)
+    model = tiny().train()
+    lay = Layout(3, 4, 2)
+    coords = lay.coords(2)
+    tokens = torch.randint(0, 40, (2, len(coords)))
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+             for layer in model.layers]
+    plain = model(tokens, coords)
+    model.residual_dtype = torch.bfloat16
+    assert torch.equal(model(tokens, coords), plain)  # no autocast: float32 throughout
+    assert set(seen) == {(torch.float32, torch.float32)}
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        model.residual_dtype, seen[:] = dtype, []
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens, coords)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        loss.backward()
+        losses[dtype] = loss.item()
+        stream = torch.float32 if dtype is None else torch.bfloat16
+        assert set(seen) == {(stream, stream)} and logits.dtype == torch.float32
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert abs(losses[None] - losses[torch.bfloat16]) < 0.02 * losses[None]
+    for h in hooks:
+        h.remove()

@@ -61,6 +61,7 @@ def training_shape(cfg: DictConfig) -> dict:
     fsdp = isinstance(strategy, DictConfig) and "ModelParallel" in str(strategy.get("_target_", ""))
     return dict(seq_len=seq_len, batch=int(cfg.data.batch_size), bf16=str(cfg.trainer.precision).startswith("bf16"),
                 activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
+                residual_bf16=str(cfg.get("residual_dtype", "float32")) == "bfloat16",
                 fsdp_devices=int(cfg.trainer.devices) * int(cfg.trainer.num_nodes) if fsdp else 1)
 
 
@@ -73,10 +74,12 @@ def run_memory(cfg: DictConfig) -> dict:
     out = {"model": cfg.model.name, "clip_frames": int(cfg.data.clip_frames), "mask": cfg.mask.name} | \
         plan_training(to_dict(cfg.model.arch), shape["seq_len"], shape["batch"], bf16=shape["bf16"],
                       activation_checkpointing=shape["activation_checkpointing"],
-                      fsdp_devices=shape["fsdp_devices"], budget_gib=m.budget_gib)
+                      fsdp_devices=shape["fsdp_devices"], budget_gib=m.budget_gib,
+                      residual_bf16=shape["residual_bf16"])
     if m.direct and shape["fsdp_devices"] == 1:
         peak = measure_step_peak(ModelConfig(**to_dict(cfg.model.arch)), shape["batch"], shape["seq_len"],
-                                 torch.bfloat16 if shape["bf16"] else None, shape["activation_checkpointing"])
+                                 torch.bfloat16 if shape["bf16"] else None, shape["activation_checkpointing"],
+                                 residual_dtype=torch.bfloat16 if shape["bf16"] and shape["residual_bf16"] else None)
         out["direct_fake_peak_gib"] = round(peak / GiB, 3)
     return out | {"plan_seconds": round(time.perf_counter() - t0, 1)}
 
@@ -191,6 +194,7 @@ def train_check(cfg: DictConfig, name: str, out: Path, overrides: list[str]) -> 
     return {"mask": mask, "variant": extra or None, "precision": str(tcfg.trainer.precision),
             "compile": bool(tcfg.compile), "accumulate_grad_batches": int(tcfg.trainer.accumulate_grad_batches),
             "activation_checkpointing": shape["activation_checkpointing"], "batch_size": shape["batch"],
+            "residual_dtype": str(tcfg.residual_dtype),
             "seq_len": shape["seq_len"], "clip_len": int(tcfg.data.clip_frames) * (int(tcfg.data.h) * int(tcfg.data.w)
                                                                                   + int(tcfg.data.n_a)),
             "timed_steps": timer.steps, "ms_per_step": round(1000 * step, 1),

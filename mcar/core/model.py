@@ -243,8 +243,9 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if x.dtype == self.weight.dtype == torch.float32:  # the same formula in one call (CPU: bit for bit)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()  # LLaMA's order: normalise in float32, cast back, then scale
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        xf = x if x.dtype == torch.float64 else x.float()  # LLaMA's order: normalise in float32 (at least), cast
+        # back, then scale in x's dtype (a bf16 stream over float32 weights stays bf16)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight.type_as(x)
 
 
 class Attention(nn.Module):
@@ -331,6 +332,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope = ROPES[cfg.rope](cfg.head_dim, cfg.rope_base)
         self._cache_unused = False  # True from setup_cache until the first cached forward zeroes the cache
+        # a compute setting, not the architecture (never saved): under autocast, the stream between blocks in this
+        # dtype (torch.bfloat16 halves the bytes of every residual add, norm and checkpointed block input);
+        # None: the embeddings' dtype (float32 weights -> a float32 stream, as LLaMA trains)
+        self.residual_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -411,6 +416,8 @@ class Transformer(nn.Module):
             cos, sin = cos[None], sin[None]
         cos, sin = rotation_tables(cos.unsqueeze(1), sin.unsqueeze(1))  # (B|1, 1, S, D)
         x = self.tok_embeddings(tokens)  # (B, S, C)
+        if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.residual_dtype)
         if cache_pos is not None and mask.dtype == torch.bool:
             caches = self.kv_caches()
             dtype = x.dtype if caches is None else caches[0].k_buf.dtype

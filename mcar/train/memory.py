@@ -34,9 +34,9 @@ GiB = 2**30
 
 def measure_step_peak(cfg: ModelConfig, batch: int, seq_len: int, autocast_dtype: torch.dtype | None = None,
                       activation_checkpointing: bool = False, device: str = "cpu", fake: bool = True,
-                      steps: int = 2) -> int:
+                      steps: int = 2, residual_dtype: torch.dtype | None = None) -> int:
     """Peak bytes over `steps` training steps (from the second on, with AdamW state), read by MemTracker.
-    fake=True runs on fake tensors: the same allocations, no compute."""
+    fake=True runs on fake tensors: the same allocations, no compute. residual_dtype: Transformer.residual_dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -44,6 +44,7 @@ def measure_step_peak(cfg: ModelConfig, batch: int, seq_len: int, autocast_dtype
     with FakeTensorMode() if fake else nullcontext(), dev:
         torch.manual_seed(0)
         model = Transformer(cfg)
+        model.residual_dtype = residual_dtype
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -64,7 +65,8 @@ def measure_step_peak(cfg: ModelConfig, batch: int, seq_len: int, autocast_dtype
 
 
 def fit_activations(cfg: ModelConfig, seq_len: int, batch: int = 1, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                    activation_checkpointing: bool = False, device: str = "cpu", fake: bool = True) -> dict:
+                    activation_checkpointing: bool = False, device: str = "cpu", fake: bool = True,
+                    residual_dtype: torch.dtype | None = None) -> dict:
     """activations(L, T) = c0 + per_token*T + per_layer*L + per_token_per_layer*L*T around a batch size, from
     1- and 2-layer models at `batch` and `batch`+1 clips of `seq_len` rows (measured peak minus weights and AdamW
     state). Measured at the batch it is used for: which moment of the step is the peak (the start of the backward
@@ -73,7 +75,8 @@ def fit_activations(cfg: ModelConfig, seq_len: int, batch: int = 1, autocast_dty
     for n_layers in (1, 2):
         small = dataclasses.replace(cfg, n_layers=n_layers)
         for b in (batch, batch + 1):
-            peak = measure_step_peak(small, b, seq_len, autocast_dtype, activation_checkpointing, device, fake)
+            peak = measure_step_peak(small, b, seq_len, autocast_dtype, activation_checkpointing, device, fake,
+                                     residual_dtype=residual_dtype)
             rows.append((n_layers, b * seq_len, peak - 12 * count_params(small)))
     a = torch.tensor([[1.0, t, L, L * t] for L, t, _ in rows], dtype=torch.float64)
     c = torch.linalg.solve(a, torch.tensor([v for *_, v in rows], dtype=torch.float64)).tolist()
@@ -110,11 +113,12 @@ def plan(cfg: ModelConfig, batch: int, seq_len: int, fit: dict, *, autocast_dtyp
 
 def max_batch(cfg: ModelConfig, seq_len: int, budget_bytes: float, *, autocast_dtype=torch.bfloat16,
               activation_checkpointing: bool = False, fsdp_devices: int = 1, device: str = "cpu",
-              limit: int = 1024) -> int:
+              limit: int = 1024, residual_dtype: torch.dtype | None = None) -> int:
     """The largest batch whose planned peak fits `budget_bytes` (0: not even batch 1); the peak grows with the
     batch, so a doubling then bisection search, each candidate planned from its own measurements."""
     def fits(b: int) -> bool:
-        fit = fit_activations(cfg, seq_len, b, autocast_dtype, activation_checkpointing, device)
+        fit = fit_activations(cfg, seq_len, b, autocast_dtype, activation_checkpointing, device,
+                              residual_dtype=residual_dtype)
         return plan(cfg, b, seq_len, fit, autocast_dtype=autocast_dtype, fsdp_devices=fsdp_devices)["peak_bytes"] \
             <= budget_bytes
 
@@ -132,19 +136,23 @@ def max_batch(cfg: ModelConfig, seq_len: int, budget_bytes: float, *, autocast_d
 
 
 def plan_training(arch: dict, seq_len: int, batch: int, *, bf16: bool, activation_checkpointing: bool,
-                  fsdp_devices: int = 1, budget_gib: float | None = 80.0, device: str = "cpu") -> dict:
+                  fsdp_devices: int = 1, budget_gib: float | None = 80.0, device: str = "cpu",
+                  residual_bf16: bool = False) -> dict:
     """The training step of a config, planned: peak per device and its parts, bytes per token per layer, and
-    the largest batch that fits `budget_gib` per device with and without activation checkpointing."""
+    the largest batch that fits `budget_gib` per device with and without activation checkpointing.
+    residual_bf16: the stream between blocks in bf16 (train.yaml residual_dtype; under bf16 autocast only)."""
     cfg = ModelConfig(**arch)
     dtype = torch.bfloat16 if bf16 else None
+    residual = torch.bfloat16 if bf16 and residual_bf16 else None
     out = {"params": count_params(cfg), "activation_checkpointing": activation_checkpointing,
-           "precision": "bf16-mixed" if bf16 else "32-true"}
-    fit = fit_activations(cfg, seq_len, batch, dtype, activation_checkpointing, device)
+           "precision": "bf16-mixed" if bf16 else "32-true",
+           "residual_dtype": "bfloat16" if residual is not None else "float32"}
+    fit = fit_activations(cfg, seq_len, batch, dtype, activation_checkpointing, device, residual_dtype=residual)
     out |= plan(cfg, batch, seq_len, fit, autocast_dtype=dtype, fsdp_devices=fsdp_devices)
     if budget_gib:
         out["budget_gib"] = budget_gib
         for ac in (False, True):
             out[f"max_batch_{'with' if ac else 'without'}_checkpointing"] = max_batch(
                 cfg, seq_len, budget_gib * GiB, autocast_dtype=dtype, activation_checkpointing=ac,
-                fsdp_devices=fsdp_devices, device=device)
+                fsdp_devices=fsdp_devices, device=device, residual_dtype=residual)
     return out

@@ -104,12 +104,15 @@ def build_optimizer(model: torch.nn.Module, optim: dict, fp16: bool = False) -> 
         raise ValueError(f"{field} is invalid: {e} (conf/optim/)") from e
 
 
+RESIDUAL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: the embeddings' dtype (float32 weights)
+
+
 class MCARModule(L.LightningModule):
     def __init__(self, arch: dict, layout: dict, clip_frames: int, mask: dict, optim: dict, max_steps: int,
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
                  lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None,
-                 stage: str = "train", flex_kernel_options: dict | None = None):
+                 stage: str = "train", flex_kernel_options: dict | None = None, residual_dtype: str = "float32"):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -119,11 +122,15 @@ class MCARModule(L.LightningModule):
         data, vq: the run's data and VQ configs, unused here: saved with the hyperparameters so that the tools
         that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config). stage: train
         (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only).
-        flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true})."""
+        flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true}).
+        residual_dtype: float32 | bfloat16, the stream between blocks under autocast (Transformer.residual_dtype)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
         self.model = Transformer(ModelConfig(**arch))
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype={residual_dtype!r}: one of {sorted(RESIDUAL_DTYPES)} (conf/train.yaml)")
+        self.model.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.layout = Layout(**layout)
         mask = dict(mask)
         set_flex_kernel_options(flex_kernel_options)  # CUDA flex only; null: the defaults
