@@ -64,8 +64,8 @@ def test_sampling_on_packed_weights_gives_the_same_tokens(name, monkeypatch):
 
 
 def test_the_packed_copy_follows_the_weights(monkeypatch):
-    """An in-place write (an optimizer step), load_state_dict, a new tensor as .data: the next packed pass uses the
-    new weights."""
+    """An in-place write (an optimizer step, fused or not), load_state_dict, a new tensor as .data: the next packed
+    pass uses the new weights."""
     m, other = tiny(0), tiny(1)
 
     def check():
@@ -81,6 +81,10 @@ def test_the_packed_copy_follows_the_weights(monkeypatch):
     opt.step()
     stepped = check()
     assert not torch.allclose(first, stepped)
+    fused = torch.optim.AdamW(m.parameters(), lr=0.05, fused=True)  # training's default: bumps no version counter
+    one_pass(m, 6, grad=True).square().mean().backward()
+    fused.step()
+    assert not torch.allclose(stepped, check())  # was: the packed copy of the step before (the summary's 0.41)
     m.load_state_dict(other.state_dict())
     check()
     w = m.layers[0].feed_forward.w13.weight

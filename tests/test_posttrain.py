@@ -120,7 +120,8 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
     common = ["init_from=" + str(REPO / "checkpoints/shipped/crafter_world/last.ckpt"), "logger=csv",
               f"paths.checkpoint_root={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/out", "posttrain.group=2",
               "posttrain.starts=1", "posttrain.rollout_frames=3", "posttrain.context=2", "checkpoint.every_n_steps=1",
-              "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2"]
+              "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2",
+              "optim.lr=1e-3"]  # steps that move the weights: the next rollouts must see them
     run_in_process(main, *common, "steps=2")
     ckpt = tmp_path / "ckpt" / "pt" / "last.ckpt"
     state = load_checkpoint(ckpt)
@@ -129,6 +130,9 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
     metrics = (next(Path(tmp_path / "out" / "csv").rglob("metrics.csv"))).read_text()
     for key in ("reward/tiles", "reward/plausible", "train/kl", "train/clip_fraction", "train/logp_gap"):
         assert key in metrics
+    import csv
+    gaps = [float(r["train/logp_gap"]) for r in csv.DictReader(metrics.splitlines()) if r.get("train/logp_gap")]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # step 2's rollouts drawn from the weights step 1 made
     assert (tmp_path / "out" / "rollouts" / "step0000002.gif").is_file()
     load_model(ckpt)  # generate, evaluate and play read it
     run_in_process(main, *common, "steps=3", "ckpt_path=last")

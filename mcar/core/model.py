@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mcar.core.precision import active_dtype
@@ -203,6 +204,16 @@ _packed = WeakIdKeyDictionary()  # weight (by identity) -> (its data as packed, 
 _packing_ok = [hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()]
 
 
+def _forget_packed(optimizer, args, kwargs) -> None:
+    """After any optimizer step every packed copy is dropped: a fused step (AdamW's default here) writes the weights
+    without bumping their version counter, so a model sampled during training (validation, post-training rollouts)
+    would otherwise keep sampling the weights of its first sampled step."""
+    _packed.clear()
+
+
+register_optimizer_step_post_hook(_forget_packed)
+
+
 def packs_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a cached pass with hidden states x (B, S, C) runs its linears on packed weights: a float32 CPU model
     with no autograd (the packed op has none), eager (never inside torch.compile), B*S in PACKED_ROWS, and oneDNN
@@ -216,8 +227,9 @@ def packs_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(layer: nn.Linear, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """layer(x), on its packed weight where `packed` (see `packs_rows`). The packed copy is made at first use and
-    again whenever the weight changes: another tensor, or an in-place write (an optimizer step, load_state_dict:
-    the version counter; writes through `.data` are not seen, and nothing writes the model's weights that way). It
+    again whenever the weight changes: another tensor, an in-place write (load_state_dict, a foreach step: the
+    version counter), any optimizer step (`_forget_packed`: fused steps leave the counter alone); writes through
+    `.data` outside an optimizer are not seen, and nothing writes the model's weights that way. It
     holds the weight it was made from, so no other tensor takes that address meanwhile. Costs one more copy of the
     weights in memory while the model lives."""
     if not packed:

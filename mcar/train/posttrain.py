@@ -31,6 +31,7 @@ from mcar.train.rewards import RewardTerm, Rollouts, total_reward
 from mcar.wandb_run import log_media, run_of
 
 log = logging.getLogger("mcar")
+LOGP_GAP_TOL = 1e-4  # float32 CPU: a fresh rollout's log-probs, trainer vs sampler (2-5e-8 measured)
 
 
 def reward_terms(rewards: dict) -> list[RewardTerm]:
@@ -80,6 +81,7 @@ class PostTrainModule(MCARModule):
             raise ValueError("posttrain.kl_coef > 0 needs a reference checkpoint (init_from)")
         self._reference: list[Transformer] = []  # a list: kept out of the state dict and the optimiser
         self._rollouts: dict | None = None  # the batch being reused (updates_per_batch > 1)
+        self._gap_warned = False
 
     # --- the reference model ------------------------------------------------------------------------------
     def reference(self) -> Transformer | None:
@@ -134,6 +136,13 @@ class PostTrainModule(MCARModule):
         self._loss_watch.push(out.loss, step)
         self._stop_on_non_finite_loss()
         gen = self.scorer.generated_mask(logp.device)
+        gap = (logp.detach() - r["old_logp"]).abs()[:, gen].mean()
+        if step % every == 0 and not self._gap_warned and logp.device.type == "cpu" and \
+                self.model.output.weight.dtype == torch.float32 and gap.item() > LOGP_GAP_TOL:
+            self._gap_warned = True  # fresh rollouts, float32: the parity property says ~1e-7
+            log.warning("posttrain: at step %d the trainer's and the sampler's log-probabilities of fresh rollouts "
+                        "differ by %.2g per token (parity: ~1e-7): the rollouts were not drawn from the weights "
+                        "being trained", step, gap.item())
         groups = r["reward"].view(-1, self.group)
         self.log("train/loss", out.loss, prog_bar=True)
         self.log_dict({"reward/std_in_group": groups.std(1).mean(),
@@ -142,7 +151,7 @@ class PostTrainModule(MCARModule):
                        "train/policy": out.policy,
                        # the trainer's and the sampler's log-probabilities of the same tokens (0 up to rounding at
                        # the first update: the parity property; larger after updates on reused rollouts)
-                       "train/logp_gap": ((logp.detach() - r["old_logp"]).abs()[:, gen]).mean(),
+                       "train/logp_gap": gap,
                        "train/entropy_proxy": -r["old_logp"][:, gen].mean()}, prog_bar=False)
         self.log("reward/mean", r["reward"].mean(), prog_bar=True)
         if self._logs_this_step:
