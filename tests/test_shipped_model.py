@@ -1,7 +1,8 @@
 """The committed models, driven through mcar.play from real Crafter starts. checkpoints/shipped/crafter_tiles_diagd
 (experiment=crafter_tiles + 150 steps of exact DiagD fine-tuning): press a move key and the world moves the way
-Crafter moves it. checkpoints/shipped/crafter_world (experiment=crafter_world + 400 steps of DiagD fine-tuning): the
-map also stays put on a move Crafter refuses, and what a step out of view hid comes back on the step back."""
+Crafter moves it. checkpoints/shipped/crafter_world_grpo, the play default (experiment=crafter_world + 400 steps of
+DiagD fine-tuning = shipped/crafter_world, + 50 GRPO steps): the map also stays put on a move Crafter refuses, and what
+a step out of view hid comes back on the step back."""
 
 import copy
 
@@ -100,7 +101,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     assert agree[moved].mean() > still[moved].mean() + 0.05, (agree.round(3), still.round(3))
 
 
-WORLD = REPO / "checkpoints" / "shipped" / "crafter_world"
+WORLD = REPO / "checkpoints" / "shipped" / "crafter_world_grpo"  # the play default (crafter_world post-trained)
 WORLD_SIZE, WORLD_VIEW, WORLD_MAP_ROWS = (144, 144), (9, 9), 7  # data=crafter_tiles_world: a 9x7 map, 2 item rows
 MOVE_NAMES = {move: name for name, move in MOVES.items()}
 
