@@ -647,13 +647,25 @@ def test_joins_leaves_resets_and_k_changes_keep_each_widths_kv_caches_at_the_sam
     """CUDA graphs read the KV caches at fixed addresses: a cache that moved is recorded again (and after 128
     records of a shape torch stops graphing it). Rollouts borrow their caches from the server's pool, so a width's
     passes see no more cache sets than rollouts of that width ever live at once, however often players come, go,
-    reset or change k."""
-    from mcar.sampling.play import PlaySession
+    reset or change k. On the static path (CUDA's) a rollout's own inputs (tokens, row keys, first slots) ride on
+    its cache set too: as many addresses per width as cache sets."""
+    from mcar.sampling.play import PlayServer, PlaySession
 
     monkeypatch.setattr(PlaySession, "decode", lambda self, tokens: np.zeros((1, 1, 3), np.uint8))  # images unused
-    base = crafter_session(crafter_files, "sampler.temperature=1.0")
+    base = crafter_session(crafter_files, "sampler.temperature=1.0", "sampler.static=true")
     server = base.server
     seen = cache_addresses_by_width(server.model)
+    inputs, step_together = {}, PlayServer.step_together
+
+    def stepped(self, moves):
+        out = step_together(self, moves)
+        for g in self._groups:
+            r = g.run
+            inputs.setdefault(len(g.rows), set()).add((r.tokens.data_ptr(), r.rows.data_ptr(),
+                                                       r.first_slots.data_ptr()))
+        return out
+
+    monkeypatch.setattr(PlayServer, "step_together", stepped)
     a, b = base.fork(seed=1), base.fork(seed=2)
     server.step_together([(a, "do"), (b, "noop")])  # one rollout of width 2
     b.reset()
@@ -669,6 +681,7 @@ def test_joins_leaves_resets_and_k_changes_keep_each_widths_kv_caches_at_the_sam
     server.leave(d), server.leave(e)
     assert server.restarts == 5 and server.splits == 1
     assert {w: len(sets) for w, sets in seen.items()} == {1: 2, 2: 1}
+    assert {w: len(sets) for w, sets in inputs.items()} == {1: 2, 2: 1}
     assert server.leaves_nothing()
 
 

@@ -168,14 +168,16 @@ def test_static_rollout_passes_are_staged_at_fixed_addresses_with_nothing_built_
     L, hw = LAYOUT.frame_len, LAYOUT.frame_tokens
     eager = sampler("diagd", context=C, d=3, seed=4).rollout(model, clip[:, :L])
     static = sampler("diagd", context=C, d=3, seed=4, static=True).rollout(copy.deepcopy(model), clip[:, :L])
-    seen, made, step = [], [], static.step
+    seen, made, step, inputs = [], [], static.step, set()
 
     def record(model, tokens, p, *args):
         assert all(get_static_address_type(t) is not None for t in p) and p.mask.dtype == torch.float32
-        codes, rule = args[-2:]  # shared by the sampler's rollouts: held at one address each (the rollout's own
-        assert get_static_address_type(codes) is not None  # tokens, row keys and first slots are not, yet)
+        rows, first_slots, codes, rule = args  # codes, temperature: held by the sampler; tokens, row keys, first
+        # slots: kept on the rollout's KV cache set
+        assert all(get_static_address_type(t) is not None for t in (tokens, rows, first_slots, codes))
         assert rule.temperature is None or get_static_address_type(rule.temperature) is not None
         seen.append(tuple(t.data_ptr() for t in p))
+        inputs.add((tokens.data_ptr(), rows.data_ptr(), first_slots.data_ptr()))
         return step(model, tokens, p, *args)
 
     static.step = record
@@ -187,6 +189,7 @@ def test_static_rollout_passes_are_staged_at_fixed_addresses_with_nothing_built_
         monkeypatch.undo()
         assert frame is None and mine is None or torch.equal(frame, mine)
     assert not made and len(set(seen)) == len({t[0] for t in seen}) <= 3  # one address set per pass shape
+    assert len(inputs) == 1
 
 
 def test_rolling_settings_are_checked():

@@ -450,6 +450,8 @@ class Rollout:
         sampler._open_cache(model, B, plan.cache_slots, setup_cache, device)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
+        if sampler.is_static(device):
+            self._pin_inputs()
         self._cache_version = self._cache.k_buf._version
         self.step = sampler.step_fn(_scored_rolling_pass if logprobs else _sample_rolling_pass, device)
         # static shapes (compiled or not): the passes staged at fixed addresses, their bias built once
@@ -498,6 +500,21 @@ class Rollout:
             self.frame_logprobs.append(self.logp[:, c:c + lay.frame_tokens].clone())
         return self.tokens[:, c:c + lay.frame_tokens].clone()
 
+    def _pin_inputs(self) -> None:
+        """The rollout's own step inputs (tokens, row keys, first slots) moved into tensors kept on its KV cache set,
+        marked static: a cache set serves one rollout at a time, and a later rollout on the same set (play's cache
+        pool) finds them at the same addresses, so CUDA graphs copy none of them per replay and record nothing
+        again."""
+        kept = self._cache.__dict__.setdefault("_rollout_inputs", {})
+        key = tuple((tuple(t.shape), t.dtype) for t in (self.tokens, self.rows, self.first_slots))
+        if key not in kept:
+            kept[key] = tuple(torch.empty_like(t) for t in (self.tokens, self.rows, self.first_slots))
+            for t in kept[key]:
+                torch._dynamo.mark_static_address(t, guard=False)
+        for dst, src in zip(kept[key], (self.tokens, self.rows, self.first_slots)):
+            dst.copy_(src)
+        self.tokens, self.rows, self.first_slots = kept[key]
+
     def _write(self, p: RollingPass, drawn) -> None:
         """A pass's tokens (and log-probabilities, when kept) into their ring columns."""
         if self.logp is not None:
@@ -520,6 +537,8 @@ class Rollout:
         out._last_actions = None if self._last_actions is None else self._last_actions[index]
         self.model.swap_caches([c.select(index, to) for c, to in zip(caches, into or [None] * len(caches))])
         out._cache = self.model.kv_caches()[0]
+        if self.sampler.is_static(self.tokens.device):
+            out._pin_inputs()
         out._cache_version = out._cache.k_buf._version
         return out
 
