@@ -61,7 +61,10 @@ PHASES = {  # phase -> (overrides, when to send the signal)
                    lambda tmp, out: any((tmp / "data").rglob("*.mp4"))),
     "training steps": ([*SYNTHETIC, "trainer.max_steps=100000", "checkpoint.every_n_steps=5",
                         "val_dashboard.n_clips=0"],
-                       lambda tmp, out: any((tmp / "ckpt" / "stop").glob("step*.ckpt"))),
+                       # last.ckpt is written just after the step's: a signal between the two left no last.ckpt
+                       # to resume from (seen once in CI)
+                       lambda tmp, out: any((tmp / "ckpt" / "stop").glob("step*.ckpt"))
+                       and (tmp / "ckpt" / "stop" / "last.ckpt").exists()),
     "validation sampling": ([*SYNTHETIC, *SLOW_NTP, "trainer.max_steps=100000", "trainer.val_check_interval=2",
                              "data.clip_frames=6", "val_dashboard.n_clips=4", "val_dashboard.max_frames=6",
                              "val_dashboard.min_steps=0", "checkpoint.every_n_steps=2"],
