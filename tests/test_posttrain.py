@@ -18,6 +18,12 @@ from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgree
 from .conftest import REPO, run_in_process
 
 LAYOUT, CB = Layout(3, 4, 1), 10
+# PostTrainModule's arguments for a tiny model on LAYOUT: its `posttrain` node and the rest
+TINY_POST = dict(group=2, rollout_frames=4, context=3, clip_eps=0.2, kl_coef=0.0,
+                 rewards={"tiles": {"_target_": "mcar.train.rewards.TileAgreement", "weight": 1}})
+TINY_MODULE = dict(arch=dict(vocab_size=CB + 4, dim=32, n_layers=1, n_heads=2, mlp_dim=64), layout=vars(LAYOUT),
+                   clip_frames=3, mask={"name": "diagd"}, optim={}, max_steps=1, data={"codebook_size": CB},
+                   sampler={"name": "diagd", "temperature": 1.0})
 
 
 def clips_of(frames: list[list[int]], action: int = 2) -> torch.Tensor:
@@ -144,11 +150,7 @@ def test_the_supervised_control_is_the_samplers_loss_on_the_true_clips():
     and window, the mean negative log-probability of their generated tokens; an unknown objective is refused."""
     from mcar.train.posttrain import PostTrainModule
 
-    post = dict(group=2, rollout_frames=4, context=3, clip_eps=0.2, kl_coef=0.0, objective="supervised",
-                rewards={"tiles": {"_target_": "mcar.train.rewards.TileAgreement", "weight": 1}})
-    kw = dict(arch=dict(vocab_size=CB + 4, dim=32, n_layers=1, n_heads=2, mlp_dim=64), layout=vars(LAYOUT),
-              clip_frames=3, mask={"name": "diagd"}, optim={}, max_steps=1, data={"codebook_size": CB},
-              sampler={"name": "diagd", "temperature": 1.0})
+    post, kw = TINY_POST | {"objective": "supervised"}, TINY_MODULE
     module = PostTrainModule(post, **kw)
     clips = clips_of([[1, 2, 3, 4], [5, 6, 7, 8]])
     logp = module.scorer(module.model, clips, module.rule("cpu"))
@@ -156,3 +158,70 @@ def test_the_supervised_control_is_the_samplers_loss_on_the_true_clips():
         -logp[:, module.scorer.generated_mask()].mean().item())
     with pytest.raises(ValueError, match="posttrain.objective='ppo'"):
         PostTrainModule(post | {"objective": "ppo"}, **kw)
+
+
+def test_the_supervised_term_adds_the_true_clips_loss_to_grpos():
+    """posttrain.supervised_coef: the GRPO loss plus that weight times the true clips' teacher-forced loss (the
+    same rollouts: the noise keys are the step's); a negative weight is refused."""
+    from mcar.train.posttrain import PostTrainModule
+
+    post, kw = TINY_POST, TINY_MODULE
+    clips = clips_of([[1, 2, 3, 4], [5, 6, 7, 8]])
+    torch.manual_seed(0)
+    alone = PostTrainModule(post, **kw)
+    torch.manual_seed(0)
+    mixed = PostTrainModule(post | {"supervised_coef": 0.5}, **kw)
+    alone._logs_this_step = mixed._logs_this_step = False  # no trainer: no learning rate to log
+    nll = mixed.true_clip_nll(clips)
+    assert nll.item() > 0
+    assert mixed.training_step({"tokens": clips}, 0).item() == pytest.approx(
+        alone.training_step({"tokens": clips}, 0).item() + 0.5 * nll.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="posttrain.supervised_coef=-1.0"):
+        PostTrainModule(post | {"supervised_coef": -1}, **kw)
+
+
+def test_starts_play_recall_plans_when_asked(monkeypatch):
+    """starts.recall reaches the policies (crafter_gen's settings, checked up front); null keeps today's policies,
+    not the plans' defaults that {} asks for."""
+    from omegaconf import OmegaConf
+
+    import mcar.data.crafter_starts as starts
+    from mcar.data.crafter_gen import recall_settings
+    from mcar.tools.posttrain import _none_or_dict
+
+    assert _none_or_dict(None) is None and _none_or_dict(OmegaConf.create({})) == {}
+    seen = []
+    real_make = starts.make_policy
+    monkeypatch.setattr(starts, "make_policy", lambda name, rng, recall: seen.append(recall) or real_make(name, rng,
+                                                                                                          recall))
+    layout = Layout(9, 9, 1)
+    common = dict(layout=layout, codebook_size=145, frames=2, vq_path=str(REPO / "mcar/assets/vq_crafter_tiles"),
+                  view=[9, 9], daylight=None, policy_mix={"wanderer": 1.0}, warmup=0)
+    recall = {"mix": {"wait": 1.0}}
+    clips = starts.CrafterStarts(**common, recall=recall)(7)
+    assert len(clips) == 1 and clips[0].shape == (2 * layout.frame_len,)
+    starts.CrafterStarts(**common)(7)
+    assert seen == [recall_settings(recall), None]
+    with pytest.raises(ValueError, match="recall: unknown"):
+        starts.CrafterStarts(**common, recall={"bogus": 1})
+
+
+def test_stale_rollouts_are_warned_about_once(caplog):
+    """Rollouts whose log-probabilities are not the trainer's (drawn from other weights: the stale packed copies
+    fa23dd9 fixed) are named in one warning; fresh ones are not."""
+    import logging
+
+    from mcar.train.posttrain import PostTrainModule
+
+    post, kw = TINY_POST, TINY_MODULE
+    module = PostTrainModule(post, **kw)
+    module._logs_this_step = False
+    clips = clips_of([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with caplog.at_level(logging.WARNING, logger="mcar"):
+        module.training_step({"tokens": clips}, 0)
+        assert "rollouts were not drawn" not in caplog.text
+        fresh = module.rollouts
+        module.rollouts = lambda real, step: {**(r := fresh(real, step)), "old_logp": r["old_logp"] + 1e-2}
+        module.training_step({"tokens": clips}, 0)
+        module.training_step({"tokens": clips}, 0)
+    assert caplog.text.count("rollouts were not drawn from the weights being trained") == 1

@@ -364,3 +364,23 @@ def test_a_smoke_run_skips_the_held_out_measurement_and_says_how_to_run_it():
     assert lines[1] == cb.skipped and "mcar evaluate" in lines[1]
     with pytest.raises(ValueError, match="max_clips=0"):
         HeldOutAgreement(max_clips=0)
+
+
+def test_ckpt_path_last_falls_back_to_the_newest_step_checkpoint(tmp_path):
+    """A run stopped between a step checkpoint's write and last.ckpt's resumes from its newest step checkpoint;
+    last.ckpt wins when there is one; no checkpoint at all is the one-line error."""
+    from omegaconf import OmegaConf
+
+    from mcar.train.jobs import resolve_ckpt_path
+
+    cfg = OmegaConf.create({"ckpt_path": "last", "run_name": "r", "paths": {"checkpoint_root": str(tmp_path)}})
+    run = tmp_path / "r"
+    run.mkdir()
+    with pytest.raises(FileNotFoundError, match="has no last.ckpt yet"):
+        resolve_ckpt_path(cfg)
+    for step in (100, 25, 1000):
+        (run / f"step{step:07d}.ckpt").write_bytes(b"x")
+    (run / "step0002000.ckpt.tmp").write_bytes(b"x")  # a write in progress is not a checkpoint
+    assert resolve_ckpt_path(cfg) == str(run / "step0001000.ckpt")
+    (run / "last.ckpt").write_bytes(b"x")
+    assert resolve_ckpt_path(cfg) == str(run / "last.ckpt")

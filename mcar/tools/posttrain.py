@@ -12,6 +12,11 @@ from mcar.train.finetune import prepare_finetune
 from mcar.train.task import run
 
 
+def _none_or_dict(node) -> dict | None:
+    """A config node -> a dict; null stays None (no recall plans: not the plans' defaults, which {} means)."""
+    return None if node is None else to_dict(node)
+
+
 def starts_datamodule(cfg: DictConfig) -> StartsDataModule:
     """The run's training batches: `posttrain.starts` fresh worlds per step, clips of `posttrain.rollout_frames`."""
     data = cfg.data
@@ -20,7 +25,7 @@ def starts_datamodule(cfg: DictConfig) -> StartsDataModule:
                             view=data.get("view"), daylight=data.get("daylight"),
                             policy_mix=to_dict(cfg.starts.policy_mix), starts=cfg.posttrain.starts,
                             seed_base=cfg.starts.seed_base, warmup=cfg.starts.warmup,
-                            clips_per_world=cfg.starts.clips_per_world)
+                            clips_per_world=cfg.starts.clips_per_world, recall=_none_or_dict(cfg.starts.get("recall")))
 
 
 @hydra_tool("posttrain")

@@ -59,13 +59,30 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
                 Path(cfg.paths.checkpoint_root) / cfg.run_name)
 
 
+def newest_step_checkpoint(folder: Path) -> Path | None:
+    """The step checkpoint (step<N>.ckpt, a file or a sharded folder) with the highest N in folder, None if none."""
+    found = []
+    for path in folder.glob("step*.ckpt"):
+        m = re.fullmatch(r"step=?(\d+)\.ckpt", path.name)
+        if m and (path.is_file() or is_sharded_checkpoint(path)):
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt; else a file that must exist (or the folder
+    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt (a run stopped between writing a step
+    checkpoint and last.ckpt has none: then its newest step checkpoint); else a file that must exist (or the folder
     of a sharded checkpoint: trainer=fsdp trainer.strategy.save_distributed_checkpoint=true)."""
     p = cfg.get("ckpt_path")
     if p is None:
         return None
     path = checkpoint_dir(cfg) / "last.ckpt" if p == "last" else Path(p)
+    if p == "last" and not (path.is_file() or is_sharded_checkpoint(path)):
+        step = newest_step_checkpoint(path.parent) if path.parent.is_dir() else None
+        if step is not None:
+            log.warning("ckpt_path=last: %s has no last.ckpt (stopped while writing one?): resuming from %s",
+                        path.parent, step.name)
+            return str(step)
     if not (path.is_file() or is_sharded_checkpoint(path)):
         hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
         raise FileNotFoundError(f"ckpt_path: checkpoint not found: {path}{hint}")

@@ -6,7 +6,9 @@ rolling cache, so a rollout may be longer than the trained clip), scores them (m
 each reward within its group, and takes a clipped policy-gradient step with a KL anchor to the starting model
 (mcar.core.policy). The log-probability of a rollout is one teacher-forced pass under the sampler's own mask:
 exact, by the parity property. With `updates_per_batch` > 1 the rollouts of one step are reused for that many
-optimiser steps (their sampling log-probabilities are the importance ratio's denominator).
+optimiser steps (their sampling log-probabilities are the importance ratio's denominator). `supervised_coef` > 0
+adds the same worlds' true clips, teacher-forced on the sampler's schedule and window, to the loss with that weight
+(InstructGPT's PPO-ptx: the simulator's own frames beside the rewarded rollouts).
 
 The model is the pre-trained one's (a plain Transformer under `model.`); the reference is read from `reference`
 (the checkpoint post-training starts from) and kept out of the checkpoints.
@@ -61,6 +63,9 @@ class PostTrainModule(MCARModule):
             raise ValueError(f"posttrain.objective={p.get('objective')!r}: grpo (rollouts and rewards) or supervised "
                              f"(the control: the same worlds' true clips, teacher-forced)")
         self.group, self.frames = int(p["group"]), int(p["rollout_frames"])
+        self.supervised_coef = float(p.get("supervised_coef") or 0.0)
+        if self.supervised_coef < 0:
+            raise ValueError(f"posttrain.supervised_coef={self.supervised_coef}: a weight >= 0 (0: GRPO alone)")
         if self.group < 2:
             raise ValueError(f"posttrain.group={self.group}: GRPO compares rollouts of one start, at least 2")
         context = p.get("context") or self.hparams.clip_frames
@@ -131,9 +136,14 @@ class PostTrainModule(MCARModule):
         logp = self.scorer(self.model, r["tokens"], self.rule(r["tokens"].device))
         out = grpo_loss(logp, r["old_logp"], r["ref_logp"], r["advantages"], self.scorer.generated_mask(logp.device),
                         float(self.post["clip_eps"]), float(self.post["kl_coef"]))
+        loss = out.loss
+        if self.supervised_coef:
+            supervised = self.true_clip_nll(batch["tokens"])
+            loss = loss + self.supervised_coef * supervised
+            self.log("train/supervised", supervised.detach())
         if self._loss_watch is None:
-            self._loss_watch = LossWatch(deferred=out.loss.is_cuda)
-        self._loss_watch.push(out.loss, step)
+            self._loss_watch = LossWatch(deferred=loss.is_cuda)
+        self._loss_watch.push(loss, step)
         self._stop_on_non_finite_loss()
         gen = self.scorer.generated_mask(logp.device)
         gap = (logp.detach() - r["old_logp"]).abs()[:, gen].mean()
@@ -144,7 +154,7 @@ class PostTrainModule(MCARModule):
                         "differ by %.2g per token (parity: ~1e-7): the rollouts were not drawn from the weights "
                         "being trained", step, gap.item())
         groups = r["reward"].view(-1, self.group)
-        self.log("train/loss", out.loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True)
         self.log_dict({"reward/std_in_group": groups.std(1).mean(),
                        **{f"reward/{k}": v.mean() for k, v in r["terms"].items()},
                        "train/kl": out.kl, "train/clip_fraction": out.clip_fraction, "train/ratio": out.ratio,
@@ -157,14 +167,18 @@ class PostTrainModule(MCARModule):
         if self._logs_this_step:
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         self.last_rollouts = r
-        return out.loss
+        return loss
+
+    def true_clip_nll(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The true clips (B, N) -> the mean negative log-probability the sampler (its schedule and window) gives
+        their generated tokens."""
+        logp = self.scorer(self.model, tokens, self.rule(tokens.device))
+        return -logp[:, self.scorer.generated_mask(logp.device)].mean()
 
     def supervised_step(self, batch: dict) -> torch.Tensor:
-        """posttrain.objective=supervised, the control: the same fresh worlds' true clips, no rollouts, the loss the
-        negative log-probability the sampler (its schedule and window) gives their tokens: a DiagD fine-tune on
-        the simulator's data at the cost of the same steps."""
-        logp = self.scorer(self.model, batch["tokens"], self.rule(batch["tokens"].device))
-        loss = -logp[:, self.scorer.generated_mask(logp.device)].mean()
+        """posttrain.objective=supervised, the control: the same fresh worlds' true clips, no rollouts, the loss
+        true_clip_nll: a DiagD fine-tune on the simulator's data at the cost of the same steps."""
+        loss = self.true_clip_nll(batch["tokens"])
         if self._loss_watch is None:
             self._loss_watch = LossWatch(deferred=loss.is_cuda)
         self._loss_watch.push(loss, self.global_step)
