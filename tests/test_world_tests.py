@@ -18,6 +18,7 @@ from mcar.eval.world_tests import (
     masked_recall,
     parse_shape,
     rerevealed_mask,
+    scroll_start,
     shifted,
     stay_or_move,
 )
@@ -63,6 +64,31 @@ def test_loop_recall_is_one_for_the_real_frames_and_zero_without_memory(move, ba
     assert loop_recall(views[:1], views[:1], GRID, far).item() == 1.0  # copy_last ends on the start view
     # the shift is the env's: each memoryless frame agrees with the real one wherever it drew a tile
     assert all(torch.equal(f[f != UNSEEN], v[f != UNSEEN]) for f, v in zip(forgot, views))
+
+
+def test_scroll_start_shows_the_start_frame_moved_with_the_player():
+    """The greedy floor: after a real walk, every map tile that was in the start view is where the walk put it, the
+    tiles that came into view and the player's tile are the start frame's, the inventory row too; actions kept."""
+    from mcar.core.layout import Layout
+
+    moves = [2, 2, 4, 1]
+    views, offs = world_and_views(moves)
+    layout = Layout(GRID.map_h + 1, GRID.w, 1)  # one inventory row below the map
+    inventory = torch.arange(GRID.w) + 1000
+    frames = [torch.cat([torch.cat([v, inventory[None] + t]).flatten(), torch.tensor([2000 + t])])
+              for t, v in enumerate(views)]
+    clips = torch.cat(frames)[None]
+    out = scroll_start(clips, [offs.tolist()], GRID, layout, 1).view(len(views), layout.frame_len)
+    start = clips.view(len(views), -1)[0, :layout.frame_tokens].view(layout.h, layout.w)
+    pr, pc = GRID.player
+    for t in range(1, len(views)):
+        image = out[t, :layout.frame_tokens].view(layout.h, layout.w)
+        _, known = shifted(views[0], *offs[t].tolist())
+        known[pr, pc] = False
+        assert torch.equal(image[:GRID.map_h][known], views[t][known])  # scrolled exactly
+        assert torch.equal(image[:GRID.map_h][~known], start[:GRID.map_h][~known])  # new tiles: the start's
+        assert torch.equal(image[GRID.map_h:], start[GRID.map_h:]) and out[t, -1] == 2000 + t
+    assert torch.equal(out[0], clips.view(len(views), -1)[0])
 
 
 def test_stay_or_move_tells_a_refused_move_from_a_made_one():
@@ -111,10 +137,11 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
         assert memory["real"]["inventory"]["mean"] == 1.0
         assert 0 <= memory["model context=2"]["invented"]["mean"] <= 1
     rollout = res["rollout"]
-    assert set(rollout) == {"model context=3", "model context=2", "copy_last"}
+    assert set(rollout) == {"model context=3", "model context=2", "copy_last", "scroll_start"}
     assert all(0 <= v[k]["mean"] <= 1 for v in rollout.values()
                for k in ("tv_mean", "map_mean", "inventory_mean", "invented_mean"))
     assert rollout["copy_last"]["invented_mean"]["mean"] == 0
+    assert rollout["scroll_start"]["inventory_mean"] == rollout["copy_last"]["inventory_mean"]  # the start's rows
     by_type = res["blocked"]["blocked"]["by_type"]  # the refused moves by what refused them, placed ones apart
     assert sum(v["n"] for v in by_type.values() if not v["placed"]) == res["blocked"]["blocked"]["n"]
     assert {k: v["tried"] for k, v in by_type.items() if v["placed"]} == {"table (placed)": 1, "furnace (placed)": 1}
@@ -122,6 +149,8 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert header == "row,step,agreement,lo,hi,tv,map,inventory,invented"
     md = (tmp_path / "world_tests.md").read_text()
     assert "| L_n1_m1 | 5 | 1 / 1 (beyond context: a control) | real | 1.000" in md
+    margin = rollout["model context=3"]["mean"]["mean"] - rollout["scroll_start"]["mean"]["mean"]
+    assert f"| model context=3 - scroll_start | {margin:+.3f} [" in md
 
 
 def test_histogram_distance_reads_the_mix_of_tiles_not_where_they_are():

@@ -38,7 +38,8 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   move is scored like the others, on the frames before and after the placing, as `<type> (placed)`; a world where
   it could not be placed (no open way, a creature stepped in, the episode ended) is counted out of that type only.
 - rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
-  frames per step (a curve), for the model on its context, the 2-frame window and copy_last; and whether the frames
+  frames per step (a curve), for the model on its context, the 2-frame window, copy_last and scroll_start (the start
+  frame scrolled by the player's true movement: what greedy sampling must beat); and whether the frames
   stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
   histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common); the agreement of the
   map and of the inventory rows apart; and `invented` (as for the loops) per step.
@@ -172,6 +173,28 @@ def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.T
     out[..., r0:r1, c0:c1] = maps[..., r0 + dy:r1 + dy, c0 + dx:c1 + dx]
     known[r0:r1, c0:c1] = True
     return out, known
+
+
+def scroll_start(clips: torch.Tensor, positions: list[list], grid: MapGrid, layout: Layout, prompt: int
+                 ) -> torch.Tensor:
+    """(B, N) clips and each one's player positions per frame -> a copy whose frames >= prompt show the last prompt
+    frame's map scrolled by the player's true movement since: the floor a greedy model must beat ("scroll the start
+    frame by the true movement"). Tiles that come into view keep what the start frame showed there; the player's
+    tile and the inventory rows stay the start frame's; every action stays the clip's own."""
+    out = clips.clone()
+    images = out.view(out.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens].unflatten(-1, (layout.h,
+                                                                                                     layout.w))
+    start = images[:, prompt - 1].clone()
+    pr, pc = grid.player
+    for b, pos in enumerate(positions):
+        for t in range(prompt, images.shape[1]):
+            moved, known = shifted(grid.maps(start[b]), pos[t][0] - pos[prompt - 1][0],
+                                   pos[t][1] - pos[prompt - 1][1])
+            known[pr, pc] = False
+            frame = start[b].clone()
+            frame[:grid.map_h][known] = moved[known]
+            images[b, t] = frame
+    return out
 
 
 def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, grid: MapGrid
@@ -569,7 +592,7 @@ class WorldTests:
         t_record = time.perf_counter() - t0
         log.info("%d starts recorded from %d fresh Crafter worlds in %.0f s", len(starts), self.worlds_tried, t_record)
         results = {"loops": {}, "shapes": {}, "blocked": {}, "rollout": {}, "context": self.context,
-                   "windows": self.windows,
+                   "windows": self.windows, "seed": int(self.cfg.seed),
                    "starts": len(starts), "worlds_tried": self.worlds_tried, "sampler": self.wm.sampler(2).label}
         t1 = time.perf_counter()
         self.videos, self.curves = {}, {}
@@ -712,6 +735,7 @@ class WorldTests:
         out, curves = {}, {}
         rows = self.rows_for(clips)
         rows.pop("real")
+        rows["scroll_start"] = scroll_start(clips, [r.pos[:T] for r in recs], self.grid, self.layout, self.prompt)
         every = images_of(clips, self.layout)
         real = every[:, 1:]
         has_inv = self.layout.h > self.grid.map_h
@@ -796,7 +820,34 @@ def markdown(res: dict) -> str:
     lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v.get('map_mean'))} | "
               f"{_ci(v.get('inventory_mean'))} | {_ci(v.get('invented_mean'))} | {_ci(v.get('invented_last'))} | "
               f"{_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |" for name, v in res["rollout"].items()]
+    margins = baseline_margins(res.get("rollout", {}), int(res.get("seed", 0)))
+    if margins:
+        lines += ["", "| rollout: model row minus baseline, start by start | token agreement, mean | map | "
+                      "inventory |", "|---|---|---|---|"]
+        lines += [f"| {m['row']} - {m['baseline']} | " + " | ".join(
+            f"{m[k]['mean']:+.3f} [{m[k]['lo']:+.3f}, {m[k]['hi']:+.3f}]" if m.get(k) else "" for k in
+            ("mean", "map_mean", "inventory_mean")) + " |" for m in margins]
     return "\n".join(lines) + "\n"
+
+
+def baseline_margins(rollout: dict, seed: int) -> list[dict]:
+    """Each model row's rollout scores minus each baseline's (copy_last: nothing moves; scroll_start: the start frame
+    scrolled by the true movement), paired start by start, each a mean and its 95% bootstrap interval."""
+    out = []
+    for row, v in rollout.items():
+        if not row.startswith("model"):
+            continue
+        for base in ("copy_last", "scroll_start"):
+            if base not in rollout:
+                continue
+            m = {"row": row, "baseline": base}
+            for key in ("mean", "map_mean", "inventory_mean"):
+                a, b = v.get(key), rollout[base].get(key)
+                if a and b and "per_start" in a and "per_start" in b:
+                    m[key] = interval(torch.tensor(a["per_start"], dtype=torch.float64) -
+                                      torch.tensor(b["per_start"], dtype=torch.float64), seed)
+            out.append(m)
+    return out
 
 
 def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
