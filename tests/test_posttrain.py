@@ -43,6 +43,12 @@ def test_tile_agreement_and_invented_tiles_score_what_they_say():
     r = Rollouts(gen, real, LAYOUT, CB, prompt_frames=1)
     n = 2 * LAYOUT.frame_tokens
     assert TileAgreement()(r).tolist() == pytest.approx([(n - 1) / n, (n - 1) / n])
+    # rows: the first image row holds the changed tile, the rest of the frame agrees
+    w = LAYOUT.w
+    assert TileAgreement(rows=[0, 1])(r).tolist() == pytest.approx([(2 * w - 1) / (2 * w)] * 2)
+    assert TileAgreement(rows=[1, None])(r).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="select none"):
+        TileAgreement(rows=[5, 9])(r)
     assert NoInventedTiles()(r).tolist() == pytest.approx([1.0, (n - 1) / n])
 
 

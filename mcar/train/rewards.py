@@ -6,7 +6,8 @@ actions) to one value per rollout, higher is better; the reward is the weighted 
 reward that gets gamed is caught (RLIR found a pixel-distance reward turning videos darker). To add one: a class
 with `__call__(rollouts) -> (B,)` in a file, and its `_target_` in the config list.
 
-- `TileAgreement` (verifiable): the share of generated image tokens equal to the simulator's.
+- `TileAgreement` (verifiable): the share of generated image tokens equal to the simulator's (or of some rows:
+  the inventory's, weighted apart).
 - `ActionMatch` (RLIR): the share of commanded actions the inverse-dynamics model reads back off the generated
   consecutive frames.
 - `NoInventedTiles` (a guard): the share of generated tiles whose tile type (code) is in the true frame or the prompt;
@@ -40,12 +41,23 @@ class Rollouts:
 
 
 class TileAgreement:
-    """The share of generated image tokens equal to the simulator's (frames >= prompt_frames)."""
+    """The share of generated image tokens equal to the simulator's (frames >= prompt_frames); `rows` [first, stop)
+    scores only those rows of the image (Python slice bounds, null: all), e.g. [7, 9], the inventory of the 9x9
+    tile-exact view, as a term of its own beside the whole frame's."""
+
+    def __init__(self, rows: list | None = None):
+        if rows is not None and len(rows) != 2:
+            raise ValueError(f"posttrain.rewards: TileAgreement rows={rows}: [first, stop) of the image rows, or null")
+        self.rows = slice(*rows) if rows is not None else slice(None)
 
     def __call__(self, r: Rollouts) -> torch.Tensor:
         gen, real = r.images()
         P = r.prompt_frames
-        return (gen[:, P:] == real[:, P:]).float().flatten(1).mean(1)
+        gen, real = gen[:, P:, self.rows], real[:, P:, self.rows]
+        if gen.numel() == 0:
+            raise ValueError(f"posttrain.rewards: TileAgreement rows {self.rows} select none of the image's "
+                             f"{r.layout.h} rows")
+        return (gen == real).float().flatten(1).mean(1)
 
 
 class ActionMatch:
