@@ -28,7 +28,7 @@
 # Always data=synthetic logger=csv: no wandb, av, diffusers or crafter is imported. PYTHON picks the interpreter.
 #
 # On the lent GPU machine (commands of at most 10 minutes, ~15 minutes of device time a sitting with the machine's
-# start, only files under $OUT come back: at most 8, of 16 MiB each), the 700m stages take ~21 minutes of upper
+# start, only files under $OUT come back: at most 8, of 16 MiB each), the 700m stages take ~35 minutes of upper
 # estimates: more than one sitting. The stages the goals are read from run first (`first` in
 # scripts/gpu_estimates.yaml: train causal, train DiagD, sampler DiagD at 16 frames): one call of 540 s holds them.
 # Each call is one command (carry .whl; --plan prints which stages go in which call):

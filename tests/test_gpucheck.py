@@ -122,6 +122,7 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     assert list(play) == ["1", "2"]
     assert all(p["fps_total"] > 0 and p["p95_ms"] >= p["p50_ms"] > 0 for p in play.values())
     assert play["2"]["fps_total"] == pytest.approx(2 * play["2"]["fps_per_session"], rel=1e-3)
+    assert all(p["kv_splits"] == 1 and p["ms_per_tick_unsplit"] is None for p in play.values())  # CPU: auto is 1
     assert {t["target"] for t in r["targets"]} >= {"training MFU, diagd", "DiagD step / causal step",
                                                    "DiagD frames/s at 4 frames"}
     md = (out / "bench_gpu.md").read_text()
@@ -379,9 +380,9 @@ def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_n
     assert plan_calls({"merge": 30}, budget=400, call_s=10)["calls"] == []  # every stage done: no call
 
 
-def test_the_shipped_700m_estimates_pack_into_four_calls_of_540_s(tmp_path):
+def test_the_shipped_700m_estimates_pack_into_five_calls_of_540_s(tmp_path):
     """`gpu_calls.py plan` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m: every stage
-    in 4 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
+    in 5 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
     planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
     import zipfile
 
@@ -393,14 +394,14 @@ def test_the_shipped_700m_estimates_pack_into_four_calls_of_540_s(tmp_path):
     overrides = ["experiment=paper", "model=700m", f"bench.gpu.dir={tmp_path}"]
     cfg = compose("bench", overrides)
     plan = calls.main(["plan", "--budget", "540", *overrides])
-    assert len(plan["calls"]) == 4 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
+    assert len(plan["calls"]) == 5 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
     assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
     assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]  # goals first
     e = OmegaConf.load(calls.ESTIMATES)
     assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
         e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
-    assert "call 4, ~" in plan["text"] and re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
+    assert "call 5, ~" in plan["text"] and re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
 
     stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
     with zipfile.ZipFile(tmp_path / calls.COMPILE_CACHE, "w") as z:

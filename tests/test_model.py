@@ -237,3 +237,42 @@ def test_bf16_residual_stream_under_autocast():
     assert abs(losses[None] - losses[torch.bfloat16]) < 0.02 * losses[None]
     for h in hooks:
         h.remove()
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), rows=st.integers(1, 6), cached=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]),
+       chunks=st.integers(2, 9), seed=st.integers(0, 2**16))
+def test_split_kv_attention_equals_one_sdpa_call(batch, rows, cached, kv_heads, chunks, seed):
+    """model.kv_splits = c (flash-decoding: the keys in c slices, combined by their log-sum-exp) gives a cached pass
+    the logits of one SDPA call, float64, for any mask (chunks that show a row nothing included), batch, GQA
+    grouping and cache prefix; it reads the cache in place."""
+    import mcar.core.model as model_mod
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, mlp_dim=64, init_std=0.2)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).double().eval()
+    model.setup_cache(batch, cached + rows + 1)
+    coords = torch.randint(0, 9, (rows, 4), generator=g)
+    tokens = torch.randint(0, 40, (batch, rows), generator=g)
+    mask = torch.rand(rows, cached + rows, generator=g) < 0.3
+    mask[:, cached:] |= torch.eye(rows, dtype=torch.bool)  # each input sees itself
+    for layer in model.layers:  # a cache written earlier (random keys and values)
+        layer.attention.cache.k_buf.copy_(torch.randn(layer.attention.cache.k_buf.shape, generator=g))
+        layer.attention.cache.v_buf.copy_(torch.randn(layer.attention.cache.v_buf.shape, generator=g))
+    pos = torch.arange(cached, cached + rows)
+    ref = model(tokens, coords, mask, pos)
+    read = []
+    fused = model_mod._attention_with_lse
+    model_mod._attention_with_lse = lambda q, k, v, b: read.append(k.untyped_storage().data_ptr()) or fused(q, k, v, b)
+    try:
+        model.kv_splits = chunks
+        split = model(tokens, coords, mask, pos)
+    finally:
+        model_mod._attention_with_lse = fused
+    torch.testing.assert_close(split, ref, rtol=0, atol=1e-12)
+    if cached + rows >= 2 * chunks:  # split (narrower passes keep one call)
+        caches = [layer.attention.cache.k_buf.untyped_storage().data_ptr() for layer in model.layers]
+        assert read == caches or (cached == 0 and len(read) == 2)  # the prefill concatenates (no prefix to view)
+    else:
+        assert read == []

@@ -118,6 +118,25 @@ def test_rollout_equals_the_windowed_schedule(model, name, kw, sampling):
     assert plan.ring == C + plan.in_flight - 1 and (plan.in_flight > 1) == (name.count("_") > 0)
 
 
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_split_kv_rollout_equals_the_unsplit_one(model, sampling, monkeypatch):
+    """sampler.kv_splits=3: every cached pass of a rolling rollout reads the ring in 3 slices (flash-decoding) and
+    gives the tokens of one attention call, eager and static."""
+    clip = clip_for(LAYOUT, N)
+    for static in (False, True):
+        one = sampler("diagd", context=C, static=static, **SAMPLING[sampling]).generate(model, clip)[0]
+        split = sampler("diagd", context=C, static=static, kv_splits=3, **SAMPLING[sampling])
+        assert torch.equal(split.generate(model, clip)[0], one), static
+        assert model.kv_splits == 3
+    with pytest.raises(ValueError, match="kv_splits=0 is invalid"):
+        sampler("diagd", kv_splits=0)
+    auto = sampler("diagd")
+    assert auto.kv_splits_for(1, 2, "cpu") == 1  # auto: one call on CPU
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("H100", (), {"multi_processor_count": 132}))
+    # on an H100: one player of the 700m (32 KV heads) 4 slices, 16 players 1, a GQA model's one player 8 (the cap)
+    assert [auto.kv_splits_for(b, h, "cuda") for b, h in ((1, 32), (16, 32), (1, 1))] == [4, 1, 8]
+
+
 def test_rollout_steps_one_frame_per_action(model):
     """The play API: a Rollout advanced one action at a time returns each frame as soon as it is complete (after
     in_flight - 1 advances) and, finished, the frames generate() gives; it runs on past any clip length."""

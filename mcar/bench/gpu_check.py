@@ -264,12 +264,13 @@ def play_check(cfg: DictConfig) -> dict:
     sampler = build_sampler(to_dict(cfg.sampler) | {"context": context}, layout, context + 1, cb, to_dict(cfg.schedule))
     plan = sampler.rolling_schedule(device)
     peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
-    rows = {}
-    for sessions in g.play_sessions:
-        n = int(sessions)
+    unsplit = build_sampler(to_dict(cfg.sampler) | {"context": context, "kv_splits": 1}, layout, context + 1, cb,
+                            to_dict(cfg.schedule))
+
+    def tick_times(s, n: int) -> torch.Tensor:
         prompt = torch.randint(0, cb, (n, plan.prompt_frames * layout.frame_len), device=device)
         actions = torch.randint(cb, int(cfg.data.vocab_size), (n, layout.n_a), device=device)
-        run = sampler.rollout(model, prompt)
+        run = s.rollout(model, prompt)
         for _ in range(len(plan.warmup) + int(g.play_warmup)):  # past the warm-up advances; compiles, records graphs
             run.advance(actions)
         ticks = []
@@ -279,7 +280,17 @@ def play_check(cfg: DictConfig) -> dict:
             run.advance(actions)
             sync(device)
             ticks.append(time.perf_counter() - t0)
-        t = torch.tensor(ticks, dtype=torch.float64)
+        del run
+        model.swap_caches(None)
+        return torch.tensor(ticks, dtype=torch.float64)
+
+    rows = {}
+    for sessions in g.play_sessions:
+        n = int(sessions)
+        t = tick_times(sampler, n)
+        splits = sampler.kv_splits_for(n, model.cfg.n_kv_heads, device)
+        # split-KV's gain where it splits: the same ticks with one attention call over the keys
+        t1 = tick_times(unsplit, n) if splits > 1 else None
         floor = play_floor(model.cfg, layout, context, n, peak, sampler.config.k, sampler.config.d,
                            next(model.parameters()).element_size()) if peak else None
         fps = n / float(t.mean())
@@ -288,9 +299,8 @@ def play_check(cfg: DictConfig) -> dict:
                         "p50_ms": round(1000 * plan.in_flight * float(t.quantile(0.5)), 3),
                         "p95_ms": round(1000 * plan.in_flight * float(t.quantile(0.95)), 3),
                         "floor_fps_total": round(floor["fps_total"], 3) if floor else None,
-                        "of_floor": round(fps / floor["fps_total"], 3) if floor else None}
-        del run
-        model.swap_caches(None)
+                        "of_floor": round(fps / floor["fps_total"], 3) if floor else None, "kv_splits": splits,
+                        "ms_per_tick_unsplit": None if t1 is None else round(1000 * float(t1.mean()), 3)}
     return {"context": context, "k": sampler.config.k, "d": plan.d, "in_flight": plan.in_flight,
             "compile": sampler.compiles(device), "passes_per_tick": plan.d, "sessions": rows,
             "compiled_graphs": compiled_graphs()}
@@ -457,11 +467,14 @@ def markdown(r: dict) -> str:
     play = r.get("play")
     if play:
         lines += ["", f"| play: sessions (context {play['context']}, k={play['k']}, d={play['d']}) | ms/tick | "
-                      f"frames/s each | frames/s all | floor, all | of floor | p50 / p95 ms action to frame |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {p['sessions']} | {p['ms_per_tick']} | {p['fps_per_session']} | {p['fps_total']} | "
-                  f"{p['floor_fps_total'] or na} | {p['of_floor'] or na} | {p['p50_ms']} / {p['p95_ms']} |"
-                  for p in play["sessions"].values()]
+                      f"frames/s each | frames/s all | floor, all | of floor | p50 / p95 ms action to frame | "
+                      f"KV splits (ms/tick unsplit) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for p in play["sessions"].values():
+            unsplit = f" ({p['ms_per_tick_unsplit']})" if p.get("ms_per_tick_unsplit") else ""
+            lines.append(f"| {p['sessions']} | {p['ms_per_tick']} | {p['fps_per_session']} | {p['fps_total']} | "
+                         f"{p['floor_fps_total'] or na} | {p['of_floor'] or na} | {p['p50_ms']} / {p['p95_ms']} | "
+                         f"{p.get('kv_splits', 1)}{unsplit} |")
     f = r["flex_vs_dense"]
     lines.append("")
     if f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,74 @@ def padded_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tenso
     return bias.view(Bm, 1, groups * S, padded)
 
 
+class SplitKV(NamedTuple):
+    """A cached pass's attention bias cut along the keys into `chunks` slices that one attention call takes as its
+    heads (flash-decoding): a pass of a few query rows then keeps chunks x as many GPU blocks reading the cache, where
+    one block per (row of the batch, KV head) leaves most of an H100's 132 SMs idle. Chunk c reads key columns
+    [c * step, c * step + Wc) of the pass's [own inputs | cache prefix]; the columns two chunks share (fewer than
+    `chunks`) count in the first only, the second shows them masked."""
+
+    bias: torch.Tensor  # (B|1, chunks, rows, Wc): each chunk's columns of the additive bias
+    live: torch.Tensor  # (B|1, chunks, rows) bool: the chunk shows the row at least one key
+    step: int  # key columns from one chunk's start to the next's
+    width: int  # the bias's width (own inputs + cache prefix)
+
+
+def split_bias(bias: torch.Tensor, chunks: int) -> SplitKV:
+    """The forward's cached bias (B|1, 1, rows, width) -> its `chunks` slices (SplitKV), built once per forward for
+    every layer; each slice's rows are padded to 16 columns (the CUDA memory-efficient kernel copies a bias whose
+    rows are not)."""
+    width = bias.shape[-1]
+    step = width // chunks
+    wc = width - (chunks - 1) * step  # the last chunk ends at the bias's last column: no key read past the pass's
+    padded = -(-wc // 16) * 16
+    j = torch.arange(padded, device=bias.device)
+    c = torch.arange(chunks, device=bias.device)[:, None]
+    cols = (c * step + j).clamp(max=width - 1)  # (chunks, padded)
+    owned = ((j < step) | (c == chunks - 1)) & (j < wc)
+    sliced = bias[:, 0][..., cols].permute(0, 2, 1, 3)  # (B|1, chunks, rows, padded)
+    sliced = sliced.masked_fill(~owned[:, None], float("-inf"))[..., :wc]
+    return SplitKV(sliced, (sliced > float("-inf")).any(-1), step, width)
+
+
+def _attention_with_lse(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention that also returns each row's log-sum-exp of scores (B, H, rows[, padded]): the kernels
+    F.scaled_dot_product_attention picks on CUDA (memory-efficient) and CPU (flash), called directly for it."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+    return out, lse[..., :q.shape[-2]]
+
+
+def split_kv_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split: SplitKV) -> torch.Tensor:
+    """Attention of q (B, Hkv, rows, D) over keys/values (B, Hkv, width, D) under `split`, equal to one SDPA call
+    under the uncut bias up to rounding: each chunk's output weighted by its share of the row's softmax mass
+    (exp of its log-sum-exp, 0 for a chunk that shows the row nothing). The chunks are strided views of the keys
+    (the cache is read in place, not copied); the queries are repeated per chunk (a few rows)."""
+    B, Hkv, R, D = q.shape
+    bias, C = split.bias, split.bias.shape[1]
+    wc = bias.shape[-1]
+
+    def chunked(x):  # (B, Hkv, width, D) with B's stride Hkv x Hkv's (a view of the cache, or a fresh tensor)
+        if B > 1 and x.stride(0) != Hkv * x.stride(1):
+            x = x.contiguous()
+        return x.as_strided((B * Hkv, C, wc, D), (x.stride(1), split.step * x.stride(2), x.stride(2), x.stride(3)),
+                            x.storage_offset())
+
+    qc = q.reshape(B * Hkv, 1, R, D).expand(B * Hkv, C, R, D).contiguous()
+    bias = bias[:, None].expand(bias.shape[0], Hkv, C, R, wc)
+    bias = bias.expand(B, Hkv, C, R, wc).reshape(B * Hkv, C, R, wc)  # a view when the bias is shared (B|1 = 1)
+    out, lse = _attention_with_lse(qc, chunked(keys), chunked(values), bias)
+    live = split.live[:, None].expand(B, Hkv, C, R).reshape(B * Hkv, C, R)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (exactness tests)
+    lse = lse.to(acc).masked_fill(~live, float("-inf"))
+    top = lse.amax(1, keepdim=True)
+    w = torch.exp(lse - top.clamp(min=torch.finfo(acc).min))  # 0 where the chunk shows nothing
+    y = torch.where(w[..., None] > 0, out.to(acc) * w[..., None], 0.0).sum(1) / w.sum(1).clamp(min=1e-30)[..., None]
+    return y.to(q.dtype).view(B, Hkv, R, D)
+
+
 # ---- small-row GEMMs on CPU: prepacked weights --------------------------------------------------------------
 # A cached pass feeds a few rows (NTP 1, DiagD k=2 ~7). On a float32 CPU, MKL's sgemm (F.linear) with the weight
 # (out, in) costs ~2.5x at 7 rows what it costs at 1, while oneDNN's inner product on the weight reordered once
@@ -299,6 +368,10 @@ class Attention(nn.Module):
             raise RuntimeError("cached forward needs model.setup_cache(batch, n_slots) first")
         B, H, S, D = q.shape
         dtype = self.cache.k_buf.dtype
+        if isinstance(bias, SplitKV):
+            keys, values = self.cache.write(cache_pos, k, v, bias.width - S)
+            qg = q.to(dtype).reshape(B, self.n_kv, (H // self.n_kv) * S, D)
+            return split_kv_attention(qg, keys, values, bias).reshape(B, H, S, D).type_as(q)
         if bias.dtype == torch.bool:  # called with the caller's mask, not the forward's prepared bias
             bias = cached_attention_bias(bias, H // self.n_kv, dtype)
         keys, values = self.cache.write(cache_pos, k, v, bias.shape[-1] - S)  # (B, Hkv, S + n, D)
@@ -348,6 +421,9 @@ class Transformer(nn.Module):
         # dtype (torch.bfloat16 halves the bytes of every residual add, norm and checkpointed block input);
         # None: the embeddings' dtype (float32 weights -> a float32 stream, as LLaMA trains)
         self.residual_dtype: torch.dtype | None = None
+        # a compute setting too: cached passes attend over this many slices of the keys at once (split_bias; 1:
+        # one SDPA call), for passes with few query rows on a GPU with many more SMs than (batch x KV heads)
+        self.kv_splits = 1
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -430,10 +506,13 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, S, C)
         if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
             x = x.to(self.residual_dtype)
-        if cache_pos is not None and mask.dtype == torch.bool:
+        if cache_pos is not None and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             caches = self.kv_caches()
             dtype = x.dtype if caches is None else caches[0].k_buf.dtype
             mask = cached_attention_bias(mask, self.cfg.n_heads // self.cfg.n_kv_heads, dtype)
+        if cache_pos is not None and self.kv_splits > 1 and not isinstance(mask, SplitKV) and \
+                mask.shape[-1] >= 2 * self.kv_splits:
+            mask = split_bias(mask, self.kv_splits)
         # a cached pass of a few rows on a float32 CPU: its linears on prepacked weights (`packs_rows`)
         packed = cache_pos is not None and packs_rows(x, self.output.weight)
         for layer in self.layers:

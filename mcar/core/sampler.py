@@ -172,9 +172,10 @@ class ScheduleSampler:
                  schedule: ScheduleConfig | dict | None = None, name: str = "diagd", temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  static: bool = False, compile: bool | str = False, static_widths: int = 3,
-                 codebook_size: int | None = None, context: int | None = None, **schedule_fields):
+                 codebook_size: int | None = None, context: int | None = None, kv_splits: int | str = "auto",
+                 **schedule_fields):
         check_settings(temperature=temperature, top_k=top_k, top_p=top_p, codebook_size=codebook_size,
-                       compile=compile, static_widths=static_widths)
+                       compile=compile, static_widths=static_widths, kv_splits=kv_splits)
         self.config = ScheduleConfig.of(schedule, prompt_frames=prompt_frames, **schedule_fields)
         self.name, self.layout, self.frames, self.full = name, layout, frames, self.config.full
         # image slots may only take image codes: ids >= codebook_size are action tokens (an undertrained model
@@ -183,6 +184,7 @@ class ScheduleSampler:
         self.prompt_frames = self.config.prompt_frames
         self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
         self.static, self.static_widths = static, static_widths
+        self.kv_splits = kv_splits  # the model's cached passes read the keys in this many slices (kv_splits_for)
         self.compile = compile if compile == "auto" else bool(compile)
         self._schedules: dict[int, Schedule] = {}
         self._static: dict = {}  # (prompt_frames, device) -> StaticPlan
@@ -391,8 +393,21 @@ class ScheduleSampler:
         self._open_cache(model, clip.shape[0], sched.n_slots + 1, setup_cache, clip.device)  # + 1: proxies' scratch
         yield from sched.plan(self.full, clip.device)
 
-    @staticmethod
-    def _open_cache(model, B: int, n_cache: int, setup_cache: bool, device) -> None:
+    def kv_splits_for(self, batch: int, n_kv_heads: int, device) -> int:
+        """How many slices of the keys a cached pass attends over (mcar.core.model.split_bias). auto: on CUDA, enough
+        that (batch x KV heads x slices) blocks fill the GPU's SMs (up to 8: one player of the 700m MHA model gets 4
+        on an H100's 132, a GQA model more, 4+ players 1), as flash-decoding does; 1 elsewhere (CPU threads already
+        share the keys)."""
+        if self.kv_splits != "auto":
+            return int(self.kv_splits)
+        device = torch.device(device)
+        if device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(8, sms // (batch * n_kv_heads)))
+
+    def _open_cache(self, model, B: int, n_cache: int, setup_cache: bool, device) -> None:
+        model.kv_splits = self.kv_splits_for(B, model.cfg.n_kv_heads, device)
         caches = model.kv_caches()
         cache = caches[0] if caches else None
         shaped = cache is not None and cache.k.shape[0] == B and cache.k.shape[2] == n_cache
@@ -552,7 +567,7 @@ class Rollout:
 
 def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                    codebook_size: int | None = None, compile: bool | str = False, static_widths: int = 3,
-                   **_) -> None:
+                   kv_splits: int | str = "auto", **_) -> None:
     """A sampler's own settings, each checked (ValueError naming the field): what ScheduleSampler refuses."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} is invalid: it must be >= 0 (0 = greedy)")
@@ -566,6 +581,9 @@ def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: fl
         raise ValueError(f"compile={compile!r} is invalid: choose true, false or auto (on for CUDA)")
     if static_widths < 1:
         raise ValueError(f"static_widths={static_widths} is invalid: it must be >= 1")
+    if kv_splits != "auto" and not (isinstance(kv_splits, int) and kv_splits >= 1):
+        raise ValueError(f"kv_splits={kv_splits!r} is invalid: an integer >= 1 (1: one attention call over the keys) "
+                         f"or auto (CUDA: enough to fill the GPU; CPU: 1)")
 
 
 SAMPLERS = ("ntp", "diagd")
