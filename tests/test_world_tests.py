@@ -89,6 +89,9 @@ def test_scroll_start_shows_the_start_frame_moved_with_the_player():
         assert torch.equal(image[:GRID.map_h][~known], start[:GRID.map_h][~known])  # new tiles: the start's
         assert torch.equal(image[GRID.map_h:], start[GRID.map_h:]) and out[t, -1] == 2000 + t
     assert torch.equal(out[0], clips.view(len(views), -1)[0])
+    # a walk a whole view away: nothing of the start view is left to scroll, the frame stays the start's
+    far = scroll_start(clips[:, :2 * layout.frame_len], [[(0, 0), (0, -GRID.map_h - 1)]], GRID, layout, 1)
+    assert torch.equal(far.view(2, -1)[1, :layout.frame_tokens], start.flatten())
 
 
 def test_stay_or_move_tells_a_refused_move_from_a_made_one():

@@ -170,6 +170,8 @@ def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.T
     H, W = maps.shape[-2:]
     out, known = torch.zeros_like(maps), torch.zeros(H, W, dtype=torch.bool)
     r0, r1, c0, c1 = max(0, -dy), min(H, H - dy), max(0, -dx), min(W, W - dx)
+    if r0 >= r1 or c0 >= c1:  # moved a whole view away: nothing known (a negative slice bound would wrap round)
+        return out, known
     out[..., r0:r1, c0:c1] = maps[..., r0 + dy:r1 + dy, c0 + dx:c1 + dx]
     known[r0:r1, c0:c1] = True
     return out, known
