@@ -1,7 +1,7 @@
 """The committed models, driven through mcar.play from real Crafter starts. checkpoints/shipped/crafter_tiles_diagd
 (experiment=crafter_tiles + 150 steps of exact DiagD fine-tuning): press a move key and the world moves the way
 Crafter moves it. checkpoints/shipped/crafter_world_grpo, the play default (experiment=crafter_world + 400 steps of
-DiagD fine-tuning = shipped/crafter_world, + 50 GRPO steps): the map also stays put on a move Crafter refuses, and what
+DiagD fine-tuning = shipped/crafter_world, + 150 GRPO steps): the map also stays put on a move Crafter refuses, and what
 a step out of view hid comes back on the step back."""
 
 import copy
