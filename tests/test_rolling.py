@@ -128,6 +128,14 @@ def test_split_kv_rollout_equals_the_unsplit_one(model, sampling, monkeypatch):
         split = sampler("diagd", context=C, static=static, kv_splits=3, **SAMPLING[sampling])
         assert torch.equal(split.generate(model, clip)[0], one), static
         assert model.kv_splits == 3
+    # two rollouts on one model (play's groups): each advance reads the keys in its own rollout's slices
+    a = sampler("diagd", context=C, kv_splits=3).rollout(model, clip[:, :LAYOUT.frame_len])
+    caches = model.swap_caches(None)
+    sampler("diagd", context=C, kv_splits=1).rollout(model, clip[:, :LAYOUT.frame_len])
+    assert model.kv_splits == 1
+    model.swap_caches(caches)
+    a.advance(clip[:, LAYOUT.frame_tokens:LAYOUT.frame_len])
+    assert model.kv_splits == 3
     with pytest.raises(ValueError, match="kv_splits=0 is invalid"):
         sampler("diagd", kv_splits=0)
     auto = sampler("diagd")

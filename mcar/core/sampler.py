@@ -463,6 +463,7 @@ class Rollout:
             self.rule = SamplingRule(sampler.held(f"temperature {temperature}", r.temperature), r.top_k,
                                      sampler.held(f"top_p {sampler.top_p}", r.top_p), r.codebook_size)
         sampler._open_cache(model, B, plan.cache_slots, setup_cache, device)
+        self.kv_splits = model.kv_splits  # this rollout's width's: set again at each advance (play swaps groups in)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
         self._cache = model.kv_caches()[0]  # the buffers are taken over in place when someone else opens
         if sampler.is_static(device):
@@ -493,6 +494,7 @@ class Rollout:
         if cache is not self._cache or cache.k_buf._version != self._cache_version:
             raise RuntimeError("this rollout's KV cache was reopened by another generate or rollout on the model: "
                                "start a new rollout (one per model at a time; batch sessions as its rows)")
+        self.model.kv_splits = self.kv_splits
         u = plan.prompt_frames + a  # the frame this advance starts
         start = plan.column(u - 1) + lay.frame_tokens
         self.tokens[:, start:start + lay.n_a] = actions.reshape(self.tokens.shape[0], lay.n_a)
