@@ -143,6 +143,10 @@ def test_split_kv_rollout_equals_the_unsplit_one(model, sampling, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("H100", (), {"multi_processor_count": 132}))
     # on an H100: one player of the 700m (32 KV heads) 4 slices, 16 players 1, a GQA model's one player 8 (the cap)
     assert [auto.kv_splits_for(b, h, "cuda") for b, h in ((1, 32), (16, 32), (1, 1))] == [4, 1, 8]
+    # a rollout split off (play's games leaving a group) takes its own width's slices
+    monkeypatch.setattr(sampler_mod.ScheduleSampler, "kv_splits_for", lambda self, batch, heads, device: 5 - batch)
+    b = sampler("diagd", context=C).rollout(model, clip[:, :LAYOUT.frame_len])
+    assert b.kv_splits == 5 - len(clip) and b.split([0]).kv_splits == 4
 
 
 def test_rollout_steps_one_frame_per_action(model):

@@ -554,6 +554,7 @@ class Rollout:
         out._last_actions = None if self._last_actions is None else self._last_actions[index]
         self.model.swap_caches([c.select(index, to) for c, to in zip(caches, into or [None] * len(caches))])
         out._cache = self.model.kv_caches()[0]
+        out.kv_splits = self.sampler.kv_splits_for(len(rows), self.model.cfg.n_kv_heads, self.tokens.device)
         if self.sampler.is_static(self.tokens.device):
             out._pin_inputs()
         out._cache_version = out._cache.k_buf._version
