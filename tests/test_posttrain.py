@@ -13,7 +13,7 @@ from mcar.core.sampler import SamplingRule, ScheduleSampler
 from mcar.data.crafter_starts import StepStarts
 from mcar.idm.model import InverseDynamics, save_idm
 from mcar.train.posttrain import reward_terms
-from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement
+from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement, TileMix
 
 from .conftest import REPO, run_in_process
 
@@ -50,6 +50,21 @@ def test_tile_agreement_and_invented_tiles_score_what_they_say():
     with pytest.raises(ValueError, match="select none"):
         TileAgreement(rows=[5, 9])(r)
     assert NoInventedTiles()(r).tolist() == pytest.approx([1.0, (n - 1) / n])
+
+
+def test_tile_mix_pays_for_the_right_tiles_wherever_they_are_drawn():
+    """A creature drawn one tile off keeps the mix (1) and loses agreement twice; one left out loses both once."""
+    real = clips_of([[1, 2, 2]])
+    real[0, LAYOUT.frame_len * 2 + 3] = 7  # a creature in the last frame
+    off = real.clone()
+    off[0, LAYOUT.frame_len * 2 + 3], off[0, LAYOUT.frame_len * 2 + 4] = 2, 7  # drawn one tile along
+    left_out = real.clone()
+    left_out[0, LAYOUT.frame_len * 2 + 3] = 2
+    n, ft = 2 * LAYOUT.frame_tokens, LAYOUT.frame_tokens
+    mix = lambda g: TileMix()(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
+    agree = lambda g: TileAgreement()(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
+    assert mix(real) == mix(off) == 1.0 and agree(off) == pytest.approx((n - 2) / n)
+    assert mix(left_out) == pytest.approx(1 - 1 / ft / 2) and agree(left_out) == pytest.approx((n - 1) / n)
 
 
 def test_action_match_reads_the_idm_and_names_a_missing_file(tmp_path):

@@ -82,3 +82,16 @@ def test_real_frames_hold_only_listed_tiles(textures):
     assert env._player.sleeping and frames[-1].shape == (144, 144, 3)
     unknown = sum(1 for f in frames for p in patches(f[None]) if p.tobytes() not in known)
     assert not unknown, f"{unknown} tiles of real frames are not listed"
+
+
+def test_creature_codes_are_the_creatures_own(textures):
+    """The world tests count creatures by code (mcar.eval.world_tests.creature_codes): the every-tile VQ gives each
+    creature texture a code of its own; the first VQ codes a zombie on a path as something else too, and the
+    sleeping world's creatures (so they go uncounted, and are named)."""
+    from mcar.eval.world_tests import CREATURES, creature_codes
+
+    codes, hidden = creature_codes(load_vq(ASSET), textures)
+    creatures = [n for n in textures if n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES]
+    assert len(creatures) == 18 and hidden == [] and len(codes) == 18
+    codes, hidden = creature_codes(load_vq(ASSET.parent / "vq_crafter_tiles"), textures)
+    assert "zombie on path" in hidden and "cow on grass" not in hidden and 0 < len(codes) < 18

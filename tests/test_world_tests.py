@@ -10,6 +10,7 @@ import torch
 from mcar.data.crafter_gen import MOVE_DELTA, PERPENDICULAR, path_offsets
 from mcar.eval.world_tests import (
     MapGrid,
+    creature_events,
     fitting_shapes,
     hidden_mask,
     invented_share,
@@ -145,6 +146,10 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
                for k in ("tv_mean", "map_mean", "inventory_mean", "invented_mean"))
     assert rollout["copy_last"]["invented_mean"]["mean"] == 0
     assert rollout["scroll_start"]["inventory_mean"] == rollout["copy_last"]["inventory_mean"]  # the start's rows
+    creatures = res["creatures"]["rows"]  # nothing moves: no creature comes, goes or pops
+    assert set(creatures) == set(rollout) | {"real"} and res["creatures"]["codes"]
+    assert all(creatures["copy_last"][k]["mean"] == 0 for k in ("entered", "left", "popped"))
+    assert "creatures_minus_real" in creatures["copy_last"] and "creatures_minus_real" not in creatures["real"]
     by_type = res["blocked"]["blocked"]["by_type"]  # the refused moves by what refused them, placed ones apart
     assert sum(v["n"] for v in by_type.values() if not v["placed"]) == res["blocked"]["blocked"]["n"]
     assert {k: v["tried"] for k, v in by_type.items() if v["placed"]} == {"table (placed)": 1, "furnace (placed)": 1}
@@ -154,10 +159,11 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert "| L_n1_m1 | 5 | 1 / 1 (beyond context: a control) | real | 1.000" in md
     margin = rollout["model context=3"]["mean"]["mean"] - rollout["scroll_start"]["mean"]["mean"]
     assert f"| model context=3 - scroll_start | {margin:+.3f} [" in md
+    assert "| copy_last | " in md.split("Creatures in the rollouts")[1]
 
 
 def test_histogram_distance_reads_the_mix_of_tiles_not_where_they_are():
-    from mcar.eval.world_tests import histogram_distance
+    from mcar.core.agreement import histogram_distance
 
     frame = torch.tensor([[0, 1], [2, 3]]).view(1, 1, 2, 2)
     assert histogram_distance(frame.flip(-1), frame, 8).item() == 0  # moved tiles: the same mix
@@ -250,6 +256,43 @@ def test_invented_tiles_are_codes_in_neither_the_real_frame_nor_the_prompt():
     drawn = torch.stack([real[:, 0], real[:, 0]], 1)
     assert invented_share(drawn, two, prompt).tolist() == [[0.0, 1.0]]
     assert invented_share(drawn, two, real).tolist() == [[0.0, 0.0]]  # ... unless the prompt showed it
+
+
+COW, GROUND = 9, 0
+
+
+def walk_past(world: torch.Tensor, start: tuple[int, int], moves: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (T, 5, 8) views of a player walking `moves` over `world` from `start` (the view's top-left corner) and the
+    (T-1, 2) moves."""
+    (x, y), views, steps = start, [], []
+    for a in [None, *moves]:
+        if a is not None:
+            x, y = x + MOVE_DELTA[a][0], y + MOVE_DELTA[a][1]
+            steps.append(MOVE_DELTA[a])
+        views.append(world[y:y + GRID.map_h, x:x + GRID.w])
+    return torch.stack(views), torch.tensor(steps)
+
+
+def test_creature_events_count_what_comes_into_view_goes_and_pops():
+    """A cow standing still while the player walks past it enters at one edge and leaves at the other, whatever the
+    scroll; a model that does not scroll the view has it go nowhere; one that redraws the cow elsewhere pops it."""
+    world = torch.full((9, 30), GROUND)
+    world[4, 15] = COW
+    right = next(a for a, d in MOVE_DELTA.items() if d == (1, 0))
+    views, moves = walk_past(world, (6, 2), [right] * 12)  # the cow comes in on the right, leaves on the left
+    per_frame = lambda ev: {k: round(float(v[0]) * 12) for k, v in ev.items()}
+    real = per_frame(creature_events(views[None], torch.tensor([COW]), moves[None]))
+    assert real == {"creatures": 8, "entered": 1, "left": 1, "popped": 0}
+    still = views[6:7].expand(13, -1, -1)  # nothing moves (the cow in view) while the player walks: no event
+    assert per_frame(creature_events(still[None], torch.tensor([COW]), moves[None])) == {
+        "creatures": 12, "entered": 0, "left": 0, "popped": 0}
+    mid = views[6].clone()  # the cow inside the view
+    jumpy = torch.stack([mid, mid, mid.roll(3, -1), mid.roll(3, -1)])  # it jumps 3 tiles: vanished + appeared
+    none = torch.zeros(3, 2, dtype=torch.long)
+    assert per_frame(creature_events(jumpy[None], torch.tensor([COW]), none[None])) == {
+        "creatures": 12, "entered": 0, "left": 0, "popped": 8}  # 3 frames: x12/3 = 4 per event
+    stepping = torch.stack([mid, mid.roll(1, -1), mid.roll(1, -2)])  # one tile a turn (a diagonal pair too): no event
+    assert per_frame(creature_events(stepping[None], torch.tensor([COW]), none[:2][None]))["popped"] == 0
 
 
 def test_inventory_rows_are_scored_apart_from_the_map():

@@ -1,6 +1,6 @@
-"""How far a generated clip agrees with the real one, token by token, and the "nothing moves" baseline every
-model must beat: the one home of both (evaluation, world tests, play's rollouts, training's summary and
-dashboard use them). Clips are flat (B, N) in a `Layout`."""
+"""How far a generated clip agrees with the real one, token by token or by its mix of tiles, and the "nothing
+moves" baseline every model must beat: the one home of these (evaluation, world tests, play's rollouts, training's
+summary and dashboard use them). Clips are flat (B, N) in a `Layout`."""
 from __future__ import annotations
 
 import torch
@@ -34,3 +34,13 @@ def nothing_moves(clips: torch.Tensor, layout: Layout, prompt_frames: int) -> to
     images = out.view(out.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens]
     images[:, prompt_frames:] = images[:, prompt_frames - 1:prompt_frames]
     return out
+
+
+def histogram_distance(frames: torch.Tensor, real: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """(B, T, h, w) codes x2 -> (B, T) total-variation distance between each frame's histogram of codes and the
+    real frame's: 0 = the same mix of tiles wherever they are, 1 = no code in common."""
+    def hist(x):
+        flat = x.flatten(2).clamp(0, codebook_size - 1)
+        return torch.zeros(*flat.shape[:2], codebook_size, dtype=torch.float64, device=flat.device).scatter_add_(
+            2, flat, torch.ones_like(flat, dtype=torch.float64)) / flat.shape[-1]
+    return (hist(frames) - hist(real)).abs().sum(-1) / 2

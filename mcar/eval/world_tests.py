@@ -42,7 +42,10 @@ over starts (mcar.eval.metrics.bootstrap_ci):
   frame scrolled by the player's true movement: what greedy sampling must beat); and whether the frames
   stay plausible where they no longer agree: `tv`, the total-variation distance between the generated frame's
   histogram of tile codes and the real frame's (0: the same mix of tiles, 1: none in common); the agreement of the
-  map and of the inventory rows apart; and `invented` (as for the loops) per step.
+  map and of the inventory rows apart; and `invented` (as for the loops) per step. `creatures`: whether creatures
+  come and go as in the game: per frame, the creatures drawn, those that entered or left at the view's edge and
+  those that popped up or vanished inside it, for each row and the real frames, and each row minus the real
+  frames, paired by start (a creature is a tile whose code only the game's creature textures have, creature_codes).
 `tests` picks which run (a long horizon: `tests=[rollout] rollout_frames=512 keep_alive=true`: the player's needs
 are refilled before each step, so no start dies before its rollout ends); `windows` the model rows' windows.
 
@@ -63,7 +66,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.core.agreement import frame_agreement, nothing_moves
+from mcar.core.agreement import frame_agreement, histogram_distance, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.data.crafter_gen import (
@@ -162,6 +165,58 @@ def invented_share(frames: torch.Tensor, real: torch.Tensor, prompt: torch.Tenso
     shown.scatter_(1, prompt.flatten(1), True)
     seen |= shown[:, None]
     return (~seen.gather(2, frames.flatten(2))).double().mean(-1)
+
+
+CREATURES = ("cow", "zombie", "skeleton")  # Crafter's creatures (arrows are shots, the player is not counted)
+CREATURE_EVENTS = ("creatures", "entered", "left", "popped")
+
+
+def creature_codes(vq, textures: dict) -> tuple[torch.Tensor, list[str]]:
+    """The codes the VQ gives Crafter's creatures and nothing else, from the game's own textures
+    (mcar.data.crafter_textures.tile_textures at the data's tile size: each creature on each ground, awake or
+    asleep) -> (codes, the creature textures whose code some other texture shares too: creatures the VQ cannot
+    tell from the ground, uncounted)."""
+    from mcar.data.crafter_textures import ASLEEP
+
+    names = list(textures)
+    ids = encode_tokens(vq, torch.from_numpy(np.stack([textures[n] for n in names])).to(vq.device)).view(-1).tolist()
+    creature = [n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES for n in names]
+    other = {i for i, c in zip(ids, creature) if not c}
+    codes = sorted({i for i, c in zip(ids, creature) if c} - other)
+    return torch.tensor(codes, dtype=torch.long), [n for n, i, c in zip(names, ids, creature) if c and i in other]
+
+
+def creature_events(maps: torch.Tensor, codes: torch.Tensor, moves: torch.Tensor) -> dict[str, torch.Tensor]:
+    """maps (B, T, h, w) map codes, codes the creatures' (creature_codes), moves (B, T-1, 2) the player's true
+    (dx, dy) from each frame to the next -> {name: (B,)} per frame over frames 1..T-1: `creatures` (creature
+    tiles), `entered` (new creatures on the view's edge: no creature of the frame before, scrolled by the move,
+    within one tile: a creature steps one tile a turn), `left` (creatures of the frame before, scrolled, off the
+    view or on its edge with no creature within one tile now), `popped` (creatures that appeared or vanished
+    inside the view: the game only does that when one is killed or spawns). Matching is by distance, not identity:
+    two creatures passing are not told apart."""
+    B, T, h, w = maps.shape
+    is_c = torch.isin(maps, codes).float()
+    inside = torch.zeros(h + 2, w + 2, dtype=torch.bool)  # the view padded by a ring of just-out-of-view tiles
+    inside[2:h, 2:w] = True  # the view less its edge
+    out = {k: torch.zeros(B, dtype=torch.float64) for k in CREATURE_EVENTS}
+    near = lambda x: torch.nn.functional.max_pool2d(x[None, None], 3, 1, 1)[0, 0] > 0
+    for b in range(B):
+        for t in range(1, T):
+            dx, dy = (int(v) for v in moves[b, t - 1])
+            prev = torch.zeros(h + 2 + 2 * abs(dy), w + 2 + 2 * abs(dx))
+            cur = torch.zeros(h + 2, w + 2)
+            cur[1:h + 1, 1:w + 1] = is_c[b, t]
+            # the frame before as seen from the new view: a creature at (r, c) sits at (r - dy, c - dx)
+            r0, c0 = 1 + abs(dy) - dy, 1 + abs(dx) - dx
+            prev[r0:r0 + h, c0:c0 + w] = is_c[b, t - 1]
+            prev = prev[abs(dy):abs(dy) + h + 2, abs(dx):abs(dx) + w + 2]
+            new = (cur > 0) & ~near(prev)
+            gone = (prev > 0) & ~near(cur)
+            out["creatures"][b] += float(is_c[b, t].sum())
+            out["entered"][b] += float((new & ~inside).sum())
+            out["left"][b] += float((gone & ~inside).sum())
+            out["popped"][b] += float((new & inside).sum() + (gone & inside).sum())
+    return {k: v / max(T - 1, 1) for k, v in out.items()}
 
 
 def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -524,16 +579,6 @@ class Tokens:
         return join_clip(self.images(rec.frames), torch.tensor(rec.actions)[:, None], self.cb)
 
 
-def histogram_distance(frames: torch.Tensor, real: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """(B, T, h, w) codes x2 -> (B, T) total-variation distance between each frame's histogram of codes and the
-    real frame's: 0 = the same mix of tiles wherever they are, 1 = no code in common."""
-    def hist(x):
-        flat = x.flatten(2).clamp(0, codebook_size - 1)
-        return torch.zeros(*flat.shape[:2], codebook_size, dtype=torch.float64).scatter_add_(
-            2, flat, torch.ones_like(flat, dtype=torch.float64)) / flat.shape[-1]
-    return (hist(frames) - hist(real)).abs().sum(-1) / 2
-
-
 def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
     """(B, N) clips -> (B, T, h, w) image tokens."""
     x = clips.view(clips.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens]
@@ -554,6 +599,11 @@ class WorldTests:
         self.view, self.daylight = tuple(int(v) for v in view), cfg.data.get("daylight")
         self.grid = MapGrid(map_rows(self.view), self.layout.w)
         self.tokens = Tokens(self.vq, self.layout, self.cb)
+        if "rollout" in cfg.tests:  # the creatures' codes, from the game's textures at the data's tile size
+            from mcar.data.crafter_textures import tile_textures
+
+            self.creature_codes, self.creatures_hidden = creature_codes(self.vq, tile_textures(self.size[0] //
+                                                                                               self.layout.h))
         self.context = self.wm.context
         # the model rows' windows: its own, and the smallest a rolling window allows (the frame being made and one
         # before, mcar.core.rolling)
@@ -622,6 +672,8 @@ class WorldTests:
             log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
         if "rollout" in self.cfg.tests:
             results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
+            results["creatures"] = {"codes": self.creature_codes.tolist(), "hidden": self.creatures_hidden,
+                                    "rows": self.rollout_creatures}
         results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
         return results
 
@@ -741,6 +793,14 @@ class WorldTests:
         every = images_of(clips, self.layout)
         real = every[:, 1:]
         has_inv = self.layout.h > self.grid.map_h
+        moves = torch.tensor([[[b[0] - a[0], b[1] - a[1]] for a, b in zip(r.pos[:T - 1], r.pos[1:T])] for r in recs])
+        creatures = {name: creature_events(self.grid.maps(images_of(gen, self.layout)), self.creature_codes, moves)
+                     for name, gen in {**rows, "real": clips}.items()}
+        self.rollout_creatures = {name: {k: interval(v, self.cfg.seed) for k, v in ev.items()} |
+                                  ({} if name == "real" else {f"{k}_minus_real": interval(v - creatures["real"][k],
+                                                                                          self.cfg.seed)
+                                                              for k, v in ev.items()})
+                                  for name, ev in creatures.items()}
         for name, gen in rows.items():
             images = images_of(gen, self.layout)[:, 1:]
             per = frame_agreement(gen, clips, self.layout)[:, 1:]  # (B, T-1)
@@ -822,6 +882,7 @@ def markdown(res: dict) -> str:
     lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v.get('map_mean'))} | "
               f"{_ci(v.get('inventory_mean'))} | {_ci(v.get('invented_mean'))} | {_ci(v.get('invented_last'))} | "
               f"{_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |" for name, v in res["rollout"].items()]
+    lines += creature_markdown(res.get("creatures"))
     margins = baseline_margins(res.get("rollout", {}), int(res.get("seed", 0)))
     if margins:
         lines += ["", "| rollout: model row minus baseline, start by start | token agreement, mean | map | "
@@ -830,6 +891,25 @@ def markdown(res: dict) -> str:
             f"{m[k]['mean']:+.3f} [{m[k]['lo']:+.3f}, {m[k]['hi']:+.3f}]" if m.get(k) else "" for k in
             ("mean", "map_mean", "inventory_mean")) + " |" for m in margins]
     return "\n".join(lines) + "\n"
+
+
+def creature_markdown(creatures: dict | None) -> list[str]:
+    """The rollouts' creatures table: per row, each event per frame and its difference from the real frames'."""
+    if not creatures:
+        return []
+    hidden = f"; not told from the ground by this VQ, so uncounted: {', '.join(creatures['hidden'])}" \
+        if creatures["hidden"] else ""
+    lines = ["", f"Creatures in the rollouts, per frame (cow, zombie, skeleton: {len(creatures['codes'])} codes"
+                 f"{hidden}); entered / left: at the view's edge, popped: appeared or vanished inside it; (model - "
+                 f"real): paired by start.", "",
+             "| rollout row | " + " | ".join(CREATURE_EVENTS) + " | " +
+             " | ".join(f"{k} - real" for k in CREATURE_EVENTS) + " |", "|---" * (1 + 2 * len(CREATURE_EVENTS)) + "|"]
+    for name, v in creatures["rows"].items():
+        diffs = [v.get(f"{k}_minus_real") for k in CREATURE_EVENTS]
+        lines.append(f"| {name} | " + " | ".join(_ci(v[k]) for k in CREATURE_EVENTS) + " | " + " | ".join(
+            f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d and d.get("lo") is not None else "" for d in
+            diffs) + " |")
+    return lines
 
 
 def baseline_margins(rollout: dict, seed: int) -> list[dict]:
@@ -860,6 +940,10 @@ def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
     for name, row in mine.get("rollout", {}).items():
         for key in ("mean", "last", "map_mean", "inventory_mean", "invented_mean", "tv_mean"):
             pairs.append((f"rollout {name}: {key}", row.get(key), theirs.get("rollout", {}).get(name, {}).get(key)))
+    for name, row in mine.get("creatures", {}).get("rows", {}).items():
+        for key in CREATURE_EVENTS if name != "real" else ():
+            pairs.append((f"creatures {name}: {key}", row.get(key),
+                          theirs.get("creatures", {}).get("rows", {}).get(name, {}).get(key)))
     for n, rows in mine.get("loops", {}).items():
         for name, r in rows.items():
             pairs.append((f"loop {n} {name}: recall", r.get("recall"),

@@ -12,6 +12,9 @@ with `__call__(rollouts) -> (B,)` in a file, and its `_target_` in the config li
   consecutive frames.
 - `NoInventedTiles` (a guard): the share of generated tiles whose tile type (code) is in the true frame or the prompt;
   a rollout that paints plausible-looking tiles from nowhere to please the IDM loses it.
+- `TileMix`: 1 - the total-variation distance between each generated frame's mix of codes and the true frame's,
+  wherever the tiles are. Agreement alone pays a model to leave out what it cannot place (a creature drawn one tile
+  off costs two tiles, one left out costs one); the mix pays it back for drawing what is there.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from mcar.core.agreement import histogram_distance
 from mcar.core.layout import Layout
 from mcar.idm.model import read_idm
 from mcar.idm.scores import frame_pairs
@@ -96,6 +100,17 @@ class NoInventedTiles:
         allowed = seen | prompt[:, None]
         ok = allowed.gather(2, gen.flatten(2).clamp(max=cb))  # (B, T, hw)
         return ok[:, P:].float().flatten(1).mean(1)
+
+
+class TileMix:
+    """1 - the total-variation distance between each generated frame's histogram of codes and the true frame's
+    (mcar.core.agreement.histogram_distance), averaged over frames >= prompt_frames: 1 when every frame has the right
+    tiles in the right numbers, wherever they are drawn."""
+
+    def __call__(self, r: Rollouts) -> torch.Tensor:
+        gen, real = r.images()
+        P = r.prompt_frames
+        return 1 - histogram_distance(gen[:, P:], real[:, P:], r.codebook_size).mean(1)
 
 
 @dataclass
