@@ -13,7 +13,7 @@ from mcar.core.sampler import SamplingRule, ScheduleSampler
 from mcar.data.crafter_starts import StepStarts
 from mcar.idm.model import InverseDynamics, save_idm
 from mcar.train.posttrain import reward_terms
-from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement, TileMix
+from mcar.train.rewards import ActionMatch, CreatureCount, NoInventedTiles, Rollouts, TileAgreement, TileMix
 
 from .conftest import REPO, run_in_process
 
@@ -65,6 +65,21 @@ def test_tile_mix_pays_for_the_right_tiles_wherever_they_are_drawn():
     agree = lambda g: TileAgreement()(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
     assert mix(real) == mix(off) == 1.0 and agree(off) == pytest.approx((n - 2) / n)
     assert mix(left_out) == pytest.approx(1 - 1 / ft / 2) and agree(left_out) == pytest.approx((n - 1) / n)
+
+
+def test_creature_count_pays_for_creatures_drawn_in_number_wherever_they_are():
+    term = CreatureCount(str(REPO / "mcar" / "assets" / "vq_crafter_tiles_all"))
+    cow = int(term.codes[0])
+    real = clips_of([[1, 2, 2]])
+    real[0, LAYOUT.frame_len + 3] = cow  # frame 1: one creature; frame 2: none
+    off = real.clone()
+    off[0, LAYOUT.frame_len + 3], off[0, LAYOUT.frame_len + 5] = 2, cow  # drawn elsewhere
+    left_out, extra = real.clone(), real.clone()
+    left_out[0, LAYOUT.frame_len + 3] = 2
+    extra[0, LAYOUT.frame_len * 2 + 7] = cow  # frame 2 gains one the game does not have
+    score = lambda g: term(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
+    assert score(real) == score(off) == 1.0
+    assert score(left_out) == score(extra) == 0.5  # one frame of two wrong by one creature
 
 
 def test_action_match_reads_the_idm_and_names_a_missing_file(tmp_path):

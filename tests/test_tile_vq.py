@@ -88,7 +88,7 @@ def test_creature_codes_are_the_creatures_own(textures):
     """The world tests count creatures by code (mcar.eval.world_tests.creature_codes): the every-tile VQ gives each
     creature texture a code of its own; the first VQ codes a zombie on a path as something else too, and the
     sleeping world's creatures (so they go uncounted, and are named)."""
-    from mcar.eval.world_tests import CREATURES, creature_codes
+    from mcar.data.crafter_textures import CREATURES, creature_codes
 
     codes, hidden = creature_codes(load_vq(ASSET), textures)
     creatures = [n for n in textures if n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES]

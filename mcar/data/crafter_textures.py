@@ -25,6 +25,9 @@ VQ is for the pinned light only.
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from mcar.tokenizer.vq_model import encode_tokens
 
 OUTSIDE = "outside the world"
 EMPTY_SLOT = "empty slot"
@@ -117,3 +120,19 @@ def tile_textures(unit: int = 16, view: tuple[int, int] = (24, 14)) -> dict[str,
             tile = _cut(frame, unit, i % vw, top + i // vw)
             out[f"{item} {player.inventory[item]}" if amount else EMPTY_SLOT] = tile
     return out
+
+
+CREATURES = ("cow", "zombie", "skeleton")  # Crafter's creatures (arrows are shots, the player is not counted)
+
+
+def creature_codes(vq, textures: dict) -> tuple[torch.Tensor, list[str]]:
+    """The codes the VQ gives Crafter's creatures and nothing else, from the game's own textures
+    (tile_textures at the data's tile size: each creature on each ground, awake or
+    asleep) -> (codes, the creature textures whose code some other texture shares too: creatures the VQ cannot
+    tell from the ground, uncounted)."""
+    names = list(textures)
+    ids = encode_tokens(vq, torch.from_numpy(np.stack([textures[n] for n in names])).to(vq.device)).view(-1).tolist()
+    creature = [n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES for n in names]
+    other = {i for i, c in zip(ids, creature) if not c}
+    codes = sorted({i for i, c in zip(ids, creature) if c} - other)
+    return torch.tensor(codes, dtype=torch.long), [n for n, i, c in zip(names, ids, creature) if c and i in other]

@@ -83,6 +83,7 @@ from mcar.data.crafter_gen import (
     shape_actions,
     walkable,
 )
+from mcar.data.crafter_textures import creature_codes, tile_textures
 from mcar.eval.metrics import bootstrap_ci
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
@@ -167,23 +168,7 @@ def invented_share(frames: torch.Tensor, real: torch.Tensor, prompt: torch.Tenso
     return (~seen.gather(2, frames.flatten(2))).double().mean(-1)
 
 
-CREATURES = ("cow", "zombie", "skeleton")  # Crafter's creatures (arrows are shots, the player is not counted)
 CREATURE_EVENTS = ("creatures", "entered", "left", "popped")
-
-
-def creature_codes(vq, textures: dict) -> tuple[torch.Tensor, list[str]]:
-    """The codes the VQ gives Crafter's creatures and nothing else, from the game's own textures
-    (mcar.data.crafter_textures.tile_textures at the data's tile size: each creature on each ground, awake or
-    asleep) -> (codes, the creature textures whose code some other texture shares too: creatures the VQ cannot
-    tell from the ground, uncounted)."""
-    from mcar.data.crafter_textures import ASLEEP
-
-    names = list(textures)
-    ids = encode_tokens(vq, torch.from_numpy(np.stack([textures[n] for n in names])).to(vq.device)).view(-1).tolist()
-    creature = [n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES for n in names]
-    other = {i for i, c in zip(ids, creature) if not c}
-    codes = sorted({i for i, c in zip(ids, creature) if c} - other)
-    return torch.tensor(codes, dtype=torch.long), [n for n, i, c in zip(names, ids, creature) if c and i in other]
 
 
 def creature_events(maps: torch.Tensor, codes: torch.Tensor, moves: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -600,8 +585,6 @@ class WorldTests:
         self.grid = MapGrid(map_rows(self.view), self.layout.w)
         self.tokens = Tokens(self.vq, self.layout, self.cb)
         if "rollout" in cfg.tests:  # the creatures' codes, from the game's textures at the data's tile size
-            from mcar.data.crafter_textures import tile_textures
-
             self.creature_codes, self.creatures_hidden = creature_codes(self.vq, tile_textures(self.size[0] //
                                                                                                self.layout.h))
         self.context = self.wm.context

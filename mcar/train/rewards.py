@@ -12,6 +12,9 @@ with `__call__(rollouts) -> (B,)` in a file, and its `_target_` in the config li
   consecutive frames.
 - `NoInventedTiles` (a guard): the share of generated tiles whose tile type (code) is in the true frame or the prompt;
   a rollout that paints plausible-looking tiles from nowhere to please the IDM loses it.
+- `CreatureCount`: per frame, how near the number of creatures drawn is to the true frame's (the creatures' codes
+  from the game's textures and the run's VQ), wherever they are: agreement alone pays a model to leave out
+  creatures it cannot place (RESULTS.md, "Creatures").
 - `TileMix`: 1 - the total-variation distance between each generated frame's mix of codes and the true frame's,
   wherever the tiles are. Agreement alone pays a model to leave out what it cannot place (a creature drawn one tile
   off costs two tiles, one left out costs one); the mix pays it back for drawing what is there.
@@ -25,9 +28,11 @@ import torch
 
 from mcar.core.agreement import histogram_distance
 from mcar.core.layout import Layout
+from mcar.data.crafter_textures import creature_codes, tile_textures
 from mcar.idm.model import read_idm
 from mcar.idm.scores import frame_pairs
 from mcar.tokenizer.clips import split_clip
+from mcar.tokenizer.vq_model import downsample, load_vq
 
 
 @dataclass
@@ -111,6 +116,24 @@ class TileMix:
         gen, real = r.images()
         P = r.prompt_frames
         return 1 - histogram_distance(gen[:, P:], real[:, P:], r.codebook_size).mean(1)
+
+
+class CreatureCount:
+    """Per frame >= prompt_frames, 1 - |creatures drawn - creatures in the true frame| / (their sum), 1 where both
+    have none, averaged over frames. A creature is a tile whose code only Crafter's creature textures have
+    (mcar.data.crafter_textures.creature_codes under `vq`, the run's VQ folder: `vq: ${vq.path}`)."""
+
+    def __init__(self, vq: str):
+        model = load_vq(vq)
+        self.codes, _ = creature_codes(model, tile_textures(downsample(model)))
+        if not len(self.codes):
+            raise ValueError(f"posttrain.rewards: CreatureCount vq={vq}: this VQ gives no creature a code of its own")
+
+    def __call__(self, r: Rollouts) -> torch.Tensor:
+        gen, real = r.images()
+        P, codes = r.prompt_frames, self.codes.to(gen.device)
+        n_gen, n_real = (torch.isin(x[:, P:], codes).flatten(2).sum(-1).float() for x in (gen, real))
+        return (1 - (n_gen - n_real).abs() / (n_gen + n_real).clamp(min=1)).mean(1)
 
 
 @dataclass
