@@ -85,7 +85,7 @@ def test_real_frames_hold_only_listed_tiles(textures):
 
 
 def test_creature_codes_are_the_creatures_own(textures):
-    """The world tests count creatures by code (mcar.eval.world_tests.creature_codes): the every-tile VQ gives each
+    """The world tests count creatures by code (mcar.data.crafter_textures.creature_codes): the every-tile VQ gives each
     creature texture a code of its own; the first VQ codes a zombie on a path as something else too, and the
     sleeping world's creatures (so they go uncounted, and are named)."""
     from mcar.data.crafter_textures import CREATURES, creature_codes

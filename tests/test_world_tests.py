@@ -290,7 +290,7 @@ def test_creature_events_count_what_comes_into_view_goes_and_pops():
     jumpy = torch.stack([mid, mid, mid.roll(3, -1), mid.roll(3, -1)])  # it jumps 3 tiles: vanished + appeared
     none = torch.zeros(3, 2, dtype=torch.long)
     assert per_frame(creature_events(jumpy[None], torch.tensor([COW]), none[None])) == {
-        "creatures": 12, "entered": 0, "left": 0, "popped": 8}  # 3 frames: x12/3 = 4 per event
+        "creatures": 12, "entered": 0, "left": 0, "popped": 8}  # 2 events in 3 steps, x12
     stepping = torch.stack([mid, mid.roll(1, -1), mid.roll(1, -2)])  # one tile a turn (a diagonal pair too): no event
     assert per_frame(creature_events(stepping[None], torch.tensor([COW]), none[:2][None]))["popped"] == 0
 
