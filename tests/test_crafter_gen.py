@@ -1,18 +1,23 @@
 """The data side of recall (mcar/data/crafter_gen.py): the explorer's and the wanderer's recall plans (walks back to
 where they were: longer out-and-backs, waits, L-shapes, revisits in varied order) on a fake all-grass world, so no
-Crafter world is generated; today's policies when none is asked."""
+Crafter world is generated; today's policies when none is asked. And the wanderer's placed obstacles, on one small
+real world (Crafter's own place rule decides)."""
 import numpy as np
 import pytest
 
 from mcar.data.crafter_gen import (
+    ACTIONS,
     MOVE_DELTA,
     PERPENDICULAR,
+    PLACING_DEFAULTS,
     RECALL_DEFAULTS,
     ExplorerPolicy,
     RecallPlans,
     WandererPolicy,
+    make_env,
     make_policy,
     path_offsets,
+    placing_settings,
     recall_settings,
     shape_actions,
 )
@@ -135,3 +140,35 @@ def test_recall_data_lives_in_its_own_folder_and_default_data_keeps_its_name(tmp
     assert dm(recall={"max_actions": 7}).set_dir.name != mixed  # other plans, other episodes
     with pytest.raises(ValueError, match="recall: unknown"):
         dm(recall={"p_lop": 0.1})
+    placing = dm(placing={}).set_dir.name  # placed obstacles: a folder of their own too
+    assert placing.startswith("seed0_24f_explorer100_placing") and placing != mixed
+    assert dm(recall={}, placing={}).set_dir.name.startswith(mixed + "_placing")
+
+
+def test_the_wanderer_places_obstacles_and_walks_into_them_only_when_asked():
+    rng = np.random.default_rng(0)
+    assert placing_settings(None) is None and placing_settings({}) == PLACING_DEFAULTS
+    assert make_policy("wanderer", rng).placing is None  # today's episodes: no placing, no extra draws
+    for bad, said in (({"q": 0.1}, r"unknown \['q'\]"), ({"kinds": ["anvil"]}, "placing.kinds="), ({"p": 2}, "p=2")):
+        with pytest.raises(ValueError, match=said):
+            placing_settings(bad)
+    env, _ = make_env(3, (72, 72), (9, 9), 1.0)
+    wanderer = make_policy("wanderer", rng, None, placing_settings({"p": 1.0, "kinds": ["furnace"]}))
+    placed = bumped = 0
+    for _ in range(30):
+        player = env._player
+        pos, stone = tuple(int(v) for v in player.pos), player.inventory["stone"]
+        action = wanderer(env)
+        delta = tuple(int(v) for v in player.facing) if action == ACTIONS.index("place_furnace") \
+            else MOVE_DELTA.get(action)
+        target = None if delta is None else (pos[0] + delta[0], pos[1] + delta[1])
+        into_furnace = action in MOVE_DELTA and env._world[target][0] == "furnace"
+        env.step(action)
+        if action == ACTIONS.index("place_furnace"):
+            assert wanderer.current == "place_furnace" and env._world[target][0] == "furnace"
+            assert player.inventory["stone"] == stone  # given what it used: the frames show the same inventory
+            placed += 1
+        elif into_furnace:
+            assert tuple(int(v) for v in player.pos) == pos  # Crafter refused the move
+            bumped += 1
+    assert placed >= 1 and bumped >= 1

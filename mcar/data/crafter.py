@@ -11,6 +11,8 @@ changing them never mixes episodes; more episodes extend the same folder.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,17 +20,23 @@ from typing import Callable
 from mcar.data.token_clips import TokenDataModule
 
 
+def digest(settings: dict) -> str:
+    """8 hex digits naming a setting's full values (its folder: other settings, other episodes)."""
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+
+
 class CrafterDataModule(TokenDataModule):
     def __init__(self, root: str, episodes: int = 12, frames_per_episode: int = 128, gen_seed: int = 0,
                  policy_mix: dict | None = None, workers: int = 2, vq_path: str | None = None,
                  vq_train: bool = False, vq_train_overrides: list | None = None, tokenize_batch: int = 16,
                  view: list | tuple | None = None, daylight: float | None = None, lossless: bool = False,
-                 recall: dict | None = None, **kw):
+                 recall: dict | None = None, placing: dict | None = None, **kw):
         """vq_train: tokenise with a VQ trained under root/vq/best, by `vq_trainer` (root=, overrides=, grid=): set in
         code by a training job (mcar.train.task), never by a config. view: Crafter's grid in tiles (W, H), None
         for its default 9x9. daylight: a fixed light level in (0, 1] (1: always noon), None for Crafter's cycle.
         lossless: episodes as bit-exact RGB video (default: yuv444p at crf 12). recall: the explorer's and the
-        wanderer's recall plans (mcar.data.crafter_gen.RECALL_DEFAULTS' keys; {}: those), None: none."""
+        wanderer's recall plans (mcar.data.crafter_gen.RECALL_DEFAULTS' keys; {}: those), None: none. placing: the
+        wanderer's placed obstacles (PLACING_DEFAULTS' keys; {}: those), None: none."""
         super().__init__(**kw)
         self.root, self.n_episodes, self.frames_per_episode = Path(root), episodes, frames_per_episode
         self.gen_seed, self.policy_mix, self.workers = gen_seed, dict(policy_mix or {}), workers
@@ -45,10 +53,14 @@ class CrafterDataModule(TokenDataModule):
         self.lossless = bool(lossless)
         from omegaconf import DictConfig, OmegaConf
 
-        from mcar.data.crafter_gen import recall_settings
+        from mcar.data.crafter_gen import placing_settings, recall_settings
 
-        self.recall = OmegaConf.to_container(recall, resolve=True) if isinstance(recall, DictConfig) else recall
+        def plain(x):
+            return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
+
+        self.recall, self.placing = plain(recall), plain(placing)
         self.recall_settings = recall_settings(self.recall)  # a bad setting fails now
+        self.placing_settings = placing_settings(self.placing)
 
     @property
     def set_dir(self) -> Path:
@@ -60,14 +72,10 @@ class CrafterDataModule(TokenDataModule):
         view = "" if self.view is None else f"_view{self.view[0]}x{self.view[1]}"
         light = "" if self.daylight is None else f"_daylight{self.daylight:g}"
         video = "_lossless" if self.lossless else ""
-        recall = ""  # recall plans: a short digest of their full settings (other plans, other episodes)
-        if self.recall_settings is not None:
-            import hashlib
-            import json
-
-            digest = hashlib.sha1(json.dumps(self.recall_settings, sort_keys=True).encode()).hexdigest()[:8]
-            recall = f"_recall{digest}"
-        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}{light}{video}{recall}"
+        # recall plans, placed obstacles: a short digest of their full settings (other settings, other episodes)
+        extras = "".join(f"_{name}{digest(settings)}" for name, settings in
+                         (("recall", self.recall_settings), ("placing", self.placing_settings)) if settings is not None)
+        return self.root / f"seed{self.gen_seed}_{self.frames_per_episode}f_{policies}{view}{light}{video}{extras}"
 
     @property
     def episodes_dir(self) -> Path:
@@ -106,7 +114,8 @@ class CrafterDataModule(TokenDataModule):
         t0 = time.time()
         generate(self.episodes_dir, self.n_episodes, self.frames_per_episode, self.gen_seed,
                  self.policy_mix or None, self.workers, size=frame_size(vq, self.layout.h, self.layout.w),
-                 view=self.view, daylight=self.daylight, lossless=self.lossless, recall=self.recall)
+                 view=self.view, daylight=self.daylight, lossless=self.lossless, recall=self.recall,
+                 placing=self.placing)
         t1 = time.time()
         stale = stale_index(self.tokens_dir, self.episode_names()) if (self.tokens_dir / "index.json").exists() \
             else "no index.json yet"

@@ -147,6 +147,40 @@ def recall_settings(recall: dict | None) -> dict | None:
     return out
 
 
+# Placed obstacles (data.placing / crafter_gen's placing; {} = these): on p of its steps the wanderer places one of
+# `kinds` on the tile it faces, where Crafter's place rule allows it, and then walks into it like any obstacle (the
+# env refuses the move). The player is given what placing uses first (the inventory shows the same before and
+# after), as the world test's placed obstacles are: the random and scripted policies seldom gather 4 stone.
+PLACING_DEFAULTS = {"p": 0.03, "kinds": ["table", "furnace"]}
+
+
+def place_rules() -> dict:
+    """Crafter's place rules (its data.yaml `place`): name -> {uses: inventory spent, where: materials it goes on,
+    type: material | object}."""
+    from crafter import constants
+
+    return {str(k): dict(v) for k, v in constants.place.items()}
+
+
+def placing_settings(placing: dict | None) -> dict | None:
+    """data.placing -> the full settings (PLACING_DEFAULTS under what it names), None when it is None (no placing);
+    an unknown key or kind, or p outside [0, 1], is refused."""
+    if placing is None:
+        return None
+    placing = dict(placing)
+    unknown = sorted(set(placing) - set(PLACING_DEFAULTS))
+    if unknown:
+        raise ValueError(f"placing: unknown {unknown}; the settings are {sorted(PLACING_DEFAULTS)}")
+    out = {**PLACING_DEFAULTS, **placing}
+    out["p"], out["kinds"] = float(out["p"]), [str(k) for k in out["kinds"]]
+    if not 0 <= out["p"] <= 1:
+        raise ValueError(f"placing.p={out['p']}: a probability")
+    bad = [k for k in out["kinds"] if k not in place_rules()]
+    if bad or not out["kinds"]:
+        raise ValueError(f"placing.kinds={out['kinds']}: some of {sorted(place_rules())}")
+    return out
+
+
 class RecallPlans:
     """Walks that come back to where they started, drawn from a mixture (recall_settings): out-and-back of short
     and longer lengths, back after waiting, L-shaped, and revisits in a varied order. A plan walks a way that is
@@ -229,13 +263,16 @@ class WandererPolicy:
     facing an obstacle (tree, water, stone, a creature: the env refuses the move, the map stays put) it pushes on with
     probability p_push before it turns; it bumps into a blocked neighbour with probability p_bump; and it walks
     out-and-back loops (n moves one way, n back: the start view comes back into sight) with probability p_loop, or,
-    given recall plans (data.recall), one of those (RecallPlans: waits, L-shapes, longer ways, revisits)."""
+    given recall plans (data.recall), one of those (RecallPlans: waits, L-shapes, longer ways, revisits). Given
+    placing (placing_settings' output) it places obstacles and walks into them (place)."""
 
     name = "wanderer"
 
     def __init__(self, rng: np.random.Generator, p_push: float = 0.7, p_bump: float = 0.4, p_loop: float = 0.15,
-                 loop_lengths=(1, 2, 3), hold=(3, 9), p_noop: float = 0.05, plans: RecallPlans | None = None):
+                 loop_lengths=(1, 2, 3), hold=(3, 9), p_noop: float = 0.05, plans: RecallPlans | None = None,
+                 placing: dict | None = None):
         self.rng, self.p_push, self.p_bump, self.p_loop = rng, p_push, p_bump, p_loop
+        self.placing, self.rules = placing, place_rules() if placing else {}
         self.loop_lengths, self.hold_range, self.p_noop = tuple(loop_lengths), hold, p_noop
         self.plan: list[int] = []
         self.plans, self.current = plans, None
@@ -245,6 +282,10 @@ class WandererPolicy:
         if self.plan:
             return self.plan.pop(0)
         self.current = None
+        if self.placing and self.rng.random() < self.placing["p"]:
+            action = self.place(env)
+            if action is not None:
+                return action
         blocked = blocked_moves(env)
         if self.direction in blocked and self.rng.random() < self.p_push:
             return self.direction
@@ -267,18 +308,39 @@ class WandererPolicy:
         return self.direction
 
 
+    def place(self, env) -> int | None:
+        """-> the action placing one of placing's kinds on the tile the player faces, None when Crafter's rule does
+        not allow it there (not free, the wrong material) or the inventory would pass Crafter's cap of 9. The player
+        is given what it uses; the walk turns toward it, so the pushes that follow walk into it."""
+        player = env._player
+        (x, y), (dx, dy) = (int(v) for v in player.pos), (int(v) for v in player.facing)
+        name = str(self.rng.choice(self.placing["kinds"]))
+        rule = self.rules[name]
+        if not walkable(env, x + dx, y + dy) or env._world[(x + dx, y + dy)][0] not in rule["where"]:
+            return None
+        if any(player.inventory[item] + amount > 9 for item, amount in rule["uses"].items()):
+            return None
+        for item, amount in rule["uses"].items():
+            player.inventory[item] += amount
+        self.direction = next(a for a, d in MOVE_DELTA.items() if d == (dx, dy))
+        self.current = f"place_{name}"
+        return ACTIONS.index(f"place_{name}")
+
+
 POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy, "wanderer": WandererPolicy}
 
 
-def make_policy(name: str, rng: np.random.Generator, recall: dict | None = None):
+def make_policy(name: str, rng: np.random.Generator, recall: dict | None = None, placing: dict | None = None):
     """The policy `name`; recall (recall_settings' output, None: today's policies) gives the explorer and the
-    wanderer recall plans."""
-    if recall is None or name == "random":
-        return POLICIES[name](rng)
-    plans = RecallPlans(rng, recall)
+    wanderer recall plans; placing (placing_settings' output) makes the wanderer place obstacles."""
+    if name == "random":
+        return RandomPolicy(rng)
+    plans = None if recall is None else RecallPlans(rng, recall)
     if name == "explorer":
-        return ExplorerPolicy(rng, plans=plans, p_plan=recall["p_explorer"])
-    return WandererPolicy(rng, p_loop=recall["p_wanderer"], plans=plans)
+        return ExplorerPolicy(rng) if plans is None else ExplorerPolicy(rng, plans=plans, p_plan=recall["p_explorer"])
+    if plans is None:
+        return WandererPolicy(rng, placing=placing)
+    return WandererPolicy(rng, p_loop=recall["p_wanderer"], plans=plans, placing=placing)
 
 
 def episode_name(seed: int, index: int) -> str:
@@ -343,17 +405,20 @@ def make_env(env_seed: int, size: tuple[int, int], view: tuple[int, int] | None 
 
 
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
-                 view: tuple[int, int] | None = None, daylight: float | None = None, recall: dict | None = None):
+                 view: tuple[int, int] | None = None, daylight: float | None = None, recall: dict | None = None,
+                 placing: dict | None = None):
     """-> (frames (T, H, W, 3) uint8 for size = (H, W), records). T < frames when the player dies. view: Crafter's
     grid in tiles (W, H), None for its default 9x9 (one tile is then size / view pixels). daylight: None for
     Crafter's day-night cycle, or a fixed light level (1.0: always noon; every frame then draws a tile with the
     same pixels, which a patch VQ turns into the same token). recall: the explorer's and the wanderer's recall
     plans (RECALL_DEFAULTS' keys; {}: those; None: none, today's episodes): a record made by a plan names its kind
-    ("plan")."""
+    ("plan"). placing: the wanderer's placed obstacles (PLACING_DEFAULTS' keys; None: none); a place action it
+    made names its kind ("plan": "place_furnace")."""
     rng = np.random.default_rng([seed, index])
     names = sorted(policy_mix)
     p = np.array([policy_mix[n] for n in names], float)
-    policy = make_policy(names[rng.choice(len(names), p=p / p.sum())], rng, recall_settings(recall))
+    policy = make_policy(names[rng.choice(len(names), p=p / p.sum())], rng, recall_settings(recall),
+                         placing_settings(placing))
     env, obs = make_env(int(rng.integers(2**31 - 1)), size, view, daylight)
     out, records = [], []
     for t in range(frames):
@@ -373,12 +438,12 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
 
 def write_episode(out_dir: Path, seed: int, index: int, frames: int, policy_mix: dict[str, float],
                   size: tuple[int, int], view: tuple[int, int] | None = None, daylight: float | None = None,
-                  lossless: bool = False, recall: dict | None = None) -> str:
+                  lossless: bool = False, recall: dict | None = None, placing: dict | None = None) -> str:
     name = episode_name(seed, index)
     mp4, jsonl = out_dir / f"{name}.mp4", out_dir / f"{name}.jsonl"
     if episode_complete(mp4, jsonl):
         return name  # cached
-    video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight, recall)
+    video, records = play_episode(seed, index, frames, policy_mix, size, view, daylight, recall, placing)
     if lossless:  # bit-exact RGB: a tile drawn twice gives the same pixels, so a patch VQ gives the same token
         write_mp4(video, mp4, fps=FPS, crf=0, pix_fmt="rgb24", preset="veryfast", codec="libx264rgb")
     else:
@@ -422,31 +487,32 @@ def die_with_parent(parent: int) -> None:
 def generate(out_dir: str | Path, episodes: int, frames: int, seed: int = 0,
              policy_mix: dict[str, float] | None = None, workers: int = 1, *, size: tuple[int, int],
              view: tuple[int, int] | None = None, daylight: float | None = None, lossless: bool = False,
-             recall: dict | None = None) -> list[str]:
+             recall: dict | None = None, placing: dict | None = None) -> list[str]:
     """Write `episodes` episodes of (H, W) = `size` frames into out_dir (finished ones are skipped). -> their names.
     view: Crafter's grid in tiles (W, H); None: its default 9x9. daylight: a fixed light level, None: Crafter's
     day-night cycle. lossless: bit-exact RGB video (libx264rgb, crf 0) instead of near-lossless yuv444p. recall:
-    the policies' recall plans (play_episode; None: none)."""
+    the policies' recall plans, placing: the wanderer's placed obstacles (play_episode; None: none)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy_mix = dict(policy_mix or {"random": 0.25, "explorer": 0.75})
     if frames < 1 or episodes < 1:
         raise ValueError(f"crafter generation needs episodes >= 1 and frames >= 1, got {episodes}, {frames}")
     recall = None if recall is None else dict(recall)
-    recall_settings(recall)  # a bad setting fails here, not in a worker
+    placing = None if placing is None else dict(placing)
+    recall_settings(recall), placing_settings(placing)  # a bad setting fails here, not in a worker
     with writing_into(out_dir, "Crafter episodes"):  # one generator per folder; a second waits, then skips
         return _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless,
-                         recall)
+                         recall, placing)
 
 
 def _generate(out_dir, episodes, frames, seed, policy_mix, workers, size, view, daylight, lossless,
-              recall=None) -> list[str]:
+              recall=None, placing=None) -> list[str]:
     names = [episode_name(seed, i) for i in range(episodes)]
     todo = [i for i, n in enumerate(names) if not episode_complete(out_dir / f"{n}.mp4", out_dir / f"{n}.jsonl")]
     if not todo:  # all cached: no progress bar to flash
         return names
     bar = tqdm(total=len(todo), desc=f"crafter episodes -> {out_dir}", unit="ep")
-    args = (frames, policy_mix, size, view, daylight, lossless, recall)
+    args = (frames, policy_mix, size, view, daylight, lossless, recall, placing)
     if workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(min(workers, len(todo)), initializer=die_with_parent,
                                  initargs=(os.getpid(),)) as pool:

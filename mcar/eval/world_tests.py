@@ -80,6 +80,7 @@ from mcar.data.crafter_gen import (
     make_env,
     path_offsets,
     path_open,
+    place_rules,
     shape_actions,
     walkable,
 )
@@ -347,14 +348,6 @@ def tile_kind(env, x: int, y: int) -> str:
     return "edge" if material is None else str(material)
 
 
-def placeable() -> dict:
-    """Crafter's place rules (its data.yaml `place`): name -> {uses: inventory spent, where: materials it goes on,
-    type: material | object, ...}."""
-    from crafter import constants
-
-    return {str(k): dict(v) for k, v in constants.place.items()}
-
-
 KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima, refilled before each step (keep_alive)
 
 
@@ -409,7 +402,7 @@ class Scene:
         moves into it. -> a recording whose last action is that refused move, None when no open way was found, a
         creature stepped in, the obstacle is not there after placing, the env let the player through, or the
         episode ended."""
-        rule = placeable()[name]
+        rule = place_rules()[name]
         place = ACTIONS.index(f"place_{name}")
 
         def find() -> int | None:
@@ -1009,9 +1002,9 @@ def world_tests(cfg: DictConfig) -> dict:
     if "shapes" in cfg.tests:
         for spec in cfg.get("shapes") or []:
             parse_shape(spec)
-    unknown = [str(n) for n in cfg.get("placed") or [] if str(n) not in placeable()]
+    unknown = [str(n) for n in cfg.get("placed") or [] if str(n) not in place_rules()]
     if unknown:
-        raise ValueError(f"placed={list(cfg.placed)}: Crafter places {sorted(placeable())} (conf/worldtest.yaml)")
+        raise ValueError(f"placed={list(cfg.placed)}: Crafter places {sorted(place_rules())} (conf/worldtest.yaml)")
     versus = None
     if cfg.get("versus"):  # checked now, not after the run
         versus = Path(cfg.versus) / "world_tests.json" if Path(cfg.versus).is_dir() else Path(cfg.versus)

@@ -9,6 +9,7 @@ def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
     mix = {"random": c.random, "explorer": c.explorer} | ({"wanderer": c.wanderer} if c.wanderer else {})
-    recall = None if c.recall is None else OmegaConf.to_container(c.recall, resolve=True)
+    recall, placing = (None if x is None else OmegaConf.to_container(x, resolve=True) for x in (c.recall, c.placing))
     generate(c.out, int(c.episodes), int(c.frames), int(c.seed), mix, int(c.workers), size=tuple(c.size),
-             view=tuple(c.view) if c.view else None, daylight=c.daylight, lossless=bool(c.lossless), recall=recall)
+             view=tuple(c.view) if c.view else None, daylight=c.daylight, lossless=bool(c.lossless), recall=recall,
+             placing=placing)
