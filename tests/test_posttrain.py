@@ -216,30 +216,36 @@ def test_the_supervised_term_adds_the_true_clips_loss_to_grpos():
         PostTrainModule(post | {"supervised_coef": -1}, **kw)
 
 
-def test_starts_play_recall_plans_when_asked(monkeypatch):
-    """starts.recall reaches the policies (crafter_gen's settings, checked up front); null keeps today's policies,
-    not the plans' defaults that {} asks for."""
+def test_starts_play_recall_plans_and_placing_when_asked(monkeypatch):
+    """starts.recall and starts.placing reach the policies (crafter_gen's settings, checked up front); null keeps
+    today's policies, not the defaults that {} asks for; a placing wanderer places in the true clips."""
     from omegaconf import OmegaConf
 
     import mcar.data.crafter_starts as starts
-    from mcar.data.crafter_gen import recall_settings
+    from mcar.data.crafter_gen import ACTIONS, placing_settings, recall_settings
     from mcar.tools.posttrain import _none_or_dict
 
     assert _none_or_dict(None) is None and _none_or_dict(OmegaConf.create({})) == {}
     seen = []
     real_make = starts.make_policy
-    monkeypatch.setattr(starts, "make_policy", lambda name, rng, recall: seen.append(recall) or real_make(name, rng,
-                                                                                                          recall))
+    monkeypatch.setattr(starts, "make_policy", lambda name, rng, recall, placing: seen.append((recall, placing))
+                        or real_make(name, rng, recall, placing))
     layout = Layout(9, 9, 1)
-    common = dict(layout=layout, codebook_size=145, frames=2, vq_path=str(REPO / "mcar/assets/vq_crafter_tiles"),
+    common = dict(layout=layout, codebook_size=145, frames=4, vq_path=str(REPO / "mcar/assets/vq_crafter_tiles"),
                   view=[9, 9], daylight=None, policy_mix={"wanderer": 1.0}, warmup=0)
-    recall = {"mix": {"wait": 1.0}}
+    recall, placing = {"mix": {"wait": 1.0}}, {"p": 1.0, "kinds": ["table"]}
     clips = starts.CrafterStarts(**common, recall=recall)(7)
-    assert len(clips) == 1 and clips[0].shape == (2 * layout.frame_len,)
-    starts.CrafterStarts(**common)(7)
-    assert seen == [recall_settings(recall), None]
+    assert len(clips) == 1 and clips[0].shape == (4 * layout.frame_len,)
+    plain = starts.CrafterStarts(**common)(7)[0]
+    placed = starts.CrafterStarts(**common, placing=placing)(7)[0]
+    assert seen == [(recall_settings(recall), None), (None, None), (None, placing_settings(placing))]
+    actions = lambda clip: clip.view(4, layout.frame_len)[:, -1] - 145  # noqa: E731
+    assert ACTIONS.index("place_table") in actions(placed).tolist()
+    assert ACTIONS.index("place_table") not in actions(plain).tolist()
     with pytest.raises(ValueError, match="recall: unknown"):
         starts.CrafterStarts(**common, recall={"bogus": 1})
+    with pytest.raises(ValueError, match="placing: unknown"):
+        starts.CrafterStarts(**common, placing={"bogus": 1})
 
 
 def test_stale_rollouts_are_warned_about_once(caplog):

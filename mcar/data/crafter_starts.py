@@ -3,7 +3,8 @@
 Step s of rank r takes worlds from seed `seed_base + (s * world + r) * 4 * starts` on: never a training episode's
 (those come from the generator's seed, `data.gen_seed`, drawing their own world seeds), and a resumed run goes on
 with the worlds after the last step it finished. Each world is played by a policy drawn from `policy_mix`
-(crafter_gen's policies; `recall` gives the explorer and the wanderer their recall plans, data.recall's settings)
+(crafter_gen's policies; `recall` gives the explorer and the wanderer their recall plans, data.recall's settings;
+`placing` has the wanderer place tables and furnaces and walk into them, data.placing's settings)
 for a random warm-up of up to `warmup` steps, then `clips_per_world` x `frames` steps: each
 run of `frames` frames and their actions is the true clip a rollout from its prompt frames is scored against
 (Crafter is the simulator: the true next frames under the same actions). Building a world costs seconds, more than
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mcar.core.layout import Layout
 from mcar.data.common import StepsFrom
-from mcar.data.crafter_gen import POLICIES, make_env, make_policy, recall_settings
+from mcar.data.crafter_gen import POLICIES, make_env, make_policy, placing_settings, recall_settings
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.vq_model import encode_tokens, frame_size, load_vq
 
@@ -32,7 +33,8 @@ class CrafterStarts:
     """World seed -> its true clip (frames * frame_len,) long, or None when the player dies before the end."""
 
     def __init__(self, layout: Layout, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
-                 policy_mix: dict, warmup: int = 16, clips_per_world: int = 1, recall: dict | None = None):
+                 policy_mix: dict, warmup: int = 16, clips_per_world: int = 1, recall: dict | None = None,
+                 placing: dict | None = None):
         if not policy_mix or any(k not in POLICIES for k in policy_mix):
             raise ValueError(f"starts.policy_mix={dict(policy_mix)}: weights over {sorted(POLICIES)}")
         if view is None or list(view) != [layout.w, layout.h]:
@@ -43,6 +45,7 @@ class CrafterStarts:
         self.layout, self.codebook_size, self.frames, self.warmup = layout, codebook_size, frames, warmup
         self.clips_per_world = clips_per_world
         self.recall = recall_settings(recall)  # a bad setting fails here, naming it
+        self.placing = placing_settings(placing)
         self.vq = load_vq(vq_path)
         self.size = frame_size(self.vq, layout.h, layout.w)
         self.view, self.daylight = tuple(int(v) for v in view), daylight
@@ -54,7 +57,7 @@ class CrafterStarts:
     def __call__(self, world_seed: int) -> list[torch.Tensor]:
         """The world's true clips (each (frames * frame_len,) long); [] when the player dies first."""
         rng = np.random.default_rng(world_seed)
-        policy = make_policy(self.names[rng.choice(len(self.names), p=self.p)], rng, self.recall)
+        policy = make_policy(self.names[rng.choice(len(self.names), p=self.p)], rng, self.recall, self.placing)
         env, obs = make_env(world_seed, self.size, self.view, self.daylight)
         frames, actions = [], []
         n = self.frames * self.clips_per_world
@@ -101,12 +104,12 @@ class StartsDataModule(L.LightningDataModule):
 
     def __init__(self, layout: dict, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
                  policy_mix: dict, starts: int = 2, seed_base: int = 1_000_000, warmup: int = 16,
-                 clips_per_world: int = 1, recall: dict | None = None):
+                 clips_per_world: int = 1, recall: dict | None = None, placing: dict | None = None):
         super().__init__()
         if starts < 1:
             raise ValueError(f"posttrain.starts={starts}: at least one start per step")
         self.source = CrafterStarts(Layout(**layout), codebook_size, frames, vq_path, view, daylight, policy_mix,
-                                    warmup, clips_per_world, recall)
+                                    warmup, clips_per_world, recall, placing)
         self.starts, self.seed_base = starts, seed_base
 
     def train_dataloader(self) -> DataLoader:

@@ -13,7 +13,7 @@ from mcar.train.task import run
 
 
 def _none_or_dict(node) -> dict | None:
-    """A config node -> a dict; null stays None (no recall plans: not the plans' defaults, which {} means)."""
+    """A config node -> a dict; null stays None (no recall plans or placing: not their defaults, which {} means)."""
     return None if node is None else to_dict(node)
 
 
@@ -25,7 +25,8 @@ def starts_datamodule(cfg: DictConfig) -> StartsDataModule:
                             view=data.get("view"), daylight=data.get("daylight"),
                             policy_mix=to_dict(cfg.starts.policy_mix), starts=cfg.posttrain.starts,
                             seed_base=cfg.starts.seed_base, warmup=cfg.starts.warmup,
-                            clips_per_world=cfg.starts.clips_per_world, recall=_none_or_dict(cfg.starts.get("recall")))
+                            clips_per_world=cfg.starts.clips_per_world, recall=_none_or_dict(cfg.starts.get("recall")),
+                            placing=_none_or_dict(cfg.starts.get("placing")))
 
 
 @hydra_tool("posttrain")
