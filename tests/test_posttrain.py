@@ -52,6 +52,43 @@ def test_tile_agreement_and_invented_tiles_score_what_they_say():
     assert NoInventedTiles()(r).tolist() == pytest.approx([1.0, (n - 1) / n])
 
 
+def test_revisited_tiles_are_those_only_the_window_remembers():
+    """revisited_mask against sets of world tiles per frame (an oracle of its own), on seeded random walks, and the
+    term on a wait-then-return walk: only the column that came back counts."""
+    import random
+
+    from mcar.train.rewards import RevisitedTiles, revisited_mask
+
+    rng = random.Random(0)
+    for _ in range(20):
+        T, context = rng.randint(2, 8), rng.randint(2, 6)
+        pos = [(0, 0)]
+        for _ in range(T - 1):
+            dx, dy = rng.choice([(0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)])
+            pos.append((pos[-1][0] + dx, pos[-1][1] + dy))
+        views = [{(x + dc, y + dr) for dr in range(-3, 4) for dc in range(-4, 5)} for x, y in pos]
+        got = revisited_mask(torch.tensor([pos]), 7, 9, context)[0]
+        for t in range(T):
+            remembered = set().union(*views[max(0, t - context + 1):max(0, t - 1)])
+            want = [[(pos[t][0] + c - 4, pos[t][1] + r - 3) in remembered - (views[t - 1] if t else set())
+                     for c in range(9)] for r in range(7)]
+            assert got[t].tolist() == want, (pos, context, t)
+    layout = Layout(9, 9, 1)
+    wait = torch.tensor([[(0, 0), (1, 0), (1, 0), (1, 0), (0, 0)]])  # one out, two noops, one back
+    mask = revisited_mask(wait, 7, 9, 6)[0]
+    assert mask[:4].sum() == 0 and mask[4, :, 0].all() and mask[4].sum() == 7
+    assert revisited_mask(wait, 7, 9, 4)[0].sum() == 0  # the start frame has left a 4-frame window
+    real = torch.randint(0, CB, (1, 5, layout.frame_len))
+    gen = real.clone()
+    gen[0, 4, 0] = (real[0, 4, 0] + 1) % CB  # the came-back column's top tile wrong
+    gen[0, 4, 1] = (real[0, 4, 1] + 1) % CB  # a tile memory cannot tell: not scored
+    term = RevisitedTiles()
+    r = Rollouts(gen.flatten(1), real.flatten(1), layout, CB, prompt_frames=1, positions=wait, context=6)
+    assert term(r).tolist() == pytest.approx([6 / 7])
+    with pytest.raises(ValueError, match="RevisitedTiles needs the player's positions"):
+        term(Rollouts(gen.flatten(1), real.flatten(1), layout, CB, prompt_frames=1))
+
+
 def test_tile_mix_pays_for_the_right_tiles_wherever_they_are_drawn():
     """A creature drawn one tile off keeps the mix (1) and loses agreement twice; one left out loses both once."""
     real = clips_of([[1, 2, 2]])
@@ -112,7 +149,7 @@ def test_starts_take_fresh_disjoint_worlds_per_step_and_rank_and_skip_deaths():
             if seed % 5 == 0:  # the player died
                 self.dead += 1
                 return []
-            return [torch.full((3,), seed)] * 2  # two clips per world
+            return [(torch.full((3,), seed), torch.zeros(2, 2))] * 2  # two clips per world, their positions
 
     seen = []
     for step in range(3):
@@ -120,6 +157,7 @@ def test_starts_take_fresh_disjoint_worlds_per_step_and_rank_and_skip_deaths():
             item = StepStarts(Worlds(), 3, 100, rank, 2)[step]
             seen += sorted(set(item["world_seed"].tolist()))
             assert len(item["tokens"]) == 3 and all(s % 5 for s in item["world_seed"].tolist())
+            assert item["positions"].shape == (3, 2, 2)
     assert len(seen) == len(set(seen)) == 12  # 2 worlds per step and rank (3 clips, 2 per world), never shared
 
 
@@ -163,14 +201,17 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
               f"paths.checkpoint_root={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/out", "posttrain.group=2",
               "posttrain.starts=1", "posttrain.rollout_frames=3", "posttrain.context=2", "checkpoint.every_n_steps=1",
               "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2",
-              "optim.lr=1e-3"]  # steps that move the weights: the next rollouts must see them
+              "optim.lr=1e-3",  # steps that move the weights: the next rollouts must see them
+              # a term that needs the starts' player positions: they must reach it
+              "+posttrain.rewards.revisited={_target_:mcar.train.rewards.RevisitedTiles,weight:0}"]
     run_in_process(main, *common, "steps=2")
     ckpt = tmp_path / "ckpt" / "pt" / "last.ckpt"
     state = load_checkpoint(ckpt)
     assert state["global_step"] == 2 and state["hyper_parameters"]["stage"] == "posttrain"
     assert all(k.startswith("model.") for k in state["state_dict"])  # the reference is not in it
     metrics = (next(Path(tmp_path / "out" / "csv").rglob("metrics.csv"))).read_text()
-    for key in ("reward/tiles", "reward/plausible", "train/kl", "train/clip_fraction", "train/logp_gap"):
+    for key in ("reward/tiles", "reward/plausible", "reward/revisited", "train/kl", "train/clip_fraction",
+                "train/logp_gap"):
         assert key in metrics
     import csv
     gaps = [float(r["train/logp_gap"]) for r in csv.DictReader(metrics.splitlines()) if r.get("train/logp_gap")]
@@ -222,7 +263,7 @@ def test_starts_play_recall_plans_and_placing_when_asked(monkeypatch):
     from omegaconf import OmegaConf
 
     import mcar.data.crafter_starts as starts
-    from mcar.data.crafter_gen import ACTIONS, placing_settings, recall_settings
+    from mcar.data.crafter_gen import ACTIONS, MOVE_DELTA, placing_settings, recall_settings
     from mcar.tools.posttrain import _none_or_dict
 
     assert _none_or_dict(None) is None and _none_or_dict(OmegaConf.create({})) == {}
@@ -235,13 +276,16 @@ def test_starts_play_recall_plans_and_placing_when_asked(monkeypatch):
                   view=[9, 9], daylight=None, policy_mix={"wanderer": 1.0}, warmup=0)
     recall, placing = {"mix": {"wait": 1.0}}, {"p": 1.0, "kinds": ["table"]}
     clips = starts.CrafterStarts(**common, recall=recall)(7)
-    assert len(clips) == 1 and clips[0].shape == (4 * layout.frame_len,)
-    plain = starts.CrafterStarts(**common)(7)[0]
-    placed = starts.CrafterStarts(**common, placing=placing)(7)[0]
+    assert len(clips) == 1 and clips[0][0].shape == (4 * layout.frame_len,) and clips[0][1].shape == (4, 2)
+    (plain, where), = starts.CrafterStarts(**common)(7)
+    placed = starts.CrafterStarts(**common, placing=placing)(7)[0][0]
     assert seen == [(recall_settings(recall), None), (None, None), (None, placing_settings(placing))]
     actions = lambda clip: clip.view(4, layout.frame_len)[:, -1] - 145  # noqa: E731
     assert ACTIONS.index("place_table") in actions(placed).tolist()
     assert ACTIONS.index("place_table") not in actions(plain).tolist()
+    steps = where[1:] - where[:-1]  # the player's positions follow its moves (a refused one stays)
+    moves = [MOVE_DELTA.get(a, (0, 0)) for a in actions(plain)[:-1].tolist()]
+    assert all(tuple(d) in ((0, 0), m) for d, m in zip(steps.tolist(), moves)) and steps.abs().sum() > 0
     with pytest.raises(ValueError, match="recall: unknown"):
         starts.CrafterStarts(**common, recall={"bogus": 1})
     with pytest.raises(ValueError, match="placing: unknown"):
@@ -263,7 +307,7 @@ def test_stale_rollouts_are_warned_about_once(caplog):
         module.training_step({"tokens": clips}, 0)
         assert "rollouts were not drawn" not in caplog.text
         fresh = module.rollouts
-        module.rollouts = lambda real, step: {**(r := fresh(real, step)), "old_logp": r["old_logp"] + 1e-2}
+        module.rollouts = lambda real, step, positions: {**(r := fresh(real, step)), "old_logp": r["old_logp"] + 1e-2}
         module.training_step({"tokens": clips}, 0)
         module.training_step({"tokens": clips}, 0)
     assert caplog.text.count("rollouts were not drawn from the weights being trained") == 1

@@ -404,6 +404,13 @@ def make_env(env_seed: int, size: tuple[int, int], view: tuple[int, int] | None 
     return env, obs
 
 
+def map_rows(view) -> int:
+    """Crafter's map rows in a view of (W, H) tiles: H less the inventory's rows (crafter.Env's item_rows)."""
+    from crafter import constants
+
+    return int(view[1]) - -(-len(constants.items) // int(view[0]))
+
+
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
                  view: tuple[int, int] | None = None, daylight: float | None = None, recall: dict | None = None,
                  placing: dict | None = None):

@@ -54,17 +54,19 @@ class CrafterStarts:
         self.p = p / p.sum()
         self.dead = 0  # worlds skipped: the player died before the clip's end
 
-    def __call__(self, world_seed: int) -> list[torch.Tensor]:
-        """The world's true clips (each (frames * frame_len,) long); [] when the player dies first."""
+    def __call__(self, world_seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The world's true clips, each with the player's world (x, y) at each of its frames ((frames * frame_len,),
+        (frames, 2)); [] when the player dies first."""
         rng = np.random.default_rng(world_seed)
         policy = make_policy(self.names[rng.choice(len(self.names), p=self.p)], rng, self.recall, self.placing)
         env, obs = make_env(world_seed, self.size, self.view, self.daylight)
-        frames, actions = [], []
+        frames, actions, positions = [], [], []
         n = self.frames * self.clips_per_world
         for _ in range(int(rng.integers(0, self.warmup + 1)) + n):
             action = policy(env)
             frames.append(obs)
             actions.append(action)
+            positions.append([int(v) for v in env._player.pos])
             obs, _, done, _ = env.step(action)
             if done:
                 self.dead += 1
@@ -72,11 +74,13 @@ class CrafterStarts:
         with torch.no_grad():
             images = encode_tokens(self.vq, torch.from_numpy(np.stack(frames[-n:])))
         clip = join_clip(images, torch.tensor(actions[-n:])[:, None], self.codebook_size)
-        return list(clip.view(self.clips_per_world, -1))
+        where = torch.tensor(positions[-n:]).view(self.clips_per_world, self.frames, 2)
+        return list(zip(clip.view(self.clips_per_world, -1), where))
 
 
 class StepStarts(Dataset):
-    """Item s: the (starts, N) true clips of step s for this rank, with their world seeds."""
+    """Item s: the (starts, N) true clips of step s for this rank, with the player's (starts, frames, 2) world
+    positions and their world seeds."""
 
     def __init__(self, source: CrafterStarts, starts: int, seed_base: int, rank: int = 0, world: int = 1):
         self.source, self.starts, self.seed_base, self.rank, self.world = source, starts, seed_base, rank, world
@@ -86,15 +90,15 @@ class StepStarts(Dataset):
 
     def __getitem__(self, step: int) -> dict:
         first = self.seed_base + (step * self.world + self.rank) * self.starts * 4  # 4x room for skipped worlds
-        clips, seeds = [], []
+        made, seeds = [], []
         for seed in range(first, first + 4 * self.starts):
-            made = self.source(seed)[:self.starts - len(clips)]
-            clips += made
-            seeds += [seed] * len(made)
-            if len(clips) == self.starts:
-                return {"tokens": torch.stack(clips), "world_seed": torch.tensor(seeds),
-                        "dead": torch.tensor(self.source.dead)}
-        raise RuntimeError(f"step {step}: only {len(clips)} of {self.starts} clips from {4 * self.starts} worlds from "
+            clips = self.source(seed)[:self.starts - len(made)]
+            made += clips
+            seeds += [seed] * len(clips)
+            if len(made) == self.starts:
+                return {"tokens": torch.stack([c for c, _ in made]), "positions": torch.stack([p for _, p in made]),
+                        "world_seed": torch.tensor(seeds), "dead": torch.tensor(self.source.dead)}
+        raise RuntimeError(f"step {step}: only {len(made)} of {self.starts} clips from {4 * self.starts} worlds from "
                            f"seed {first} (the player died): lower starts.warmup or the clip's frames")
 
 

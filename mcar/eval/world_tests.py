@@ -78,6 +78,7 @@ from mcar.data.crafter_gen import (
     ExplorerPolicy,
     blocked_moves,
     make_env,
+    map_rows,
     path_offsets,
     path_open,
     place_rules,
@@ -117,13 +118,6 @@ class MapGrid:
     def inventory(self, images: torch.Tensor) -> torch.Tensor:
         """(..., h, w) image tokens -> (..., h - map_h, w) the inventory rows below the map."""
         return images[..., self.map_h:, :]
-
-
-def map_rows(view) -> int:
-    """Crafter's map rows in a view of (W, H) tiles: H less the inventory's rows (crafter.Env's item_rows)."""
-    from crafter import constants
-
-    return int(view[1]) - -(-len(constants.items) // int(view[0]))
 
 
 def rerevealed_mask(grid: MapGrid, dx: int, dy: int) -> torch.Tensor:

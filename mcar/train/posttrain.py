@@ -71,6 +71,7 @@ class PostTrainModule(MCARModule):
         context = p.get("context") or self.hparams.clip_frames
         if self.frames < 2 or context < 2:
             raise ValueError(f"posttrain.rollout_frames={self.frames}, context={context}: at least 2 frames each")
+        self.context = context
         sampler = {**dict(sampler), "context": context, "compile": False}
         if float(sampler.get("temperature", 1.0)) <= 0 or sampler.get("top_k") == 1:
             raise ValueError("sampler.temperature=0 / top_k=1 (greedy) has no distribution to improve: post-training "
@@ -102,9 +103,10 @@ class PostTrainModule(MCARModule):
 
     # --- rollouts -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollouts(self, real: torch.Tensor, step: int) -> dict:
+    def rollouts(self, real: torch.Tensor, step: int, positions: torch.Tensor | None = None) -> dict:
         """`group` rollouts of each true clip (B, N) -> the generated clips, their log-probabilities as drawn, the
-        rewards and advantages. Noise keys are (step, row): a fresh draw every step, the same on a resumed run."""
+        rewards and advantages; positions (B, T, 2): the player's, for rewards that need them. Noise keys are (step,
+        row): a fresh draw every step, the same on a resumed run."""
         clips = real.repeat_interleave(self.group, 0)
         keys = torch.arange(len(clips), device=clips.device) + (step + 1) * 1_000_003
         was_training = self.model.training
@@ -114,7 +116,9 @@ class PostTrainModule(MCARModule):
         finally:
             self.model.swap_caches(None)  # the cache is a rollout's only: its memory back to training
             self.model.train(was_training)
-        batch = Rollouts(rolled.tokens, clips, self.layout, self.codebook_size, self.sampler.prompt_frames)
+        batch = Rollouts(rolled.tokens, clips, self.layout, self.codebook_size, self.sampler.prompt_frames,
+                         None if positions is None else positions.repeat_interleave(self.group, 0),
+                         self.context)
         total, terms = total_reward(self.terms, batch)
         rule = self.rule(clips.device)
         ref = self.reference()
@@ -131,7 +135,7 @@ class PostTrainModule(MCARModule):
             return self.supervised_step(batch)
         step, every = self.global_step, int(self.post.get("updates_per_batch") or 1)
         if self._rollouts is None or step % every == 0:
-            self._rollouts = self.rollouts(batch["tokens"], step)
+            self._rollouts = self.rollouts(batch["tokens"], step, batch.get("positions"))
         r = self._rollouts
         logp = self.scorer(self.model, r["tokens"], self.rule(r["tokens"].device))
         out = grpo_loss(logp, r["old_logp"], r["ref_logp"], r["advantages"], self.scorer.generated_mask(logp.device),

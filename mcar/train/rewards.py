@@ -15,6 +15,9 @@ with `__call__(rollouts) -> (B,)` in a file, and its `_target_` in the config li
 - `CreatureCount`: per frame, how near the number of creatures drawn is to the true frame's (the creatures' codes
   from the game's textures and the run's VQ), wherever they are: agreement alone pays a model to leave out
   creatures it cannot place (RESULTS.md, "Creatures").
+- `RevisitedTiles` (memory, verifiable): agreement on the tiles that come back into view having left it while an
+  earlier frame of the model's window still showed them (waits, L-shapes, returns): the few tiles only memory can
+  get right, weighted apart from the whole frame's agreement, where they are a percent of the tokens.
 - `TileMix`: 1 - the total-variation distance between each generated frame's mix of codes and the true frame's,
   wherever the tiles are. Agreement alone pays a model to leave out what it cannot place (a creature drawn one tile
   off costs two tiles, one left out costs one); the mix pays it back for drawing what is there.
@@ -28,6 +31,7 @@ import torch
 
 from mcar.core.agreement import histogram_distance
 from mcar.core.layout import Layout
+from mcar.data.crafter_gen import map_rows
 from mcar.data.crafter_textures import creature_codes, tile_textures
 from mcar.idm.model import read_idm
 from mcar.idm.scores import frame_pairs
@@ -42,6 +46,8 @@ class Rollouts:
     layout: Layout
     codebook_size: int
     prompt_frames: int
+    positions: torch.Tensor | None = None  # (B, T, 2) the player's world (x, y) per frame, from the simulator
+    context: int | None = None  # frames the model saw at once (the sampler's window)
 
     def images(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, h, w) image tokens of the generated and the true clips."""
@@ -105,6 +111,46 @@ class NoInventedTiles:
         allowed = seen | prompt[:, None]
         ok = allowed.gather(2, gen.flatten(2).clamp(max=cb))  # (B, T, hw)
         return ok[:, P:].float().flatten(1).mean(1)
+
+
+class RevisitedTiles:
+    """The share of generated map tiles equal to the simulator's among the revisited ones: at frame t >=
+    prompt_frames, a tile of the world in view at t, out of view at t-1, and in view at some frame of the model's
+    window before that (t-context+1 .. t-2), so the frame before cannot tell it and memory can. 0 for a clip with
+    none: the same for its whole group, so it moves no advantage. The map is the view's rows above the inventory
+    (Crafter's; the player drawn at their centre)."""
+
+    def __call__(self, r: Rollouts) -> torch.Tensor:
+        if r.positions is None or r.context is None:
+            raise ValueError("posttrain.rewards: RevisitedTiles needs the player's positions and the model's window "
+                             "(the Crafter starts of `mcar posttrain` give them)")
+        gen, real = r.images()
+        mask = revisited_mask(r.positions.to(gen.device), map_rows((r.layout.w, r.layout.h)), r.layout.w,
+                              r.context)[:, r.prompt_frames:]
+        h = mask.shape[-2]
+        same = (gen[:, r.prompt_frames:, :h] == real[:, r.prompt_frames:, :h]) & mask
+        return same.flatten(1).sum(1).float() / mask.flatten(1).sum(1).clamp(min=1).float()
+
+
+def revisited_mask(positions: torch.Tensor, map_h: int, w: int, context: int) -> torch.Tensor:
+    """(B, T, 2) the player's world (x, y) per frame -> (B, T, map_h, w) bool: the view's tiles at t out of view at
+    t-1 and in view at some frame of t-context+1 .. t-2 (the view is map_h x w tiles, the player at its centre)."""
+    B, T = positions.shape[:2]
+    r, c = torch.meshgrid(torch.arange(map_h, device=positions.device), torch.arange(w, device=positions.device),
+                          indexing="ij")
+    x = positions[..., 0, None, None] + c - w // 2  # (B, T, map_h, w) each tile's world x
+    y = positions[..., 1, None, None] + r - map_h // 2
+
+    def seen_at(s: int, t: int) -> torch.Tensor:  # frame t's tiles in frame s's view
+        px, py = positions[:, s, 0, None, None], positions[:, s, 1, None, None]
+        return ((x[:, t] - px).abs() <= w // 2) & ((y[:, t] - py).abs() <= map_h // 2)
+
+    out = torch.zeros(B, T, map_h, w, dtype=torch.bool, device=positions.device)
+    for t in range(2, T):
+        earlier = [seen_at(s, t) for s in range(max(0, t - context + 1), t - 1)]  # none in a 2-frame window
+        if earlier:
+            out[:, t] = torch.stack(earlier).any(0) & ~seen_at(t - 1, t)
+    return out
 
 
 class TileMix:
