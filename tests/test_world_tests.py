@@ -319,6 +319,27 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
     assert "| back_n3 | 7 | skipped: 7 frames > context 6 (shapes_beyond_context=true runs it) |" in md
 
 
+def test_memory_gains_are_paired_against_the_2_frame_window():
+    """Each loop's and shape's recall, longer window minus the 2-frame window's, start by start; in the markdown."""
+    from mcar.eval.world_tests import interval, window_gains
+
+    g = torch.Generator().manual_seed(0)
+    short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
+    ci = {"mean": 0.5, "lo": 0.4, "hi": 0.6, "n": 2}
+    row = lambda recall: {"recall": interval(recall, 0), "loop_acc": ci, "inventory": ci, "invented": ci}  # noqa: E731
+    rows = lambda gain: {"model context=6": row(short + gain), "model context=2": row(short),  # noqa: E731
+                         "copy_last": row(short)}
+    res = {"starts": 32, "context": 6, "sampler": "diagd", "seed": 0, "blocked": {}, "rollout": {},
+           "loops": {"1": rows(0.3)},
+           "shapes": {"wait_n1_w2": {"frames": 5, "made": 32, "starts": 32, "rows": rows(0.0)},
+                      "back_n3": {"frames": 7, "skipped": "beyond context"}}}
+    gains = {g["walk"]: g for g in window_gains(res, 0)}
+    assert set(gains) == {"loop n=1", "shape wait_n1_w2"} and gains["loop n=1"]["row"] == "model context=6"
+    assert gains["loop n=1"]["mean"] == pytest.approx(0.3) and gains["loop n=1"]["lo"] == pytest.approx(0.3)
+    assert gains["shape wait_n1_w2"]["lo"] == gains["shape wait_n1_w2"]["hi"] == 0
+    assert "| loop n=1 | model context=6 | +0.300 [+0.300, +0.300] |" in markdown(res)
+
+
 def test_versus_compares_two_runs_start_by_start():
     """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
     from mcar.eval.world_tests import interval, paired_versus, versus_markdown

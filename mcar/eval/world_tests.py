@@ -852,6 +852,11 @@ def markdown(res: dict) -> str:
     lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v.get('map_mean'))} | "
               f"{_ci(v.get('inventory_mean'))} | {_ci(v.get('invented_mean'))} | {_ci(v.get('invented_last'))} | "
               f"{_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |" for name, v in res["rollout"].items()]
+    gains = window_gains(res, int(res.get("seed", 0)))
+    if gains:
+        lines += ["", "| memory: recall minus the 2-frame window's, start by start | row | difference |",
+                  "|---|---|---|"]
+        lines += [f"| {g['walk']} | {g['row']} | {g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] |" for g in gains]
     lines += creature_markdown(res.get("creatures"))
     margins = baseline_margins(res.get("rollout", {}), int(res.get("seed", 0)))
     if margins:
@@ -899,6 +904,26 @@ def baseline_margins(rollout: dict, seed: int) -> list[dict]:
                     m[key] = interval(torch.tensor(a["per_start"], dtype=torch.float64) -
                                       torch.tensor(b["per_start"], dtype=torch.float64), seed)
             out.append(m)
+    return out
+
+
+def window_gains(res: dict, seed: int) -> list[dict]:
+    """What memory buys: each loop's and shape's recall for every model row with a longer window minus the 2-frame
+    window's (which cannot see the start frame at the end), paired start by start, with a 95% bootstrap interval
+    over starts: recall "clearly above the 2-frame window" is an interval clear of 0."""
+    walks = [(f"loop n={n}", rows) for n, rows in res.get("loops", {}).items()]
+    walks += [(f"shape {name}", v.get("rows", {})) for name, v in res.get("shapes", {}).items()]
+    out = []
+    for walk, rows in walks:
+        short = rows.get("model context=2", {}).get("recall") or {}
+        for row, r in rows.items():
+            mine = r.get("recall") or {}
+            if not row.startswith("model") or row == "model context=2" or "per_start" not in mine \
+                    or "per_start" not in short:
+                continue
+            d = torch.tensor(mine["per_start"], dtype=torch.float64) - torch.tensor(short["per_start"],
+                                                                                  dtype=torch.float64)
+            out.append({"walk": walk, "row": row, **interval(d, seed)})
     return out
 
 
