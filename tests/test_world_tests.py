@@ -385,7 +385,8 @@ def stand_in_tests():
     from omegaconf import OmegaConf
 
     from mcar.core.layout import Layout
-    from mcar.eval.world_tests import WorldTests, map_rows
+    from mcar.data.crafter_gen import map_rows
+    from mcar.eval.world_tests import WorldTests
 
     wt = object.__new__(WorldTests)
     wt.cfg = OmegaConf.create({"seed": 0, "max_moves": 256})
