@@ -30,7 +30,8 @@ log = logging.getLogger("mcar")
 
 
 class CrafterStarts:
-    """World seed -> its true clip (frames * frame_len,) long, or None when the player dies before the end."""
+    """World seed -> its true clips with the player's positions (CrafterStarts.__call__), [] when the player dies
+    before the end."""
 
     def __init__(self, layout: Layout, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
                  policy_mix: dict, warmup: int = 16, clips_per_world: int = 1, recall: dict | None = None,
