@@ -111,6 +111,23 @@ def same_pixels(x: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, tor
     return idx, (x - codes[idx]).abs().amax(1) < HALF_LEVEL
 
 
+def code_map(src, dst) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each code of the patch VQ `dst`: the code of `src` that `src` gives its pixels (the nearest, the first of
+    equals, as tokenising does), and whether it holds exactly those pixels. A `dst` code that repeats an earlier
+    one's pixels (a pad, never chosen) counts as not exact. -> (map (K_dst,) long, exact (K_dst,) bool). A model
+    trained on `src` tokens starts a model of `dst` tokens from it (finetune.py retoken=true)."""
+    for name, vq in (("src", src), ("dst", dst)):
+        if not isinstance(vq, PatchVQ):
+            raise ValueError(f"code_map: the {name} VQ is a {type(vq).__name__}; only patch VQs decode each code to "
+                             f"its own pixels")
+    if (src.patch, src.config.in_channels) != (dst.patch, dst.config.in_channels):
+        raise ValueError(f"code_map: patches of {src.patch} px x {src.config.in_channels} channels against "
+                         f"{dst.patch} x {dst.config.in_channels}: the VQs do not cut frames alike")
+    d, s = (vq.quantize.embedding.weight.detach().float() for vq in (dst, src))
+    codes, exact = same_pixels(d, s)
+    return codes, exact & (nearest(d, d) == torch.arange(len(d)))
+
+
 def _kmeans(x: torch.Tensor, k: int, iters: int, g: torch.Generator, max_seed_pool: int) -> torch.Tensor:
     """k centres for the rows of x (k-means++ seeding on a sample of its distinct rows, Lloyd iterations); empty
     clusters are re-seeded with the rows farthest from their centre. k <= the number of distinct rows."""

@@ -6,11 +6,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, open_dict
 
-from mcar.checkpoint.config import adopt_checkpoint_config
+from mcar.checkpoint.config import adopt_checkpoint_config, checkpoint_group_config
 from mcar.checkpoint.io import load_checkpoint
 from mcar.hydra_app import command_line_overrides, to_dict
+from mcar.tokenizer.patch_vq import code_map
+from mcar.tokenizer.vq_model import load_vq
 
 log = logging.getLogger("mcar")
 
@@ -98,9 +101,11 @@ def prepare_finetune(cfg: DictConfig) -> str:
         if hp["layout"][field] != data[field]:
             raise ValueError(f"init_from: {path} was trained with data.{field}={hp['layout'][field]}, "
                              f"but this run has data.{field}={data[field]}")
-    if hp["arch"]["vocab_size"] != data.vocab_size:
-        raise ValueError(f"init_from: {path} has vocab_size={hp['arch']['vocab_size']}, "
-                         f"but data.vocab_size={data.vocab_size}")
+    if cfg.get("retoken"):
+        check_retoken(hp, data, cfg.vq.path, path)
+    elif hp["arch"]["vocab_size"] != data.vocab_size:
+        raise ValueError(f"init_from: {path} has vocab_size={hp['arch']['vocab_size']}, but data.vocab_size="
+                         f"{data.vocab_size}; to start from it on another patch VQ, add retoken=true")
     asked = [o for o in command_line_overrides() if o.split("=")[0].lstrip("+~") == "model"]
     if asked and asked[-1].split("=", 1)[1] != hp.get("model_name"):
         raise ValueError(f"{asked[-1]}: fine-tuning keeps the model of init_from ({path}: "
@@ -110,7 +115,61 @@ def prepare_finetune(cfg: DictConfig) -> str:
         if "data" in cfg and not any(o.split("=")[0].lstrip("+~") == "data.seed" for o in command_line_overrides()):
             cfg.data.seed = cfg.seed  # the batch order follows this run's seed=, not the pre-training run's
         cfg.init_from = str(path)
-        cfg.model.arch = hp["arch"]
+        cfg.model.arch = dict(hp["arch"], vocab_size=int(data.vocab_size))
         cfg.model.name = hp.get("model_name", cfg.model.name)
     log.info("fine-tuning %s (model %s)", path, cfg.model.name)
     return str(path)
+
+
+def source_vq_path(hp: dict, source) -> str:
+    """The VQ a checkpoint was trained with, as this install's path (its vq group, assets relocated)."""
+    if not isinstance(hp.get("vq"), dict) or not hp["vq"].get("path"):
+        raise ValueError(f"retoken=true: {source} does not record its VQ (hyper_parameters.vq.path); retoken needs "
+                         f"the codes it was trained on")
+    return str(checkpoint_group_config("vq", hp["vq"], source)["path"])
+
+
+def check_retoken(hp: dict, data, vq_path: str, source) -> None:
+    """retoken=true: init_from's image codes map onto this run's (both patch VQs), its action ids are this run's."""
+    old = hp.get("data") or {}
+    if old.get("action_vocab_size") != data.action_vocab_size:
+        raise ValueError(f"retoken=true: {source} has action_vocab_size={old.get('action_vocab_size')}, this run "
+                         f"{data.action_vocab_size}; retoken maps image codes only, the actions must be the same")
+    if Path(source_vq_path(hp, source)).resolve() == Path(vq_path).resolve():
+        raise ValueError(f"retoken=true: this run's data has {source}'s own VQ ({vq_path}); pass the new VQ "
+                         f"and its data (e.g. data=crafter_tiles_world vq=tiles_all), or drop retoken=true")
+
+
+def retoken_state(state: dict, codes: torch.Tensor, exact: torch.Tensor, old_codebook: int, new_codebook: int
+                  ) -> dict:
+    """A model state dict on `old_codebook` image codes -> one on `new_codebook` (code_map's codes, exact): new code
+    i reads as old code codes[i] (input embedding); its output row is old code codes[i]'s where it has exactly those
+    pixels, else the mean of the old image codes' rows (a new texture then starts at an average logit instead of
+    tying with its nearest code: Hewitt 2021, as transformers' resize_token_embeddings). The action ids after the
+    codebook keep their rows."""
+    if len(codes) != new_codebook or len(exact) != new_codebook:
+        raise ValueError(f"retoken: {len(codes)} mapped codes for a codebook of {new_codebook}")
+    out = dict(state)
+    emb, head = state["model.tok_embeddings.weight"], state["model.output.weight"]
+    out["model.tok_embeddings.weight"] = torch.cat([emb[codes], emb[old_codebook:]]).contiguous()
+    image = torch.where(exact[:, None], head[codes], head[:old_codebook].mean(0, keepdim=True))
+    out["model.output.weight"] = torch.cat([image.to(head.dtype), head[old_codebook:]]).contiguous()
+    return out
+
+
+def initial_state(cfg: DictConfig, init_from: str) -> dict:
+    """The weights a run starts from: init_from's, its image codes mapped onto this run's VQ when retoken=true."""
+    ckpt = load_checkpoint(init_from)
+    if not cfg.get("retoken"):
+        return ckpt["state_dict"]
+    hp = ckpt["hyper_parameters"]
+    src, dst = load_vq(source_vq_path(hp, init_from)), load_vq(cfg.vq.path)
+    try:
+        codes, exact = code_map(src, dst)
+    except ValueError as e:
+        raise ValueError(f"retoken=true ({init_from} -> vq.path={cfg.vq.path}): {e}") from None
+    log.info("retoken: %d of %d codes of %s start from the code of %s with their pixels; %d (new textures, pads) "
+             "read as their nearest code and start at the mean output row", int(exact.sum()), len(codes),
+             cfg.vq.path, hp["vq"]["path"], int((~exact).sum()))
+    return retoken_state(ckpt["state_dict"], codes, exact, int(hp["data"]["codebook_size"]),
+                         int(cfg.data.codebook_size))

@@ -28,6 +28,7 @@ from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import Checkpoints, build_callbacks
+from mcar.train.finetune import initial_state
 from mcar.train.jobs import (
     check_run_name,
     checkpoint_dir,
@@ -110,7 +111,7 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
         resumed = load_checkpoint(ckpt_path)
         check_state_shapes(module, resumed["state_dict"], ckpt_path)
     if init_from:
-        state = load_checkpoint(init_from)["state_dict"]
+        state = initial_state(cfg, init_from)
         check_state_shapes(module, state, init_from)
         module.load_state_dict(state)
     log.info("model %s: %.2fM parameters (%.2fM without embeddings)", cfg.model.name,
