@@ -100,7 +100,7 @@ def test_finetune_retoken_starts_a_model_of_the_new_vq(tmp_path, shipped_clip, c
     with pytest.raises(ValueError, match="but data.vocab_size=273; to start from it on another patch VQ, add "
                                          "retoken=true"):
         run_in_process(finetune, *data, "vq=tiles_all", *job_overrides(tmp_path, "a"))
-    with pytest.raises(ValueError, match="retoken=true: this run's data has .* own VQ"):
+    with pytest.raises(ValueError, match="retoken=true: this run's VQ is .* own"):
         run_in_process(finetune, *data, "vq=tiles", "retoken=true", *job_overrides(tmp_path, "b"))
     run_in_process(finetune, *data, "vq=tiles_all", "retoken=true", "run_name=rt", *job_overrides(tmp_path, "c"))
     assert "retoken: 83 of 256 codes" in capsys.readouterr().out

@@ -136,8 +136,9 @@ def check_retoken(hp: dict, data, vq_path: str, source) -> None:
         raise ValueError(f"retoken=true: {source} has action_vocab_size={old.get('action_vocab_size')}, this run "
                          f"{data.action_vocab_size}; retoken maps image codes only, the actions must be the same")
     if Path(source_vq_path(hp, source)).resolve() == Path(vq_path).resolve():
-        raise ValueError(f"retoken=true: this run's data has {source}'s own VQ ({vq_path}); pass the new VQ "
-                         f"and its data (e.g. data=crafter_tiles_world vq=tiles_all), or drop retoken=true")
+        raise ValueError(f"retoken=true: this run's VQ is {source}'s own ({vq_path}), which it keeps unless vq= "
+                         f"is given; pass the new VQ and its data (e.g. data=crafter_tiles_all_world vq=tiles_all), "
+                         f"or drop retoken=true")
 
 
 def retoken_state(state: dict, codes: torch.Tensor, exact: torch.Tensor, old_codebook: int, new_codebook: int
