@@ -1,8 +1,8 @@
 """The committed models, driven through mcar.play from real Crafter starts. checkpoints/shipped/crafter_tiles_diagd
 (experiment=crafter_tiles + 150 steps of exact DiagD fine-tuning): press a move key and the world moves the way
-Crafter moves it. checkpoints/shipped/crafter_world_grpo, the play default (experiment=crafter_world + 400 steps of
-DiagD fine-tuning = shipped/crafter_world, + 150 GRPO steps): the map also stays put on a move Crafter refuses, and what
-a step out of view hid comes back on the step back."""
+Crafter moves it. checkpoints/shipped/crafter_world_all_grpo, the play default (shipped/crafter_world moved onto the
+every-tile VQ by finetune.py retoken=true, + 150 GRPO steps): the map also stays put on a move Crafter refuses, a placed
+furnace or table included, and what a step out of view hid comes back on the step back."""
 
 import copy
 
@@ -101,7 +101,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     assert agree[moved].mean() > still[moved].mean() + 0.05, (agree.round(3), still.round(3))
 
 
-WORLD = REPO / "checkpoints" / "shipped" / "crafter_world_grpo"  # the play default (crafter_world post-trained)
+WORLD = REPO / "checkpoints" / "shipped" / "crafter_world_all_grpo"  # the play default (every-tile VQ, post-trained)
 WORLD_SIZE, WORLD_VIEW, WORLD_MAP_ROWS = (144, 144), (9, 9), 7  # data=crafter_tiles_world: a 9x7 map, 2 item rows
 MOVE_NAMES = {move: name for name, move in MOVES.items()}
 
@@ -138,13 +138,13 @@ def world_session(tmp_path, start, *overrides):
     from mcar.sampling.play import open_game
 
     Image.fromarray(start).save(tmp_path / "start.png")
-    return open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_world",
+    return open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_all_world",
                                           f"prompt_image={tmp_path}/start.png", "sampler.temperature=0", "threads=1",
                                           *overrides]))
 
 
 def world_tokens():
-    vq = load_vq(compose("play", ["data=crafter_tiles_world"]).vq.path)
+    vq = load_vq(compose("play", ["data=crafter_tiles_all_world"]).vq.path)
     return lambda frame: encode_tokens(vq, torch.from_numpy(np.ascontiguousarray(frame))[None])[0][:WORLD_MAP_ROWS]
 
 
@@ -209,3 +209,43 @@ def test_the_world_model_remembers_what_a_loop_hid(tmp_path):
     recall = {k: np.array(v) for k, v in recall.items()}
     # greedy, 2026-11-26: context 6 (the checkpoint's) 1.00 1.00 0.89 1.00; context 2 0.71 0.57 0.67 0.71
     assert recall[None].mean() > 0.9 and recall[None].mean() > recall[2].mean() + 0.2, recall
+
+
+def walked_through(before: torch.Tensor, after: torch.Tensor, move: int) -> float:
+    """Agreement of `after` with `before` scrolled one tile by `move` (the map as a move that went through would
+    leave it), over the tiles both show."""
+    from mcar.data.crafter_gen import MOVE_DELTA
+
+    (dx, dy), (h, w) = MOVE_DELTA[move], before.shape
+    r0, r1, c0, c1 = max(0, -dy), h - max(0, dy), max(0, -dx), w - max(0, dx)
+    return (after[r0:r1, c0:c1] == before[r0 + dy:r1 + dy, c0 + dx:c1 + dx]).float().mean().item()
+
+
+@pytest.mark.skipif(not (WORLD / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
+@pytest.mark.parametrize("obstacle", ["furnace", "table"])
+def test_the_world_model_stops_at_what_the_player_placed(tmp_path, obstacle):
+    """Greedy, from fresh Crafter starts: the player places a furnace (a table) with Crafter's own place action and
+    walks into it; Crafter refuses the move and the model keeps the map where it was, not scrolled as a move through
+    would. Under vq=tiles a furnace encoded as the path tile, so a model of those tokens walked through it. Starts
+    are kept where scrolling would change the map (not a field of grass)."""
+    from mcar.eval.world_tests import Scene
+
+    tokens, stayed, through = world_tokens(), [], []
+    for seed in range(210, 260):
+        scene = Scene(seed, WORLD_SIZE, WORLD_VIEW, 1.0)
+        for _ in range(30):  # into the world, away from the start's clearing
+            scene.step(scene.explorer(scene.env))
+        rec = None if scene.over else scene.place_and_bump(obstacle)
+        if rec is None:
+            continue
+        placed, bumped, move = tokens(rec.frames[-2]), tokens(rec.frames[-1]), rec.actions[-2]
+        if walked_through(placed, bumped, move) > 0.8 or (placed != bumped).float().mean() > 0.1:
+            continue  # scrolling would hardly show, or a creature moved a lot
+        image, _ = world_session(tmp_path, rec.frames[-2]).step(MOVE_NAMES[move])
+        stayed.append((off_player(tokens(image)) == off_player(bumped)).float().mean().item())
+        through.append(walked_through(placed, tokens(image), move))
+        if len(stayed) == 3:
+            break
+    assert len(stayed) == 3, f"{len(stayed)} starts with a {obstacle} placed where scrolling shows"
+    assert np.mean(stayed) > 0.9 and np.mean(through) < np.mean(stayed) - 0.1, (np.round(stayed, 3),
+                                                                                  np.round(through, 3))
