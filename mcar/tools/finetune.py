@@ -4,7 +4,7 @@ model.
 Starts from the weights of `init_from` (default: the newest last.ckpt of a pre-training run of this data and model
 under checkpoints/), keeps that checkpoint's model config, and trains `steps` steps with a fresh optimiser into its
 own run dir. `retoken=true` starts from a model of another patch VQ (e.g. the shipped vq=tiles world model on
-`data=crafter_tiles_world vq=tiles_all`): each code reads as init_from's code with its pixels.
+`data=crafter_tiles_all_world vq=tiles_all`): each code reads as init_from's code with its pixels.
 """
 from omegaconf import DictConfig
 

@@ -12,8 +12,6 @@ from omegaconf import DictConfig, open_dict
 from mcar.checkpoint.config import adopt_checkpoint_config, checkpoint_group_config
 from mcar.checkpoint.io import load_checkpoint
 from mcar.hydra_app import command_line_overrides, to_dict
-from mcar.tokenizer.patch_vq import code_map
-from mcar.tokenizer.vq_model import load_vq
 
 log = logging.getLogger("mcar")
 
@@ -131,11 +129,13 @@ def source_vq_path(hp: dict, source) -> str:
 
 def check_retoken(hp: dict, data, vq_path: str, source) -> None:
     """retoken=true: init_from's image codes map onto this run's (both patch VQs), its action ids are this run's."""
+    from mcar.tokenizer.vq_model import vq_id  # diffusers: imported by retoken only (GPU images lack it)
+
     old = hp.get("data") or {}
     if old.get("action_vocab_size") != data.action_vocab_size:
         raise ValueError(f"retoken=true: {source} has action_vocab_size={old.get('action_vocab_size')}, this run "
                          f"{data.action_vocab_size}; retoken maps image codes only, the actions must be the same")
-    if Path(source_vq_path(hp, source)).resolve() == Path(vq_path).resolve():
+    if vq_id(source_vq_path(hp, source)) == vq_id(vq_path):  # by weights: the same VQ may sit in two installs
         raise ValueError(f"retoken=true: this run's VQ is {source}'s own ({vq_path}), which it keeps unless vq= "
                          f"is given; pass the new VQ and its data (e.g. data=crafter_tiles_all_world vq=tiles_all), "
                          f"or drop retoken=true")
@@ -163,6 +163,9 @@ def initial_state(cfg: DictConfig, init_from: str) -> dict:
     ckpt = load_checkpoint(init_from)
     if not cfg.get("retoken"):
         return ckpt["state_dict"]
+    from mcar.tokenizer.patch_vq import code_map  # diffusers: imported by retoken only (GPU images lack it)
+    from mcar.tokenizer.vq_model import load_vq
+
     hp = ckpt["hyper_parameters"]
     src, dst = load_vq(source_vq_path(hp, init_from)), load_vq(cfg.vq.path)
     try:
