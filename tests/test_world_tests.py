@@ -11,6 +11,7 @@ from mcar.data.crafter_gen import MOVE_DELTA, PERPENDICULAR, path_offsets
 from mcar.eval.world_tests import (
     MapGrid,
     creature_events,
+    far_mask,
     fitting_shapes,
     hidden_mask,
     invented_share,
@@ -36,7 +37,8 @@ def world_and_views(moves: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     world = torch.randperm(400).view(20, 20)
     pos, offs = [6, 7], [(0, 0)]
     for a in moves:
-        pos = [pos[0] + MOVE_DELTA[a][0], pos[1] + MOVE_DELTA[a][1]]
+        dx, dy = MOVE_DELTA.get(a, (0, 0))  # a noop stays
+        pos = [pos[0] + dx, pos[1] + dy]
         offs.append((pos[0] - 6, pos[1] - 7))
     views = torch.stack([world[7 + dy:7 + dy + GRID.map_h, 6 + dx:6 + dx + GRID.w] for dx, dy in offs])
     return views, torch.tensor(offs)
@@ -124,12 +126,13 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     # an L (5 frames) is past this 3-frame model's window: run as a control (shapes_beyond_context=true)
     run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", "starts=1", "loop_lengths=[1]",
                    "rollout_frames=1", "warmup=1", "max_moves=1", "shapes=[L_n1_m1]", "shapes_beyond_context=true",
-                   "logger=none", f"hydra.run.dir={tmp_path}")
+                   "teacher_forced=true", "logger=none", f"hydra.run.dir={tmp_path}")
     files = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
     assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/loop_n1.mp4",
             "videos/shape_L_n1_m1.mp4"} <= files
     res = json.loads((tmp_path / "world_tests.json").read_text())
-    rows = {"model context=3", "model context=2", "copy_last", "real"}
+    rows = {"model context=3", "model context=2", "model context=3 teacher-forced", "model context=2 teacher-forced",
+            "copy_last", "real"}
     loop, shape = res["loops"]["1"], res["shapes"]["L_n1_m1"]
     assert set(loop) == rows and set(shape["rows"]) == rows
     assert shape["frames"] == 5 and shape["made"] == shape["starts"] == 1 and shape["beyond_context"]
@@ -140,6 +143,11 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
         assert memory["real"]["invented"]["mean"] == memory["copy_last"]["invented"]["mean"] == 0
         assert memory["real"]["inventory"]["mean"] == 1.0
         assert 0 <= memory["model context=2"]["invented"]["mean"] <= 1
+    far = shape["rows"]  # an L's first-leg tiles: out of view in both frames before the last
+    assert far["real"]["recall_far"]["mean"] == far["copy_last"]["recall_far"]["mean"] == 1.0
+    assert 0 <= far["model context=2"]["recall_far"]["mean"] <= 1 and "recall_far" not in loop["real"]
+    forced = loop["model context=3 teacher-forced"]  # the real frames but the last: their map agrees but there
+    assert forced["loop_acc"]["mean"] >= 1 - 1 / 2 - 1e-9 and 0 <= forced["recall"]["mean"] <= 1
     rollout = res["rollout"]
     assert set(rollout) == {"model context=3", "model context=2", "copy_last", "scroll_start"}
     assert all(0 <= v[k]["mean"] <= 1 for v in rollout.values()
@@ -242,6 +250,72 @@ def test_shape_recall_counts_every_tile_the_walk_hid():
     assert loop_recall(views[-1:], views[:1], GRID, offs[2][None]).item() == 1.0
 
 
+def two_frames_back(moves: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A walk's real views, its offsets, and the last frame of a model that remembers only the two frames before
+    it (the out-and-back loop's copy), worked out on world coordinates: a tile it saw in neither is UNSEEN."""
+    views, offs = world_and_views(moves)
+    world = torch.full((20, 20), UNSEEN)
+    for (dx, dy), view in zip(offs[-3:-1].tolist(), views[-3:-1]):
+        world[7 + dy:7 + dy + GRID.map_h, 6 + dx:6 + dx + GRID.w] = view
+    dx, dy = offs[-1].tolist()
+    return views, offs, world[7 + dy:7 + dy + GRID.map_h, 6 + dx:6 + dx + GRID.w]
+
+
+@pytest.mark.parametrize("spec", ["L_n1_m1", "L_n2_m1", "wait_n1_w2", "back_n3"])
+def test_far_recall_counts_only_what_a_copy_from_two_frames_back_cannot_restore(spec):
+    """An L's second leg comes back into view one frame before the end, so a model that copies from two frames back
+    restores it: `recall` credits that model, `recall_far` does not; the real frames score 1 on both. A wait's
+    hidden tiles are all far."""
+    shape = parse_shape(spec)
+    views, offs, end = two_frames_back(shape.actions(2, 4))
+    assert torch.equal(views[-1], views[0])
+    hidden, far = hidden_mask(GRID, offs.tolist()), far_mask(GRID, offs.tolist())
+    assert far.any() and bool((far <= hidden).all())
+    assert masked_recall(views[-1:], views[:1], far[None]).item() == 1.0
+    assert masked_recall(end[None], views[:1], far[None]).item() == 0.0  # the far tiles: exactly the unseen ones
+    assert torch.equal(end == UNSEEN, far)
+    if spec.startswith("wait"):  # the view held still: every hidden tile is far
+        assert torch.equal(far, hidden)
+    else:  # an L's second leg, a long loop's inner columns: back in view before the end
+        assert far.sum() < hidden.sum() and masked_recall(end[None], views[:1], hidden[None]).item() > 0
+    assert not far_mask(GRID, world_and_views([2, 1])[1].tolist()).any()  # out and straight back: nothing far
+
+
+def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_window():
+    """worldtest teacher_forced=true: one causal pass over the window's real frames; a model that reads the next slot
+    off its input returns the clip unchanged (the slots line up), and it sees exactly `context` frames."""
+    from types import SimpleNamespace
+
+    from mcar.core.layout import Layout
+    from mcar.eval.world_tests import WorldTests
+
+    layout, cb = Layout(3, 4, 1), 10
+
+    class NextSlot(torch.nn.Module):  # logits at slot s: the token at s + 1 (a perfect next-token predictor)
+        seen: list = []
+
+        def forward(self, tokens, coords):
+            self.seen.append((tokens.shape[1], coords.shape[0]))
+            nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
+            return torch.nn.functional.one_hot(nxt, cb + 5).float() - (torch.arange(cb + 5) >= cb).float()
+
+    tests = WorldTests.__new__(WorldTests)
+    tests.layout, tests.cb, tests.cfg = layout, cb, SimpleNamespace(batch_size=2)
+    tests.wm = SimpleNamespace(model=NextSlot(), device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    clips = torch.randint(0, cb, (3, 5 * layout.frame_len), generator=g)
+    clips.view(3, 5, -1)[..., -1] = cb + 2  # the action slots
+    for context in (2, 6):
+        tests.wm.model.seen.clear()
+        assert torch.equal(tests.teacher_forced(clips, context), clips)
+        window = min(context, 5) * layout.frame_len
+        assert tests.wm.model.seen == [(window, window)] * 2  # batches of 2 and 1
+    tests.wm.model = lambda tokens, coords: torch.nn.functional.one_hot(torch.full_like(tokens, 7), cb + 5).float()
+    guessed = tests.teacher_forced(clips, 6).view(3, 5, -1)  # every guess is code 7: only the last frame's image
+    assert bool((guessed[:, -1, :layout.frame_tokens] == 7).all())
+    assert torch.equal(guessed[:, :-1], clips.view(3, 5, -1)[:, :-1]) and bool((guessed[:, -1, -1] == cb + 2).all())
+
+
 def test_invented_tiles_are_codes_in_neither_the_real_frame_nor_the_prompt():
     real = torch.tensor([[0, 1], [2, 3]]).view(1, 1, 2, 2)
     prompt = torch.tensor([[4, 4], [5, 5]]).view(1, 1, 2, 2)
@@ -326,18 +400,30 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
     g = torch.Generator().manual_seed(0)
     short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
     ci = {"mean": 0.5, "lo": 0.4, "hi": 0.6, "n": 2}
-    row = lambda recall: {"recall": interval(recall, 0), "loop_acc": ci, "inventory": ci, "invented": ci}  # noqa: E731
-    rows = lambda gain: {"model context=6": row(short + gain), "model context=2": row(short),  # noqa: E731
-                         "copy_last": row(short)}
+    row = lambda recall, far=None: {"recall": interval(recall, 0), "loop_acc": ci, "inventory": ci,  # noqa: E731
+                                    "invented": ci, **({"recall_far": interval(far, 0)} if far is not None else {})}
+    rows = lambda gain, far=None: {  # noqa: E731
+        "model context=6": row(short + gain, None if far is None else short + far),
+        "model context=2": row(short, None if far is None else short), "copy_last": row(short)}
     res = {"starts": 32, "context": 6, "sampler": "diagd", "seed": 0, "blocked": {}, "rollout": {},
            "loops": {"1": rows(0.3)},
            "shapes": {"wait_n1_w2": {"frames": 5, "made": 32, "starts": 32, "rows": rows(0.0)},
+                      "L_n1_m1": {"frames": 5, "made": 32, "starts": 32, "rows": {
+                          **rows(0.2, far=0.1), "model context=6 teacher-forced": row(short + 0.05),
+                          "model context=2 teacher-forced": row(short + 0.02)}},
                       "back_n3": {"frames": 7, "skipped": "beyond context"}}}
     gains = {g["walk"]: g for g in window_gains(res, 0)}
-    assert set(gains) == {"loop n=1", "shape wait_n1_w2"} and gains["loop n=1"]["row"] == "model context=6"
+    assert set(gains) == {"loop n=1", "shape wait_n1_w2", "shape L_n1_m1", "shape L_n1_m1 (far tiles)"}
+    assert gains["loop n=1"]["row"] == "model context=6"
     assert gains["loop n=1"]["mean"] == pytest.approx(0.3) and gains["loop n=1"]["lo"] == pytest.approx(0.3)
     assert gains["shape wait_n1_w2"]["lo"] == gains["shape wait_n1_w2"]["hi"] == 0
-    assert "| loop n=1 | model context=6 | +0.300 [+0.300, +0.300] |" in markdown(res)
+    assert gains["shape L_n1_m1 (far tiles)"]["mean"] == pytest.approx(0.1)
+    forced = [g for g in window_gains(res, 0) if g["row"].endswith("teacher-forced")]  # against its own 2 frames
+    assert [(g["walk"], g["row"]) for g in forced] == [("shape L_n1_m1", "model context=6 teacher-forced")]
+    assert forced[0]["mean"] == pytest.approx(0.03)
+    md = markdown(res)
+    assert "| loop n=1 | model context=6 | +0.300 [+0.300, +0.300] |" in md
+    assert "| shape L_n1_m1 (far tiles) | model context=6 | +0.100 [+0.100, +0.100] |" in md
 
 
 def test_versus_compares_two_runs_start_by_start():

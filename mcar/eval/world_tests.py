@@ -20,9 +20,13 @@ over starts (mcar.eval.metrics.bootstrap_ci):
 - shapes: other walks back to the start view, the same rows and scores (`shapes`, e.g. [wait_n1_w2, L_n1_m1,
   back_n3]): back_n<n> n out and n back (a longer loop); wait_n<n>_w<w> n out, w noops, n back (the view held
   still while memory must last); L_n<n>_m<m> n one way, m at right angles, m back, n back. `recall` counts the
-  tiles the walk hid at any point (in view at the start, out of view on the way, in view at the end). A shape is
+  tiles the walk hid at any point (in view at the start, out of view on the way, in view at the end);
+  `recall_far` only those out of view in both frames before the last, which no copy from two frames back (what
+  the training's out-and-back loops teach) can restore: an L's first-leg tiles, not its second leg's. A shape is
   only a test of memory when the start frame is still in the model's window at the end: one of more frames than
-  the model's context is skipped and said so (`shapes_beyond_context=true` runs it, marked, as a control). Each
+  the model's context is skipped and said so (`shapes_beyond_context=true` runs it, marked, as a control).
+  `teacher_forced=true` adds rows whose last frame is the model's greedy guess from the real frames before it on
+  each window: memory with no sampled frame in the way, paired against the teacher-forced 2-frame window. Each
   is walked after the wander from where it ended, along a way open then; a start where the env did not carry it
   out exactly (a creature stepped in) or found no open way is counted out of that shape only ("made").
 - blocked: a move the env refused (player position unchanged) and a free move, each predicted from two real
@@ -55,6 +59,7 @@ Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gi
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import re
@@ -133,6 +138,15 @@ def hidden_mask(grid: MapGrid, offsets) -> torch.Tensor:
     for dx, dy in offsets:
         out |= rerevealed_mask(grid, int(dx), int(dy))
     return out
+
+
+def far_mask(grid: MapGrid, offsets) -> torch.Tensor:
+    """(map_h, w) bool: the start view's tiles out of view in both frames before a walk's last (its (dx, dy)
+    offsets): no copy from two frames back, the memory an out-and-back loop teaches, brings them back."""
+    offsets = [(int(dx), int(dy)) for dx, dy in offsets]
+    if len(offsets) < 3:
+        return torch.zeros(grid.map_h, grid.w, dtype=torch.bool)
+    return rerevealed_mask(grid, *offsets[-2]) & rerevealed_mask(grid, *offsets[-3])
 
 
 def masked_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -594,6 +608,22 @@ class WorldTests:
         sampler = self.wm.sampler(frames, context=context, schedule=schedule)
         return self.wm.generate(clips, sampler, int(self.cfg.batch_size))[0]
 
+    @torch.no_grad()
+    def teacher_forced(self, clips: torch.Tensor, context: int) -> torch.Tensor:
+        """clips with the last frame's image tokens the model's greedy guess from the real frames before it, on a
+        window of `context` frames (one causal pass): what its memory holds, with no sampled frame in the way."""
+        fl, ft = self.layout.frame_len, self.layout.frame_tokens
+        frames = clips.shape[1] // fl
+        window = min(context, frames)
+        x, out = clips[:, (frames - window) * fl:], clips.clone()
+        coords = self.layout.coords(window).to(self.wm.device)
+        last = (window - 1) * fl  # the last frame's first slot in the window; slot s is predicted at s - 1
+        for i in range(0, len(x), int(self.cfg.batch_size)):
+            logits = self.wm.model(x[i:i + int(self.cfg.batch_size)].to(self.wm.device), coords)
+            guess = logits[:, last - 1:last - 1 + ft, :self.cb].argmax(-1)
+            out[i:i + len(guess), (frames - 1) * fl:(frames - 1) * fl + ft] = guess.to(out)
+        return out
+
     def record(self) -> list[StartRecord]:
         cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
         while len(starts) < cfg.starts:
@@ -647,9 +677,12 @@ class WorldTests:
         results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
         return results
 
-    def rows_for(self, clips: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{row: (B, N) clips}: the model on each window, copy_last, real."""
-        return {**{f"model context={w}": self.generate(clips, w) for w in self.windows},
+    def rows_for(self, clips: torch.Tensor, teacher_forced: bool = False) -> dict[str, torch.Tensor]:
+        """{row: (B, N) clips}: the model on each window, copy_last, real; teacher_forced: also the model's last
+        frame from the real ones on each window (`teacher_forced`)."""
+        forced = {f"model context={w} teacher-forced": self.teacher_forced(clips, w) for w in self.windows} \
+            if teacher_forced else {}
+        return {**{f"model context={w}": self.generate(clips, w) for w in self.windows}, **forced,
                 "copy_last": nothing_moves(clips, self.layout, 1), "real": clips}
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
@@ -657,25 +690,30 @@ class WorldTests:
         return self.memory_test(recs, masks, f"loop_n{n}")
 
     def shape_test(self, shape: Shape, recs: list[Recording]) -> dict:
-        masks = torch.stack([hidden_mask(self.grid, [(x - r.pos[0][0], y - r.pos[0][1]) for x, y in r.pos])
-                             for r in recs])
-        return self.memory_test(recs, masks, f"shape_{shape.name}")
+        offsets = [[(x - r.pos[0][0], y - r.pos[0][1]) for x, y in r.pos] for r in recs]
+        masks = torch.stack([hidden_mask(self.grid, offs) for offs in offsets])
+        far = torch.stack([far_mask(self.grid, offs) for offs in offsets])
+        return self.memory_test(recs, masks, f"shape_{shape.name}", far if far.flatten(1).any(1).all() else None)
 
-    def memory_test(self, recs: list[Recording], masks: torch.Tensor, video: str) -> dict:
+    def memory_test(self, recs: list[Recording], masks: torch.Tensor, video: str,
+                    far: torch.Tensor | None = None) -> dict:
         """Walks back to the start view, generated from their first frame: per row `recall` (the masked start tiles
-        at the end), `loop_acc` (map, every generated frame), `inventory` (its rows, every frame), `invented`."""
+        at the end), `recall_far` (those of `far`, far_mask's, where every start has some), `loop_acc` (map, every
+        generated frame), `inventory` (its rows, every frame), `invented`."""
         clips = torch.stack([self.tokens.clip(r) for r in recs])
         real = images_of(clips, self.layout)
         real_maps = self.grid.maps(real)
         out = {}
-        for name, gen in self.rows_for(clips).items():
+        for name, gen in self.rows_for(clips, bool(self.cfg.get("teacher_forced"))).items():
             images = images_of(gen, self.layout)
             maps = self.grid.maps(images)
             recall = masked_recall(maps[:, -1], real_maps[:, 0], masks)
             acc = (maps[:, 1:] == real_maps[:, 1:]).double().flatten(1).mean(1)
             out[name] = {"recall": interval(recall, self.cfg.seed), "loop_acc": interval(acc, self.cfg.seed),
                          **self.split_scores(images, real)}
-            if name.startswith(f"model context={self.context}"):
+            if far is not None:
+                out[name]["recall_far"] = interval(masked_recall(maps[:, -1], real_maps[:, 0], far), self.cfg.seed)
+            if name == f"model context={self.context}":
                 self.videos[video] = {"real": clips[0], name: gen[0]}
         return out
 
@@ -805,9 +843,9 @@ def type_rows(by_type: dict) -> list[tuple[str, dict]]:
     return sorted(by_type.items(), key=lambda kv: (bool(kv[1].get("placed")), -kv[1]["n"], kv[0]))
 
 
-def _memory_cells(v: dict) -> str:
-    return (f"{_ci(v['recall'])} | {_ci(v['loop_acc'])} | {_ci(v.get('inventory'))} | "
-            f"{_ci(v.get('invented'))} |")
+def _memory_cells(v: dict, far: bool = False) -> str:
+    return (f"{_ci(v['recall'])} | " + (f"{_ci(v.get('recall_far'))} | " if far else "") +
+            f"{_ci(v['loop_acc'])} | {_ci(v.get('inventory'))} | {_ci(v.get('invented'))} |")
 
 
 def markdown(res: dict) -> str:
@@ -819,18 +857,19 @@ def markdown(res: dict) -> str:
     for n, rows in res["loops"].items():
         lines += [f"| {n} | {name} | {_memory_cells(v)}" for name, v in rows.items()]
     if res.get("shapes"):
-        lines += ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | loop_acc (map) | "
-                      "inventory | invented |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | recall_far (hidden "
+                      "in both frames before the last: beyond a copy from 2 frames back) | loop_acc (map) | "
+                      "inventory | invented |", "|---|---|---|---|---|---|---|---|---|"]
         for name, v in res["shapes"].items():
             if "skipped" in v:
                 lines.append(f"| {name} | {v['frames']} | skipped: {v['skipped']} (shapes_beyond_context=true runs "
-                             f"it) | | | | | |")
+                             f"it) | | | | | | |")
                 continue
             mark = " (beyond context: a control)" if v.get("beyond_context") else ""
             made = f"{v['made']} / {v['starts']}{mark}"
             if not v.get("rows"):
-                lines.append(f"| {name} | {v['frames']} | {made} | | | | | |")
-            lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r)}"
+                lines.append(f"| {name} | {v['frames']} | {made} | | | | | | |")
+            lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r, far=True)}"
                       for row, r in v.get("rows", {}).items()]
     b = res["blocked"]
     lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
@@ -914,16 +953,17 @@ def window_gains(res: dict, seed: int) -> list[dict]:
     walks = [(f"loop n={n}", rows) for n, rows in res.get("loops", {}).items()]
     walks += [(f"shape {name}", v.get("rows", {})) for name, v in res.get("shapes", {}).items()]
     out = []
-    for walk, rows in walks:
-        short = rows.get("model context=2", {}).get("recall") or {}
+    for (walk, rows), key in itertools.product(walks, ("recall", "recall_far")):
         for row, r in rows.items():
-            mine = r.get("recall") or {}
-            if not row.startswith("model") or row == "model context=2" or "per_start" not in mine \
+            forced = " teacher-forced" if row.endswith(" teacher-forced") else ""  # against the window's own kind
+            short, mine = rows.get(f"model context=2{forced}", {}).get(key) or {}, r.get(key) or {}
+            if not row.startswith("model") or row == f"model context=2{forced}" or "per_start" not in mine \
                     or "per_start" not in short:
                 continue
             d = torch.tensor(mine["per_start"], dtype=torch.float64) - torch.tensor(short["per_start"],
                                                                                   dtype=torch.float64)
-            out.append({"walk": walk, "row": row, **interval(d, seed)})
+            out.append({"walk": walk + (" (far tiles)" if key == "recall_far" else ""), "row": row,
+                        **interval(d, seed)})
     return out
 
 
@@ -945,8 +985,9 @@ def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
                           theirs.get("loops", {}).get(str(n), {}).get(name, {}).get("recall")))
     for shape, v in mine.get("shapes", {}).items():
         for name, r in v.get("rows", {}).items():
-            pairs.append((f"shape {shape} {name}: recall", r.get("recall"),
-                          theirs.get("shapes", {}).get(shape, {}).get("rows", {}).get(name, {}).get("recall")))
+            for key in ("recall", "recall_far"):
+                pairs.append((f"shape {shape} {name}: {key}", r.get(key),
+                              theirs.get("shapes", {}).get(shape, {}).get("rows", {}).get(name, {}).get(key)))
     out = []
     for what, a, b in pairs:
         if not a or not b or "per_start" not in a or "per_start" not in b or len(a["per_start"]) != len(b["per_start"]):
@@ -993,6 +1034,8 @@ def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> Non
     for shape, entry in res["shapes"].items():
         for name, v in entry.get("rows", {}).items():
             run.summary[f"{shape}/{name}/recall"] = v["recall"]["mean"]
+            if "recall_far" in v:
+                run.summary[f"{shape}/{name}/recall_far"] = v["recall_far"]["mean"]
     for kind, v in res["blocked"].items():
         for key in ("stayed", "moved"):
             if key in v:
