@@ -73,6 +73,28 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """masked_loss with a weight per slot (B, S): the weighted mean cross-entropy over slots whose target is not
+    IGNORE (all weights 1: masked_loss)."""
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    w = weights.flatten().to(ce.dtype) * (targets.flatten() != IGNORE)
+    return (ce * w).sum() / w.sum()
+
+
+def far_copy_slots(clip: torch.Tensor, layout: Layout, frames: int, near: int = 2) -> torch.Tensor:
+    """(B, N) clip -> (B, N) bool: the image tokens that differ from the same place in each of the `near` frames
+    before but equal it in an earlier frame of the clip: what a view that comes back after a wait or a longer walk
+    shows, which no copy from the last `near` frames gives (action slots: False)."""
+    B, ft = clip.shape[0], layout.frame_tokens
+    img = clip.view(B, frames, layout.frame_len)[..., :ft]
+    out = torch.zeros(B, frames, layout.frame_len, dtype=torch.bool, device=clip.device)
+    for t in range(near + 1, frames):
+        new = torch.stack([img[:, t] != img[:, t - j] for j in range(1, near + 1)]).all(0)
+        seen = torch.stack([img[:, t] == img[:, j] for j in range(t - near)]).any(0)
+        out[:, t, :ft] = new & seen
+    return out.view(B, -1)
+
+
 def next_token_keep(layout: Layout, frames: int, action_loss: bool) -> torch.Tensor:
     """(N,) bool: slot p carries a loss (its target, slot p+1, is an image token, or any token if action_loss)."""
     keep = layout.is_image(frames)

@@ -17,7 +17,7 @@ import torch
 
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
-from mcar.core.masks import build_mask_factory, masked_loss
+from mcar.core.masks import build_mask_factory, far_copy_slots, masked_loss, weighted_loss
 from mcar.core.model import ModelConfig, Transformer, set_flex_kernel_options
 from mcar.core.schedule import ScheduleConfig
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
@@ -112,7 +112,8 @@ class MCARModule(L.LightningModule):
                  schedule: dict | None = None, action_loss: bool = False, compile: bool = False,
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
                  lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None,
-                 stage: str = "train", flex_kernel_options: dict | None = None, residual_dtype: str = "float32"):
+                 stage: str = "train", flex_kernel_options: dict | None = None, residual_dtype: str = "float32",
+                 far_copy_weight: float = 1.0):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -123,7 +124,8 @@ class MCARModule(L.LightningModule):
         that load the checkpoint start from them (mcar.checkpoint.config.adopt_checkpoint_config). stage: train
         (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only).
         flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true}).
-        residual_dtype: float32 | bfloat16, the stream between blocks under autocast (Transformer.residual_dtype)."""
+        residual_dtype: float32 | bfloat16, the stream between blocks under autocast (Transformer.residual_dtype).
+        far_copy_weight: the training loss's weight on the targets `far_copy_slots` finds (1: the plain mean)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
@@ -133,6 +135,9 @@ class MCARModule(L.LightningModule):
         self.model.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.layout = Layout(**layout)
         mask = dict(mask)
+        if far_copy_weight != 1.0 and mask.get("name") != "causal":
+            raise ValueError(f"far_copy_weight={far_copy_weight} weights the plain clip's next-token targets: use "
+                             f"mask=causal (mask={mask.get('name')})")
         set_flex_kernel_options(flex_kernel_options)  # CUDA flex only; null: the defaults
         self.schedule = ScheduleConfig.of(schedule)  # the run's one schedule: training mask, validation, sampling
         self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames, schedule=self.schedule,
@@ -172,13 +177,17 @@ class MCARModule(L.LightningModule):
 
     # --- steps -------------------------------------------------------------------------------------------
 
-    def forward_loss(self, tokens: torch.Tensor, factory=None) -> torch.Tensor:
+    def forward_loss(self, tokens: torch.Tensor, factory=None, far_copy_weight: float = 1.0) -> torch.Tensor:
         batch = (factory or self.mask_factory)(tokens)
         logits = self.model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
-        return masked_loss(logits, batch.targets)
+        if far_copy_weight == 1.0:
+            return masked_loss(logits, batch.targets)
+        far = far_copy_slots(tokens, self.layout, tokens.shape[1] // self.layout.frame_len)
+        target_far = torch.cat([far[:, 1:], torch.zeros_like(far[:, :1])], 1)  # slot p predicts slot p + 1
+        return weighted_loss(logits, batch.targets, 1.0 + (far_copy_weight - 1.0) * target_far)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.forward_loss(batch["tokens"])
+        loss = self.forward_loss(batch["tokens"], far_copy_weight=float(self.hparams.get("far_copy_weight", 1.0)))
         if self._loss_watch is None:
             self._loss_watch = LossWatch(deferred=loss.is_cuda)
         self._loss_watch.push(loss, self.global_step)

@@ -1,0 +1,66 @@
+"""The training loss's far-copy weight (issue 3/5, memory past two frames): `far_copy_slots` finds the image
+tokens a view shows again after a wait or a longer walk, which no copy from the two frames before gives; checked
+against walks in a world of distinct tokens, where a token is at the same place in two frames exactly when the
+views are. `weighted_loss` is masked_loss with weights; the module weights those targets under mask=causal only."""
+import pytest
+import torch
+
+from mcar.core.layout import Layout
+from mcar.core.masks import CausalMask, far_copy_slots, masked_loss, weighted_loss
+
+LAYOUT = Layout(3, 4, 1)
+MOVES = {"R": (1, 0), "L": (-1, 0), "U": (0, -1), "D": (0, 1), "0": (0, 0)}
+
+
+def walk_clip(walk: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A player's views (3x4 crops of a 30x30 world of distinct tokens) along `walk`, one frame per step and one
+    before, as a (1, N) clip with action slots -> (clip, the view's offset per frame)."""
+    world = torch.randperm(900).view(30, 30) % 1000
+    offs = [(0, 0)]
+    for m in walk:
+        offs.append((offs[-1][0] + MOVES[m][0], offs[-1][1] + MOVES[m][1]))
+    frames = [torch.cat([world[10 + dy:13 + dy, 10 + dx:14 + dx].flatten(), torch.tensor([1000])]) for dx, dy in offs]
+    return torch.cat(frames)[None], offs
+
+
+@pytest.mark.parametrize("walk", ["R00L", "RL", "RDUL", "RRLL", "R0L", "RR0LL", "0000"])
+def test_far_copy_slots_are_the_frames_back_at_a_view_left_three_or_more_frames_before(walk):
+    clip, offs = walk_clip(walk)
+    frames = len(offs)
+    got = far_copy_slots(clip, LAYOUT, frames).view(frames, LAYOUT.frame_len)
+    for t, off in enumerate(offs):
+        want = t >= 3 and off not in offs[t - 2:t] and off in offs[:t - 2]
+        assert bool(got[t, :LAYOUT.frame_tokens].all()) == want and bool(got[t].any()) == want, (walk, t)
+    assert not got[:, LAYOUT.frame_tokens:].any()  # action slots never
+
+
+def test_weighted_loss_is_the_weighted_mean_over_the_slots_with_a_target():
+    g = torch.Generator().manual_seed(0)
+    clip, offs = walk_clip("R00L")
+    batch = CausalMask(LAYOUT, len(offs))(clip)
+    logits = torch.randn(*batch.targets.shape, 1001, generator=g)
+    assert torch.allclose(weighted_loss(logits, batch.targets, torch.ones_like(clip)), masked_loss(logits,
+                                                                                                  batch.targets))
+    w = 1 + 4 * torch.rand(clip.shape, generator=g)
+    ce = torch.nn.functional.cross_entropy(logits[0], batch.targets[0].clamp(min=0), reduction="none")
+    keep = batch.targets[0] != -100
+    assert torch.allclose(weighted_loss(logits, batch.targets, w), (ce * w[0])[keep].sum() / w[0][keep].sum())
+
+
+def test_the_module_weights_far_copy_targets_under_the_causal_mask_only():
+    from mcar.train.module import MCARModule
+
+    torch.manual_seed(0)
+    clip, offs = walk_clip("R00L")
+    clip = clip % 40  # the tiny model's vocabulary: tokens repeat, so far slots are a few, not whole frames
+    clip.view(len(offs), -1)[:, -1] = 39
+    kw = dict(arch=dict(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64), layout=dict(h=3, w=4, n_a=1),
+              clip_frames=len(offs), mask={"name": "causal"}, optim={}, max_steps=1)
+    module = MCARModule(**kw, far_copy_weight=5.0)
+    plain = module.forward_loss(clip)
+    assert far_copy_slots(clip, LAYOUT, len(offs)).any()
+    assert not torch.allclose(module.forward_loss(clip, far_copy_weight=5.0), plain)
+    assert torch.allclose(module.forward_loss(clip, far_copy_weight=1.0), plain)
+    with pytest.raises(ValueError, match="far_copy_weight=5.0 weights the plain clip's next-token targets: use "
+                                         "mask=causal"):
+        MCARModule(**{**kw, "mask": {"name": "diagd"}}, far_copy_weight=5.0)
