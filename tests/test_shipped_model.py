@@ -1,8 +1,9 @@
 """The committed models, driven through mcar.play from real Crafter starts. checkpoints/shipped/crafter_tiles_diagd
 (experiment=crafter_tiles + 150 steps of exact DiagD fine-tuning): press a move key and the world moves the way
-Crafter moves it. checkpoints/shipped/crafter_world_all_grpo, the play default (shipped/crafter_world moved onto the
-every-tile VQ by finetune.py retoken=true, + 150 GRPO steps): the map also stays put on a move Crafter refuses, a placed
-furnace or table included, and what a step out of view hid comes back on the step back."""
+Crafter moves it. checkpoints/shipped/crafter_world_recall_grpo, the play default (shipped/crafter_world moved onto the
+every-tile VQ by finetune.py retoken=true, fine-tuned on recall plans with far_copy_weight, + 150 GRPO steps): the map
+also stays put on a move Crafter refuses, a placed furnace or table included, and what a step out of view hid comes back
+on the step back."""
 
 import copy
 
@@ -101,7 +102,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     assert agree[moved].mean() > still[moved].mean() + 0.05, (agree.round(3), still.round(3))
 
 
-WORLD = REPO / "checkpoints" / "shipped" / "crafter_world_all_grpo"  # the play default (every-tile VQ, post-trained)
+WORLD = REPO / "checkpoints" / "shipped" / "crafter_world_recall_grpo"  # the play default (every-tile VQ, post-trained)
 WORLD_SIZE, WORLD_VIEW, WORLD_MAP_ROWS = (144, 144), (9, 9), 7  # data=crafter_tiles_world: a 9x7 map, 2 item rows
 MOVE_NAMES = {move: name for name, move in MOVES.items()}
 
