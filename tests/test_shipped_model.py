@@ -250,3 +250,21 @@ def test_the_world_model_stops_at_what_the_player_placed(tmp_path, obstacle):
     assert len(stayed) == 3, f"{len(stayed)} starts with a {obstacle} placed where scrolling shows"
     assert np.mean(stayed) > 0.9 and np.mean(through) < np.mean(stayed) - 0.1, (np.round(stayed, 3),
                                                                                   np.round(through, 3))
+
+
+@pytest.mark.skipif(not (WORLD / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
+def test_the_world_model_remembers_what_a_wait_hid(tmp_path):
+    """Step out, wait 2 noops, step back, on 12 fresh worlds (mcar worldtest, teacher-forced: the real frames before
+    the last): with the start frame in its window the play default redraws the hidden column better than with 2
+    frames. 12 starts, 20 s; the former default (crafter_world_all_grpo, no far-copy weight) gains +0.023 here."""
+    import json
+
+    from mcar.tools.worldtest import main
+    from tests.conftest import run_in_process
+
+    run_in_process(main, f"ckpt={WORLD}", "starts=12", "tests=[shapes]", "shapes=[wait_n1_w2]", "teacher_forced=true",
+                   "logger=none", f"hydra.run.dir={tmp_path}")
+    rows = json.loads((tmp_path / "world_tests.json").read_text())["shapes"]["wait_n1_w2"]["rows"]
+    gain = [a - b for a, b in zip(rows["model context=6 teacher-forced"]["recall"]["per_start"],
+                                  rows["model context=2 teacher-forced"]["recall"]["per_start"])]
+    assert np.mean(gain) > 0.06 and min(gain) >= -0.25, np.round(gain, 3)
