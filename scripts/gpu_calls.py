@@ -2,7 +2,7 @@
 (mcar/bench/gpu_check.py), which a user with a GPU of their own runs as one command.
 
     python scripts/gpu_calls.py list [overrides]                # each stage: done, stale or missing; its estimate
-    python scripts/gpu_calls.py plan --budget 540 [overrides]   # the device calls the stages not done need
+    python scripts/gpu_calls.py plan --budget 540 --left 900 [overrides]   # the calls and sittings still needed
     python scripts/gpu_calls.py stage NAME [overrides]          # one stage, inductor's artifacts carried
 
 Overrides are `mcar bench gpu`'s (mcar/conf/bench.yaml), bench.gpu.dir among them: the folder of the stage JSONs.
@@ -67,43 +67,75 @@ def stage_estimates(e: DictConfig, names: list[str], cached: set[str] = frozense
     return {name: stage_estimate(e, name, name in cached)[0] for name in names} | {"merge": int(e.merge_s)}
 
 
-def plan_calls(estimates: dict[str, int], budget: int, call_s: int) -> dict:
-    """Pack the stages (in order; `estimates` as stage_estimates gives them, merge's included) into device calls as
-    scripts/gpu_check.sh --budget runs them: each call spends call_s, then starts in order every stage not yet run
-    whose estimate fits what is left less merge's, then merges. A stage that fits no call alone is reported, never
+def pack_call(todo: list[str], estimates: dict[str, int], budget: int, call_s: int) -> dict:
+    """One device call as scripts/gpu_check.sh --budget runs it: call_s of set-up, then in order every stage of
+    `todo` whose estimate fits what is left less merge's, then merge."""
+    merge, used, packed = estimates["merge"], call_s, {}
+    for stage in todo:
+        if used + estimates[stage] + merge <= budget:
+            packed[stage] = estimates[stage]
+            used += estimates[stage]
+    return {"budget_s": budget, "stages": packed, "estimate_s": used + merge}
+
+
+def plan_calls(estimates: dict[str, int], budget: int, call_s: int, left: int, sitting: dict) -> dict:
+    """Pack the stages (in order; `estimates` as stage_estimates gives them, merge's included) into device calls of
+    at most `budget` seconds, and the calls into sittings of device time: the first has `left` seconds (the device
+    tool's budget_left_s), each later one sitting["sitting_s"]. A sitting starts a machine (machine_start_s of its
+    time; none with under min_start_s left), then runs calls back to back (gap_s between), each with the budget the
+    sitting has left if that is less than `budget`. A stage that fits no call of a whole sitting is reported, never
     packed."""
-    merge = estimates["merge"]
-    todo = [s for s in estimates if s != "merge"]
-    too_long = [s for s in todo if call_s + estimates[s] + merge > budget]
+    merge, todo = estimates["merge"], [s for s in estimates if s != "merge"]
+    start, gap = int(sitting["machine_start_s"]), int(sitting["gap_s"])
+    widest = min(budget, int(sitting["sitting_s"]) - start)
+    too_long = [s for s in todo if call_s + estimates[s] + merge > widest]
     todo = [s for s in todo if s not in too_long]
-    calls = []
+    sittings, time_left = [], left
     while todo:
-        used, packed = call_s, {}
-        for stage in todo:
-            if used + estimates[stage] + merge <= budget:
-                packed[stage] = estimates[stage]
-                used += estimates[stage]
-        todo = [s for s in todo if s not in packed]
-        calls.append({"stages": packed, "estimate_s": used + merge})
-    return {"budget_s": budget, "call_s": call_s, "merge_s": merge, "calls": calls,
-            "total_s": sum(c["estimate_s"] for c in calls), "too_long": {s: estimates[s] for s in too_long}}
+        calls, spare = [], time_left - start if time_left >= int(sitting["min_start_s"]) else 0
+        while todo:
+            call = pack_call(todo, estimates, min(budget, spare), call_s)
+            if not call["stages"]:
+                break
+            calls.append(call)
+            todo = [s for s in todo if s not in call["stages"]]
+            spare -= call["estimate_s"] + gap
+        sittings.append({"left_s": time_left, "calls": calls, "spare_s": max(spare + gap, 0) if calls else time_left})
+        time_left = int(sitting["sitting_s"])
+    calls = [call for s in sittings for call in s["calls"]]
+    return {"budget_s": budget, "call_s": call_s, "merge_s": merge, "left_s": left, "sitting": dict(sitting),
+            "sittings": sittings, "calls": calls, "total_s": sum(c["estimate_s"] for c in calls),
+            "too_long": {s: estimates[s] for s in too_long}}
 
 
 def plan_text(plan: dict, arithmetic: dict[str, str], done: list[str]) -> str:
     """The plan as scripts/gpu_check.sh --plan prints it."""
-    calls, budget = plan["calls"], plan["budget_s"]
-    lines = [f"gpu_check plan for --budget {budget}: {len(calls)} call(s), each {plan['call_s']} s set-up + its "
-             f"stages + merge {plan['merge_s']} s"]
+    calls, budget, sitting = plan["calls"], plan["budget_s"], plan["sitting"]
+    lines = [f"gpu_check plan for --left {plan['left_s']} (device time left) and --budget {budget} (a call): "
+             f"{len(calls)} call(s) in {len(plan['sittings'])} sitting(s); a sitting's machine start "
+             f"~{sitting['machine_start_s']} s, calls back to back ({sitting['gap_s']} s apart), each "
+             f"{plan['call_s']} s set-up + its stages + merge {plan['merge_s']} s"]
     if done:
         lines.append(f"  done before, not planned: {' '.join(done)}")
-    for i, call in enumerate(calls, 1):
-        packed = ", ".join(f"{stage} {seconds}" for stage, seconds in call["stages"].items())
-        lines.append(f"  call {i}, ~{call['estimate_s']} s: {packed}")
-    lines.append(f"  total ~{plan['total_s']} s ({plan['total_s'] / 60:.1f} min) of commands, plus a machine start "
-                 f"for each call that finds none warm")
+    n = 0
+    for i, s in enumerate(plan["sittings"], 1):
+        lines.append(f"  sitting {i}, {s['left_s']} s of device time" + (" (--left)" if i == 1 else
+                                                                        " (sitting_s, a whole sitting)") + ":")
+        if not s["calls"]:
+            lines.append(f"    nothing fits (a machine start ~{sitting['machine_start_s']} s, none under "
+                         f"{sitting['min_start_s']} s left)")
+        for call in s["calls"]:
+            n += 1
+            packed = ", ".join(f"{stage} {seconds}" for stage, seconds in call["stages"].items())
+            lines.append(f"    call {n}, --budget {call['budget_s']}, ~{call['estimate_s']} s: {packed}")
+        if s["calls"]:
+            lines.append(f"    ~{s['spare_s']} s to spare")
+    lines.append(f"  total ~{plan['total_s']} s ({plan['total_s'] / 60:.1f} min) of commands, plus "
+                 f"{len(plan['sittings'])} machine start(s)")
     for stage, seconds in plan["too_long"].items():
-        lines.append(f"  {stage}: {seconds} s does not fit one call of {budget} s even alone (with {plan['call_s']} s "
-                     f"set-up and merge's {plan['merge_s']} s): raise --budget or lower the estimates")
+        lines.append(f"  {stage}: {seconds} s does not fit one call even alone ({plan['call_s']} s set-up and "
+                     f"merge's {plan['merge_s']} s, within --budget {budget} and a sitting of "
+                     f"{sitting['sitting_s']} s less its machine start): lower the estimates")
     width = max(map(len, arithmetic), default=0)
     lines.append("stage estimates (gpu_estimates.yaml: start-up + graphs compiled x compile_s + work):")
     lines += [f"  {stage:<{width}} {how}" for stage, how in arithmetic.items()]
@@ -117,8 +149,10 @@ def in_order(cfg: DictConfig, e: DictConfig) -> list[str]:
     return first + [s for s in names if s not in first]
 
 
-def run_plan(cfg: DictConfig, e: DictConfig, out: Path, overrides: list[str], budget: int) -> dict:
-    """The stages not done in `out`, packed into calls of `budget` seconds."""
+def run_plan(cfg: DictConfig, e: DictConfig, out: Path, overrides: list[str], budget: int,
+             left: int | None = None) -> dict:
+    """The stages not done in `out`, packed into calls of `budget` seconds and sittings, the first of `left` seconds
+    of device time (a whole sitting, e.sitting.sitting_s, if None)."""
     names, fp = in_order(cfg, e), fingerprint(cfg, overrides)
     states, cached = stage_states(out, names, fp), cached_stages(out)
     todo = [n for n in names if states[n] != "done"]
@@ -126,7 +160,9 @@ def run_plan(cfg: DictConfig, e: DictConfig, out: Path, overrides: list[str], bu
     for name in todo:
         seconds, how = stage_estimate(e, name, name in cached)
         arithmetic[name] = f"{seconds} = {how}"
-    plan = plan_calls(stage_estimates(e, todo, cached), budget, int(e.call_s))
+    sitting = OmegaConf.to_container(e.sitting)
+    plan = plan_calls(stage_estimates(e, todo, cached), budget, int(e.call_s),
+                      int(sitting["sitting_s"]) if left is None else left, sitting)
     done = [n for n in names if states[n] == "done"]
     return plan | {"done": done, "arithmetic": arithmetic, "text": plan_text(plan, arithmetic, done)}
 
@@ -216,13 +252,18 @@ def cached_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -
 
 
 def main(argv: list[str]) -> dict:
-    usage = "usage: python scripts/gpu_calls.py list|plan [--budget S]|stage NAME [mcar bench gpu overrides]"
+    usage = "usage: python scripts/gpu_calls.py list|plan [--budget S] [--left S]|stage NAME [mcar bench gpu " \
+        "overrides]"
     if not argv or argv[0] not in ("list", "plan", "stage") or (argv[0] == "stage" and len(argv) < 2):
         raise SystemExit(usage)
     mode, args = argv[0], argv[1:]
-    budget = 540
-    if mode == "plan" and args[:1] == ["--budget"]:
-        budget, args = int(args[1]), args[2:]
+    budget, left = 540, None
+    while mode == "plan" and args[:1] in (["--budget"], ["--left"]):
+        if args[0] == "--budget":
+            budget = int(args[1])
+        else:
+            left = int(args[1])
+        args = args[2:]
     stage = args.pop(0) if mode == "stage" else None
     overrides = [a for a in args if not a.startswith("bench.gpu.stage=")]
     e = OmegaConf.load(ESTIMATES)
@@ -234,7 +275,7 @@ def main(argv: list[str]) -> dict:
             return {"stages": names, "state": stage_states(out, names, fp),
                     "estimate_s": stage_estimates(e, names, cached_stages(out)), "fingerprint": fp}
         if mode == "plan":
-            return run_plan(cfg, e, out, overrides, budget)
+            return run_plan(cfg, e, out, overrides, budget, left)
         with stop_signals_end("gpu_calls"):
             return cached_stage(cfg, stage, out, overrides)
 

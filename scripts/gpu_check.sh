@@ -9,7 +9,7 @@
 # timeout's included: a stage redone, even on a fresh machine handed that file, compiles from cache.
 #
 #   bash scripts/gpu_check.sh                      # 700m, paper setting (16-frame clips, bf16, act. ckpt, compile)
-#   bash scripts/gpu_check.sh --plan               # the device calls of --budget (540) s the stages not done need
+#   bash scripts/gpu_check.sh --plan --left 900    # the device calls the stages not done need, in sittings
 #   bash scripts/gpu_check.sh --tiny               # every stage at tiny size on CPU in about a minute (CI runs it)
 #   bash scripts/gpu_check.sh --out DIR --timeout 420 --wheels .whl model=300m   # extra args: Hydra overrides
 #
@@ -17,9 +17,11 @@
 # --timeout: seconds per stage (480). --budget SECONDS (or GPU_CHECK_BUDGET): a stage whose estimate
 # (scripts/gpu_estimates.yaml: start-up + graphs compiled x compile_s + work) does not fit the time
 # left since the script started, less merge's estimate, is not started: "skipped for budget", for a later call; a
-# started stage's timeout is cut to the time left. --plan: print, running nothing, the calls of --budget seconds
-# (540 unless given) that the stages not done need (all of them, whatever --stages says): each call's stages and
-# estimated seconds, and the total.
+# started stage's timeout is cut to the time left. --plan: print, running nothing, the calls of at most --budget
+# seconds (540 unless given) that the stages not done need (all of them, whatever --stages says), packed into
+# sittings of device time: the first of --left seconds (what the device tool's status calls budget_left_s; a whole
+# sitting, 900, unless given), each with its machine start (gpu_estimates.yaml's `sitting`); each call's --budget,
+# stages and estimated seconds, and the total.
 # --stages "A B": only these stages, in this order. --copy-to DIR: on exit (even a failed one), DIR gets
 # gpu_check.tgz (the JSONs, logs and bench_gpu.md in one file: the lent machine returns at most 8 files), bench_gpu.md
 # and compile_cache.zip.
@@ -30,12 +32,14 @@
 # On the lent GPU machine (commands of at most 10 minutes, ~15 minutes of device time a sitting with the machine's
 # start, only files under $OUT come back: at most 8, of 16 MiB each), the 700m stages take ~35 minutes of upper
 # estimates: more than one sitting. The stages the goals are read from run first (`first` in
-# scripts/gpu_estimates.yaml: train causal, train DiagD, sampler DiagD at 16 frames): one call of 540 s holds them.
-# Each call is one command (carry .whl; --plan prints which stages go in which call):
+# scripts/gpu_estimates.yaml: train causal, train DiagD, sampler DiagD at 16 frames, play at 1 and 16 sessions):
+# one sitting of 15 minutes holds them (--plan --left 900: a call of 540 s, then one of 260).
+# Each call is one command (carry .whl; `--plan --left <status's budget_left_s>` prints which stages go in which
+# call and each call's --budget: a sitting's last call gets what the sitting has left, not 540):
 #
 #   bash scripts/gpu_check.sh --wheels .whl --budget 540 --copy-to "$OUT/gpu_check"
 #
-# Each call runs, in order, the stages not done that fit its 540 s, ends within ~570 s (a stage's kill grace is 30 s)
+# Each call runs, in order, the stages not done that fit its --budget, ends within ~30 s of it (a stage's kill grace)
 # and returns them under gpu_check/. Repeat it until it prints "every stage done". A machine still warm (the next
 # call within its 30 s) keeps outputs/gpu_check and inductor's own cache; before a call on a fresh one, carry back
 # what the last call returned (here, in the repo root), and add outputs/gpu_check to carry:
@@ -45,7 +49,7 @@
 #
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; only=""; copy_to=""; plan=0
+out=""; tiny=0; wheels=""; limit=480; budget=${GPU_CHECK_BUDGET:-}; left=""; only=""; copy_to=""; plan=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) tiny=1; shift ;;
@@ -53,6 +57,7 @@ while [ $# -gt 0 ]; do
     --wheels) wheels=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
+    --left) left=$2; shift 2 ;;
     --stages) only=$2; shift 2 ;;
     --copy-to) copy_to=$2; shift 2 ;;
     --plan) plan=1; shift ;;
@@ -62,6 +67,9 @@ while [ $# -gt 0 ]; do
 done
 if [ -n "$budget" ] && ! [[ "$budget" =~ ^[0-9]+$ ]]; then
   echo "gpu_check: --budget (or GPU_CHECK_BUDGET) takes whole seconds, not '$budget'"; exit 2
+fi
+if [ -n "$left" ] && ! [[ "$left" =~ ^[0-9]+$ ]]; then
+  echo "gpu_check: --left takes whole seconds (the device tool's budget_left_s), not '$left'"; exit 2
 fi
 py=${PYTHON:-python3}
 if [ -n "$wheels" ]; then
@@ -73,7 +81,8 @@ if [ "$tiny" = 1 ]; then
   set -- experiment=paper model=tiny data.h=3 data.w=4 data.n_a=2 data.clip_frames=3 data.codebook_size=32 \
     data.action_vocab_size=8 trainer.accelerator=cpu bench.device=cpu bench.gpu.steps=3 bench.gpu.warmup_steps=1 \
     bench.repeats=1 bench.warmup=0 'bench.gpu.sampler_frames=[2,4]' bench.memory.direct=false \
-    'bench.gpu.play_sessions=[1,2]' bench.gpu.play_context=3 bench.gpu.play_warmup=1 bench.gpu.play_steps=3 \
+    'bench.gpu.play_sessions=[1,2]' 'bench.gpu.play_more_sessions=[3]' bench.gpu.play_context=3 \
+    bench.gpu.play_warmup=1 bench.gpu.play_steps=3 \
     '~bench.gpu.variants.diagd_tma' '~bench.gpu.variants.causal_noac_bf16res' "$@"
 else
   out=${out:-outputs/gpu_check}
@@ -84,7 +93,8 @@ out=$(cd "$out" && pwd)
 common=(data=synthetic logger=csv "bench.gpu.dir=$out")
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/gpu_calls.py imports mcar from here
 if [ "$plan" = 1 ]; then
-  "$py" scripts/gpu_calls.py plan --budget "${budget:-540}" "${common[@]}" "$@" 2>"$out/plan.log" | tail -n 1 \
+  "$py" scripts/gpu_calls.py plan --budget "${budget:-540}" ${left:+--left "$left"} "${common[@]}" "$@" \
+    2>"$out/plan.log" | tail -n 1 \
     | "$py" -c 'import json, sys; print(json.load(sys.stdin)["text"])' \
     || { echo "gpu_check: could not plan the calls (see $out/plan.log):"; tail -n 20 "$out/plan.log"; exit 1; }
   exit 0

@@ -91,9 +91,11 @@ def gpu_check(out, *args):
 # one sampler length (--tiny runs two): each stage is a process start (~4-10 s on 2 cores), and a second length
 # checks nothing the first does not
 ONE_LENGTH = "bench.gpu.sampler_frames=[4]"
+SPLIT = "sampler.kv_splits=2"  # split-KV on CPU too (auto is 1 there): play_more times the split counts unsplit
 STAGES = ["train_causal", "train_diagd", "train_causal_noac", "flex", "sampler_ntp_4f", "sampler_diagd_4f", "play",
-          "memory"]  # --tiny drops the diagd_tma variant (flex's USE_TMA: nothing on CPU) and causal_noac_bf16res
-# (a process start for what test_bf16_residual_stream_under_autocast checks; its overrides: the test below)
+          "play_more", "memory"]  # --tiny drops the diagd_tma variant (flex's USE_TMA: nothing on CPU) and
+# causal_noac_bf16res (a process start for what test_bf16_residual_stream_under_autocast checks; its overrides: the
+# test below)
 
 
 @pytest.mark.slow
@@ -102,7 +104,7 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     unimportable), one JSON each, merged into bench_gpu.{json,md}; a timed-out stage is reported and listed as
     missing, and the next run redoes only that stage."""
     out = tmp_path / "gc"
-    p = gpu_check(out, ONE_LENGTH)
+    p = gpu_check(out, ONE_LENGTH, SPLIT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert all((out / f"{s}.json").exists() for s in STAGES)
     r = json.loads((out / "bench_gpu.json").read_text())
@@ -119,10 +121,10 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     noac = r["train"]["causal_noac"]  # a variant: train.py's overrides on the causal mask
     assert not noac["activation_checkpointing"] and noac["batch_size"] == 2 and noac["accumulate_grad_batches"] == 4
     play = r["play"]["sessions"]
-    assert list(play) == ["1", "2"]
+    assert list(play) == ["1", "2", "3"]  # play's [1, 2] and play_more's [3], joined
     assert all(p["fps_total"] > 0 and p["p95_ms"] >= p["p50_ms"] > 0 for p in play.values())
     assert play["2"]["fps_total"] == pytest.approx(2 * play["2"]["fps_per_session"], rel=1e-3)
-    assert all(p["kv_splits"] == 1 and p["ms_per_tick_unsplit"] is None for p in play.values())  # CPU: auto is 1
+    assert all(p["kv_splits"] == 2 and p["ms_per_tick_unsplit"] > 0 for p in play.values())
     assert {t["target"] for t in r["targets"]} >= {"training MFU, diagd", "DiagD step / causal step",
                                                    "DiagD frames/s at 4 frames"}
     md = (out / "bench_gpu.md").read_text()
@@ -137,13 +139,13 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     assert json.loads((out / "sampler_ntp_4f.json").read_text())["result"]["bare_forward"] == "timed"  # eager
     flex["fingerprint"] |= {"model": "700m", "tiny": False}  # as if another run had measured flex here
     (out / "flex.json").write_text(json.dumps(flex))
-    p = gpu_check(out, "--timeout", "1", ONE_LENGTH)  # no Python starts in 1 s: flex times out, nothing else reruns
+    p = gpu_check(out, "--timeout", "1", ONE_LENGTH, SPLIT)  # no Python starts in 1 s: flex times out, no other reruns
     assert p.returncode == 1 and "== flex: measured by another run" in p.stdout, p.stdout
     assert "== flex (at most 1s" in p.stdout and "timed out after 1s" in p.stdout
     assert p.stdout.count("done before, skipped") == len(STAGES) - 1
     assert (out / "flex.json.stale").exists() and not (out / "flex.json").exists()
     assert "Missing stages (failed, timed out or not run): flex" in (out / "bench_gpu.md").read_text()
-    p = gpu_check(out, ONE_LENGTH)
+    p = gpu_check(out, ONE_LENGTH, SPLIT)
     assert p.returncode == 0 and "every stage done" in p.stdout
     assert json.loads((out / "bench_gpu.json").read_text())["flex_vs_dense"]["ok"]
 
@@ -220,6 +222,41 @@ def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mix
     assert r["fingerprint"] == tiny and r["flex_vs_dense"]["ok"] and "train_causal" in r["missing"]
 
 
+def play_row(n, splits, ms):
+    return {"sessions": n, "ms_per_tick": ms, "fps_per_session": 1, "fps_total": n, "p50_ms": ms, "p95_ms": ms,
+            "floor_fps_total": None, "of_floor": None, "kv_splits": splits, "ms_per_tick_unsplit": None}
+
+
+def test_merge_joins_the_play_stages_and_reads_mfu_off_the_fastest_causal_configuration(tmp_path):
+    """play (the goals' session counts) and play_more (the rest, and the split counts timed unsplit) make one play
+    table, each split count with its unsplit time beside it; the training-speed goal reads the best MFU of the
+    causal stages, variants included."""
+    from mcar.bench.gpu_check import merge
+
+    cfg = compose("bench", TINY)
+    fp = {"model": "tiny", "tiny": True, "overrides": [], "torch": torch.__version__, "device": "cpu"}
+    base = {"context": 16, "k": 2, "d": 25, "in_flight": 1, "compile": True, "passes_per_tick": 25}
+    stage_json(tmp_path, "play", fp, base | {"sessions": {"1": play_row(1, 4, 20.0), "16": play_row(16, 1, 60.0)},
+                                             "unsplit_ms_per_tick": {}})
+    stage_json(tmp_path, "play_more", fp, base | {"sessions": {"4": play_row(4, 1, 30.0)},
+                                                  "unsplit_ms_per_tick": {"1": 26.5}})
+    train = {"precision": "bf16-mixed", "compile": True, "activation_checkpointing": True, "batch_size": 8,
+             "seq_len": 42, "ms_per_step": 1.0, "tokens_per_s": 1.0, "tflops_per_s": 1.0, "host_syncs_per_step": 0,
+             "peak_allocated_gib": 1, "peak_reserved_gib": 1}
+    for stage, mask, mfu in (("train_causal", "causal", 0.41), ("train_causal_noac", "causal", 0.46),
+                             ("train_diagd", "diagd", 0.5)):
+        stage_json(tmp_path, stage, fp, train | {"mask": mask, "mfu": mfu})
+    r = merge(cfg, tmp_path)
+    rows = r["play"]["sessions"]
+    assert list(rows) == ["1", "4", "16"] and rows["1"]["ms_per_tick_unsplit"] == 26.5
+    assert rows["4"]["ms_per_tick_unsplit"] is None and rows["16"]["ms_per_tick_unsplit"] is None
+    assert "| 1 | 20.0 |" in (tmp_path / "bench_gpu.md").read_text() and "| 4 (26.5) |" in \
+        (tmp_path / "bench_gpu.md").read_text()
+    fastest = [t for t in r["targets"] if t["target"].startswith("causal training MFU, the fastest")]
+    assert fastest == [{"target": "causal training MFU, the fastest configuration (causal_noac)", "value": 0.46,
+                        "goal": ">= 0.45", "met": True}]
+
+
 FAKE_BENCH = """#!{python}
 # scripts/gpu_calls.py list|plan|stage and `python -m mcar.cli bench gpu bench.gpu.stage=merge` as
 # scripts/gpu_check.sh calls them, without mcar or torch: stage estimates from FAKE_ESTIMATES, each stage sleeps
@@ -244,7 +281,8 @@ if stage == "list":
         return "missing" if not p.exists() else "done" if json.loads(p.read_text())["fingerprint"] == "fp" else "stale"
     print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}, "estimate_s": estimates}}))
 elif stage == "plan":
-    print(json.dumps({{"text": f"planned for {{args[args.index('--budget') + 1]}} s"}}))
+    left = f", {{args[args.index('--left') + 1]}} left" if "--left" in args else ""
+    print(json.dumps({{"text": f"planned for {{args[args.index('--budget') + 1]}} s{{left}}"}}))
 elif stage == "merge":
     (out / "bench_gpu.md").write_text("merged: " + " ".join(s for s in names if (out / f"{{s}}.json").exists()) + "\\n")
 else:
@@ -305,6 +343,10 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     assert p.returncode == 0 and p.stdout == "planned for 300 s\n", p.stdout + p.stderr
     p = fake_gpu_check(tmp_path, "--tiny", "--plan", estimates=est)
     assert p.stdout == "planned for 540 s\n" and not (tiny / "sampler_ntp_16f.json").exists()
+    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--left", "600", estimates=est)
+    assert p.stdout == "planned for 540 s, 600 left\n", p.stdout + p.stderr
+    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--left", "10m", estimates=est)
+    assert p.returncode == 2 and "--left takes whole seconds" in p.stdout
 
     # the next call: only the stage asked for, its timeout cut to the budget left after merge's estimate
     p = fake_gpu_check(tmp_path, "--tiny", "--budget", "8", "--stages", "sampler_ntp_16f",
@@ -369,21 +411,37 @@ def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_
 
 
 # ---- the call plan, the compile cache carried between calls, what a sampler stage compiles ----------------------
-def test_plan_calls_packs_stages_in_order_into_calls_and_reports_one_that_fits_none():
+SITTING = {"sitting_s": 900, "machine_start_s": 120, "gap_s": 20, "min_start_s": 240}
+
+
+def test_plan_calls_packs_stages_in_order_into_calls_and_calls_into_the_device_time_left():
     """As gpu_check.sh --budget runs them: each call spends call_s, starts in order every stage whose estimate fits
-    what is left less merge's, then merges; a stage too long for any call alone is reported, not packed."""
+    what is left less merge's, then merges. The calls fill sittings of device time: the first has what is left
+    (--left), less a machine start; a sitting's last call gets the budget the sitting has left; later sittings are
+    whole; a stage too long for any call alone is reported, not packed."""
     plan_calls = load_gpu_calls().plan_calls
-    plan = plan_calls({"a": 100, "b": 300, "c": 150, "too_long": 400, "d": 50, "merge": 30}, budget=400, call_s=10)
-    assert plan["calls"] == [{"stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
-                             {"stages": {"b": 300}, "estimate_s": 340}]
-    assert plan["too_long"] == {"too_long": 400} and plan["total_s"] == 680
-    assert plan_calls({"merge": 30}, budget=400, call_s=10)["calls"] == []  # every stage done: no call
+    est = {"a": 100, "b": 300, "c": 150, "too_long": 800, "d": 50, "merge": 30}
+    plan = plan_calls(est, budget=400, call_s=10, left=900, sitting=SITTING)
+    # sitting 1: 900 - 120 = 780 s; call 1 of 400 s: a, c, d (340); 780 - 340 - 20 = 420 s left: call 2 of 400, b
+    assert plan["sittings"] == [{"left_s": 900, "spare_s": 80, "calls": [
+        {"budget_s": 400, "stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
+        {"budget_s": 400, "stages": {"b": 300}, "estimate_s": 340}]}]
+    assert plan["too_long"] == {"too_long": 800} and plan["total_s"] == 680 and len(plan["calls"]) == 2
+    # 500 s left: one call of 380 s (a, c, d: 340); b (340 s) waits for the next, whole sitting
+    plan = plan_calls(est, budget=400, call_s=10, left=500, sitting=SITTING)
+    assert [[c["budget_s"] for c in s["calls"]] for s in plan["sittings"]] == [[380], [400]]
+    assert [list(c["stages"]) for c in plan["calls"]] == [["a", "c", "d"], ["b"]]
+    # under min_start_s left: no machine starts, the first sitting holds nothing
+    plan = plan_calls(est, budget=400, call_s=10, left=239, sitting=SITTING)
+    assert plan["sittings"][0] == {"left_s": 239, "calls": [], "spare_s": 239} and len(plan["sittings"]) == 2
+    assert plan_calls({"merge": 30}, budget=400, call_s=10, left=900, sitting=SITTING)["calls"] == []  # all done
 
 
-def test_the_shipped_700m_estimates_pack_into_five_calls_of_540_s(tmp_path):
-    """`gpu_calls.py plan` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m: every stage
-    in 5 calls of <= 540 s, each stage's estimate start-up + graphs x compile_s + work; a stage done before is not
-    planned, and one whose artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
+def test_the_shipped_700m_estimates_put_every_goal_stage_into_one_sitting(tmp_path):
+    """`gpu_calls.py plan --left 900` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m:
+    the first 15-minute sitting holds every stage a goal is read from (`first`), the rest follow in calls of <= 540
+    s; each stage's estimate start-up + graphs x compile_s + work; a stage done before is not planned, and one whose
+    artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
     import zipfile
 
     from omegaconf import OmegaConf
@@ -393,15 +451,19 @@ def test_the_shipped_700m_estimates_pack_into_five_calls_of_540_s(tmp_path):
     calls = load_gpu_calls()
     overrides = ["experiment=paper", "model=700m", f"bench.gpu.dir={tmp_path}"]
     cfg = compose("bench", overrides)
-    plan = calls.main(["plan", "--budget", "540", *overrides])
-    assert len(plan["calls"]) == 5 and all(c["estimate_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
+    plan = calls.main(["plan", "--budget", "540", "--left", "900", *overrides])
+    assert all(c["estimate_s"] <= c["budget_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
     assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
-    assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]  # goals first
     e = OmegaConf.load(calls.ESTIMATES)
+    first = plan["sittings"][0]
+    assert [s for c in first["calls"] for s in c["stages"]] == list(e.first)  # every goal in the first sitting
+    assert e.sitting.machine_start_s + sum(c["estimate_s"] + e.sitting.gap_s for c in first["calls"]) <= 900
+    assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]
     assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
         e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
-    assert "call 5, ~" in plan["text"] and re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
+    assert "sitting 2, 900 s" in plan["text"] and "call 2, --budget 260, ~215 s: play 170" in plan["text"]
+    assert re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
 
     stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
     with zipfile.ZipFile(tmp_path / calls.COMPILE_CACHE, "w") as z:

@@ -22,7 +22,9 @@ Stages:
   floor, frames/s; it compiles the generation step alone (no bare-forward graphs: bench.bare_forward=auto);
 - play: steady play as the server runs it, `bench.gpu.play_sessions` games as the rows of one rolling rollout at
   context `bench.gpu.play_context` (compiled on CUDA): each session's and all sessions' frames/s, p50 / p95 ms from
-  an action to its frame, against play's bandwidth floor (mcar.core.flops.play_floor);
+  an action to its frame, against play's bandwidth floor (mcar.core.flops.play_floor); the goals' session counts;
+- play_more: the same for `bench.gpu.play_more_sessions`, and each session count whose keys the sampler splits
+  (split-KV) timed again unsplit;
 - memory: the planned training peak of each train stage's shape against its measured peaks.
 `bench.gpu.stage=all` (the default) runs every stage in this process (torch.compiler.reset() between). With
 data=synthetic and logger=csv it imports none of wandb, av, diffusers, crafter.
@@ -250,11 +252,13 @@ def sampler_check(cfg: DictConfig, name: str, frames: int) -> dict:
 
 
 @torch.no_grad()
-def play_check(cfg: DictConfig) -> dict:
-    """Each of bench.gpu.play_sessions games batched as the rows of one rolling rollout (the configured sampler and
-    schedule, context bench.gpu.play_context, compiled on CUDA), past its warm-up advances: the time of each tick
-    (one advance: every game's action in, its frame out; a frame d < s_spa started in_flight ticks earlier
-    arrives after in_flight ticks), synced, over bench.gpu.play_steps ticks."""
+def play_check(cfg: DictConfig, more: bool = False) -> dict:
+    """Each of bench.gpu.play_sessions games (`more`: bench.gpu.play_more_sessions) batched as the rows of one
+    rolling rollout (the configured sampler and schedule, context bench.gpu.play_context, compiled on CUDA), past
+    its warm-up advances: the time of each tick (one advance: every game's action in, its frame out; a frame
+    d < s_spa started in_flight ticks earlier arrives after in_flight ticks), synced, over bench.gpu.play_steps
+    ticks. `more` also times, with one attention call over the keys (kv_splits=1), every session count of both
+    lists whose keys the sampler splits: split-KV's gain where it splits, in the stage the goals do not wait on."""
     from mcar.core.sampler import build_sampler
 
     g = cfg.bench.gpu
@@ -264,8 +268,6 @@ def play_check(cfg: DictConfig) -> dict:
     sampler = build_sampler(to_dict(cfg.sampler) | {"context": context}, layout, context + 1, cb, to_dict(cfg.schedule))
     plan = sampler.rolling_schedule(device)
     peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
-    unsplit = build_sampler(to_dict(cfg.sampler) | {"context": context, "kv_splits": 1}, layout, context + 1, cb,
-                            to_dict(cfg.schedule))
 
     def tick_times(s, n: int) -> torch.Tensor:
         prompt = torch.randint(0, cb, (n, plan.prompt_frames * layout.frame_len), device=device)
@@ -285,12 +287,9 @@ def play_check(cfg: DictConfig) -> dict:
         return torch.tensor(ticks, dtype=torch.float64)
 
     rows = {}
-    for sessions in g.play_sessions:
+    for sessions in (g.play_more_sessions if more else g.play_sessions):
         n = int(sessions)
         t = tick_times(sampler, n)
-        splits = sampler.kv_splits_for(n, model.cfg.n_kv_heads, device)
-        # split-KV's gain where it splits: the same ticks with one attention call over the keys
-        t1 = tick_times(unsplit, n) if splits > 1 else None
         floor = play_floor(model.cfg, layout, context, n, peak, sampler.config.k, sampler.config.d,
                            next(model.parameters()).element_size()) if peak else None
         fps = n / float(t.mean())
@@ -299,11 +298,30 @@ def play_check(cfg: DictConfig) -> dict:
                         "p50_ms": round(1000 * plan.in_flight * float(t.quantile(0.5)), 3),
                         "p95_ms": round(1000 * plan.in_flight * float(t.quantile(0.95)), 3),
                         "floor_fps_total": round(floor["fps_total"], 3) if floor else None,
-                        "of_floor": round(fps / floor["fps_total"], 3) if floor else None, "kv_splits": splits,
-                        "ms_per_tick_unsplit": None if t1 is None else round(1000 * float(t1.mean()), 3)}
+                        "of_floor": round(fps / floor["fps_total"], 3) if floor else None,
+                        "kv_splits": sampler.kv_splits_for(n, model.cfg.n_kv_heads, device),
+                        "ms_per_tick_unsplit": None}
+    unsplit_ms = {}
+    if more:
+        unsplit = build_sampler(to_dict(cfg.sampler) | {"context": context, "kv_splits": 1}, layout, context + 1, cb,
+                                to_dict(cfg.schedule))
+        for n in sorted({int(n) for n in [*g.play_sessions, *g.play_more_sessions]}):
+            if sampler.kv_splits_for(n, model.cfg.n_kv_heads, device) > 1:
+                unsplit_ms[str(n)] = round(1000 * float(tick_times(unsplit, n).mean()), 3)
     return {"context": context, "k": sampler.config.k, "d": plan.d, "in_flight": plan.in_flight,
             "compile": sampler.compiles(device), "passes_per_tick": plan.d, "sessions": rows,
-            "compiled_graphs": compiled_graphs()}
+            "unsplit_ms_per_tick": unsplit_ms, "compiled_graphs": compiled_graphs()}
+
+
+def joined_play(play: dict | None, more: dict | None) -> dict | None:
+    """The play and play_more stages' results as one: every session count's row, in order, each split one with its
+    unsplit time (play_more's) beside it."""
+    if not (play or more):
+        return None
+    rows = {**(play or {}).get("sessions", {}), **(more or {}).get("sessions", {})}
+    unsplit = (more or {}).get("unsplit_ms_per_tick", {})
+    rows = {n: r | {"ms_per_tick_unsplit": unsplit.get(n)} for n, r in sorted(rows.items(), key=lambda x: int(x[0]))}
+    return (play or more) | {"sessions": rows, "unsplit_ms_per_tick": unsplit}
 
 
 def memory_check(cfg: DictConfig, out: Path) -> dict:
@@ -335,7 +353,8 @@ def stages(cfg: DictConfig) -> list[str]:
     """Every stage, in the order scripts/gpu_check.sh runs them."""
     g = cfg.bench.gpu
     return ([f"train_{m}" for m in g.masks] + [f"train_{v}" for v in (g.get("variants") or {})] + ["flex"]
-            + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")] + ["play", "memory"])
+            + [f"sampler_{n}_{int(f)}f" for f in g.sampler_frames for n in ("ntp", "diagd")]
+            + ["play", "play_more", "memory"])
 
 
 def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> dict:
@@ -350,8 +369,8 @@ def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> d
     elif stage.startswith("sampler_"):
         _, name, frames = stage.split("_")
         result = sampler_check(cfg, name, int(frames.removesuffix("f")))
-    elif stage == "play":
-        result = play_check(cfg)
+    elif stage in ("play", "play_more"):
+        result = play_check(cfg, more=stage == "play_more")
     else:
         result = memory_check(cfg, out)
     result = {"stage": stage, "device": device_name(), "date": time.strftime("%Y-%m-%d"), "model": cfg.model.name,
@@ -398,7 +417,7 @@ def merge(cfg: DictConfig, out: Path) -> dict:
          "train": {s.removeprefix("train_"): v["result"] for s, v in found.items() if s.startswith("train_")},
          "sampler": {s.removeprefix("sampler_"): v["result"] for s, v in found.items() if s.startswith("sampler_")},
          "flex_vs_dense": found.get("flex", {}).get("result"), "memory": found.get("memory", {}).get("result"),
-         "play": found.get("play", {}).get("result")}
+         "play": joined_play(found.get("play", {}).get("result"), found.get("play_more", {}).get("result"))}
     if {"causal", "diagd"} <= r["train"].keys():
         r["diagd_over_causal_step"] = round(r["train"]["diagd"]["ms_per_step"] / r["train"]["causal"]["ms_per_step"], 3)
     r["targets"] = check_targets(r, cfg.bench.gpu.targets)
@@ -430,6 +449,10 @@ def check_targets(r: dict, t: DictConfig) -> list[dict]:
 
     for mask, tr in r["train"].items():
         add(f"training MFU, {mask}", tr["mfu"], t.mfu, True)
+    causal = {name: tr["mfu"] for name, tr in r["train"].items() if tr.get("mask") == "causal" and tr["mfu"]}
+    fastest = max(causal, key=causal.get, default=None)
+    add(f"causal training MFU, the fastest configuration ({fastest or 'none measured'})",
+        causal.get(fastest), t.mfu_fastest_causal, True)
     add("DiagD step / causal step", r.get("diagd_over_causal_step"), t.diagd_over_causal, False)
     frames = max((int(k.split("_")[1].removesuffix("f")) for k in r["sampler"]), default=None)
     diag = r["sampler"].get(f"diagd_{frames}f")
