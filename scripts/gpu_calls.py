@@ -130,8 +130,9 @@ def plan_text(plan: dict, arithmetic: dict[str, str], done: list[str]) -> str:
             lines.append(f"    call {n}, --budget {call['budget_s']}, ~{call['estimate_s']} s: {packed}")
         if s["calls"]:
             lines.append(f"    ~{s['spare_s']} s to spare")
-    lines.append(f"  total ~{plan['total_s']} s ({plan['total_s'] / 60:.1f} min) of commands, plus "
-                 f"{len(plan['sittings'])} machine start(s)")
+    starts = sum(bool(s["calls"]) for s in plan["sittings"])
+    lines.append(f"  total ~{plan['total_s']} s ({plan['total_s'] / 60:.1f} min) of commands, plus {starts} machine "
+                 f"start(s)")
     for stage, seconds in plan["too_long"].items():
         lines.append(f"  {stage}: {seconds} s does not fit one call even alone ({plan['call_s']} s set-up and "
                      f"merge's {plan['merge_s']} s, within --budget {budget} and a sitting of "

@@ -463,6 +463,7 @@ def test_the_shipped_700m_estimates_put_every_goal_stage_into_one_sitting(tmp_pa
     assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
         e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
     assert "sitting 2, 900 s" in plan["text"] and "call 2, --budget 260, ~215 s: play 170" in plan["text"]
+    assert "of commands, plus 3 machine start(s)" in plan["text"]
     assert re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
 
     stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
