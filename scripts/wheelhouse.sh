@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds an offline wheelhouse of what mcar needs beyond a CUDA PyTorch image that has torch and lightning (numpy,
-# einops, safetensors, tqdm, rich, imageio, torchmetrics are assumed present), for a machine with no package index.
+# einops, pillow, safetensors, tqdm, rich, imageio, torchmetrics are assumed present: the lent GPU image has them),
+# for a machine with no package index.
 #   bash scripts/wheelhouse.sh DIR            # minimal: hydra-core, omegaconf, antlr4 4.9.3, diffusers (~7 MB)
 #   bash scripts/wheelhouse.sh DIR --full     # also wandb, av, crafter: ~65 MB in all
 # PYTHON_VERSION (default 3.12) is the GPU machine's Python, not this one's. Install there, with no network:
