@@ -1,7 +1,7 @@
 """The training loss's far-copy weight (issue 3/5, memory past two frames): `far_copy_slots` finds the image
 tokens a view shows again after a wait or a longer walk, which no copy from the two frames before gives; checked
 against walks in a world of distinct tokens, where a token is at the same place in two frames exactly when the
-views are. `weighted_loss` is masked_loss with weights; the module weights those targets under mask=causal only."""
+views are. `weighted_loss` is masked_loss with weights; the module weights the rows predicting them, any mask."""
 import pytest
 import torch
 
@@ -47,20 +47,35 @@ def test_weighted_loss_is_the_weighted_mean_over_the_slots_with_a_target():
     assert torch.allclose(weighted_loss(logits, batch.targets, w), (ce * w[0])[keep].sum() / w[0][keep].sum())
 
 
-def test_the_module_weights_far_copy_targets_under_the_causal_mask_only():
+@pytest.mark.parametrize("mask", ["causal", "diagd"])
+def test_the_module_weights_each_input_row_by_the_slot_it_predicts(mask):
+    """Under either mask the far-copy weight lands on the input row that predicts each far slot: the causal mask's
+    slot before it, DiagD's predictor row (a proxy row where the schedule feeds one). The oracle weights the rows
+    from the factory's slot -> predictor map, not from the target gather the module uses."""
     from mcar.train.module import MCARModule
 
     torch.manual_seed(0)
     clip, offs = walk_clip("R00L")
+    frames = len(offs)
     clip = clip % 40  # the tiny model's vocabulary: tokens repeat, so far slots are a few, not whole frames
-    clip.view(len(offs), -1)[:, -1] = 39
+    clip.view(frames, -1)[:, -1] = 39
     kw = dict(arch=dict(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64), layout=dict(h=3, w=4, n_a=1),
-              clip_frames=len(offs), mask={"name": "causal"}, optim={}, max_steps=1)
+              clip_frames=frames, mask={"name": mask}, optim={}, max_steps=1)
     module = MCARModule(**kw, far_copy_weight=5.0)
-    plain = module.forward_loss(clip)
-    assert far_copy_slots(clip, LAYOUT, len(offs)).any()
-    assert not torch.allclose(module.forward_loss(clip, far_copy_weight=5.0), plain)
-    assert torch.allclose(module.forward_loss(clip, far_copy_weight=1.0), plain)
-    with pytest.raises(ValueError, match="far_copy_weight=5.0 weights the plain clip's next-token targets: use "
-                                         "mask=causal"):
-        MCARModule(**{**kw, "mask": {"name": "diagd"}}, far_copy_weight=5.0)
+    factory, far = module.mask_factory, far_copy_slots(clip, LAYOUT, frames)[0]
+    assert far.any()
+    batch = factory(clip)
+    predictor = factory.predictor_row if mask == "diagd" else torch.arange(clip.shape[1]) - 1
+    rows = predictor[far]
+    assert (rows >= 0).all() and (batch.targets[0, rows] == clip[0, far]).all()
+    w = torch.ones(batch.targets.shape[1])
+    w[rows] = 5.0
+    with torch.no_grad():
+        logits = module.model(batch.tokens, batch.coords, batch.mask)[0]
+        ce = torch.nn.functional.cross_entropy(logits, batch.targets[0].clamp(min=0), reduction="none")
+        keep = batch.targets[0] != -100
+        want = (ce * w)[keep].sum() / w[keep].sum()
+        plain = module.forward_loss(clip)
+        assert torch.allclose(module.forward_loss(clip, far_copy_weight=5.0), want)
+        assert not torch.allclose(want, plain)
+        assert torch.allclose(module.forward_loss(clip, far_copy_weight=1.0), plain)

@@ -49,6 +49,10 @@ class MaskFactory(Protocol):
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         """clip (B, N) long, N = frames * frame_len -> the model's inputs, coordinates, targets and mask."""
 
+    def target_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """(B, N) a weight per clip slot -> (B, S) each input row's: the weight of the slot its target is read from
+        (a row with no target carries no loss, whatever it gets)."""
+
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
@@ -158,10 +162,15 @@ class CausalMask:
         self.layout, self.frames, self.action_loss = layout, frames, action_loss
         self.coords = layout.coords(frames)
         self._mask = _DeviceMasks(self.table, backend, plain_causal=True)
-        self._on = _DeviceCopies(coords=self.coords, keep=next_token_keep(layout, frames, action_loss))
+        n = layout.n_slots(frames)
+        self._on = _DeviceCopies(coords=self.coords, keep=next_token_keep(layout, frames, action_loss),
+                                 gather=(torch.arange(n) + 1).clamp(max=n - 1))  # slot p predicts slot p + 1
 
     def table(self, device=None) -> SlotTable:
         return causal_table(self.layout.n_slots(self.frames), device)
+
+    def target_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights[:, self._on(weights.device)["gather"]]
 
     def __call__(self, clip: torch.Tensor) -> MaskedBatch:
         check_clip(clip, self.layout, self.frames)
@@ -209,6 +218,9 @@ class DiagDMask:
         elif not action_loss:
             keep &= layout.is_image(frames)[gather]
         self._on = _DeviceCopies(src=self.src, coords=self.coords, gather=gather, keep=keep)
+
+    def target_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights[:, self._on(weights.device)["gather"]]
 
     def table(self, device=None) -> SlotTable:
         s = self.schedule

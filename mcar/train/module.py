@@ -125,7 +125,8 @@ class MCARModule(L.LightningModule):
         (pre-training) or finetune, saved likewise (finetune's default init_from takes pre-training runs only).
         flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true}).
         residual_dtype: float32 | bfloat16, the stream between blocks under autocast (Transformer.residual_dtype).
-        far_copy_weight: the training loss's weight on the targets `far_copy_slots` finds (1: the plain mean)."""
+        far_copy_weight: the training loss's weight on the targets `far_copy_slots` finds (1: the plain mean), under
+        any mask (each input row weighted by the clip slot its target is read from)."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
@@ -135,9 +136,6 @@ class MCARModule(L.LightningModule):
         self.model.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.layout = Layout(**layout)
         mask = dict(mask)
-        if far_copy_weight != 1.0 and mask.get("name") != "causal":
-            raise ValueError(f"far_copy_weight={far_copy_weight} weights the plain clip's next-token targets: use "
-                             f"mask=causal (mask={mask.get('name')})")
         set_flex_kernel_options(flex_kernel_options)  # CUDA flex only; null: the defaults
         self.schedule = ScheduleConfig.of(schedule)  # the run's one schedule: training mask, validation, sampling
         self.mask_factory = build_mask_factory(mask.pop("name"), self.layout, clip_frames, schedule=self.schedule,
@@ -178,13 +176,14 @@ class MCARModule(L.LightningModule):
     # --- steps -------------------------------------------------------------------------------------------
 
     def forward_loss(self, tokens: torch.Tensor, factory=None, far_copy_weight: float = 1.0) -> torch.Tensor:
-        batch = (factory or self.mask_factory)(tokens)
+        factory = factory or self.mask_factory
+        batch = factory(tokens)
         logits = self.model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
         if far_copy_weight == 1.0:
             return masked_loss(logits, batch.targets)
         far = far_copy_slots(tokens, self.layout, tokens.shape[1] // self.layout.frame_len)
-        target_far = torch.cat([far[:, 1:], torch.zeros_like(far[:, :1])], 1)  # slot p predicts slot p + 1
-        return weighted_loss(logits, batch.targets, 1.0 + (far_copy_weight - 1.0) * target_far)
+        # each input row weighted by the slot it predicts (DiagD: proxy rows included)
+        return weighted_loss(logits, batch.targets, factory.target_weights(1.0 + (far_copy_weight - 1.0) * far))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.forward_loss(batch["tokens"], far_copy_weight=float(self.hparams.get("far_copy_weight", 1.0)))
