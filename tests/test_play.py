@@ -457,15 +457,28 @@ class Chromium:
     def screenshot(self, selector: str) -> np.ndarray:
         from PIL import Image
 
-        r = self.eval(f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect();"
-                      "return {x: r.x, y: r.y, width: r.width, height: r.height}; })()")
-        png = self.send("Page.captureScreenshot", format="png", clip={**r, "scale": 1})["data"]
+        png = self.send("Page.captureScreenshot", format="png", clip={**self.box(selector), "scale": 1})["data"]
         return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB"))
+
+    def save_page(self, path) -> None:
+        """The whole visible page as a PNG (kept when a check fails, to see what the player saw)."""
+        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"]))
+
+    def box(self, selector: str) -> dict:
+        return self.eval(f"(() => {{ const r = document.querySelector('{selector}').getBoundingClientRect();"
+                         "return {x: r.x, y: r.y, width: r.width, height: r.height}; })()")
 
     def key(self, key: str, code: str, vk: int):
         for kind in ("keyDown", "keyUp"):
             self.send("Input.dispatchKeyEvent", type=kind, key=key, code=code, windowsVirtualKeyCode=vk,
                       nativeVirtualKeyCode=vk)
+
+    def click(self, selector: str):
+        """A mouse press and release at the centre of `selector`, as a player clicks it."""
+        r = self.box(selector)
+        x, y = r["x"] + r["width"] / 2, r["y"] + r["height"] / 2
+        for kind in ("mousePressed", "mouseReleased"):
+            self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def close(self):
         try:
@@ -480,7 +493,24 @@ class Chromium:
 
 
 def chromium_exe():
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    """The browser for the page check. Without one the check is skipped, unless MCAR_REQUIRE_BROWSER is set (as
+    .ci/run sets it): then a missing browser fails the run."""
+    exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    if exe is None and os.environ.get("MCAR_REQUIRE_BROWSER"):
+        pytest.fail("MCAR_REQUIRE_BROWSER is set and no chromium is on PATH: apt-get install -y chromium")
+    if exe is None:
+        pytest.skip("no chromium binary (apt-get install chromium) for the headless browser check")
+    return exe
+
+
+def test_a_missing_browser_fails_when_the_browser_check_is_required(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("MCAR_REQUIRE_BROWSER", "1")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y chromium"):
+        chromium_exe()
+    monkeypatch.delenv("MCAR_REQUIRE_BROWSER")
+    with pytest.raises(pytest.skip.Exception):
+        chromium_exe()
 
 
 def free_port() -> int:
@@ -489,15 +519,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+IMG, INFO = "document.querySelector('#play-frame img')", "document.getElementById('play-info').innerText"
+
+
+def play_a_step(browser, press, action: str, step: int) -> str:
+    """`press()` (a key or a click) -> the frame on screen changes and the step counter reads `step`, `action`;
+    -> the new frame's src."""
+    src, before = browser.eval(f"{IMG}.src"), browser.screenshot("#play-frame img")
+    press()
+    browser.wait(f"{IMG}.src !== {json.dumps(src)} && {IMG}.complete && {INFO}.includes('step {step}')")
+    assert action in browser.eval(INFO)
+    after = browser.screenshot("#play-frame img")
+    assert before.shape == after.shape and before.size > 0
+    diff = np.abs(before.astype(int) - after.astype(int)).mean()
+    assert diff > 5, f"the frame on the page did not change (mean abs difference {diff:.2f})"
+    return browser.eval(f"{IMG}.src")
+
+
 @pytest.mark.slow
-def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatch):
-    """The page served on localhost, two headless Chromium tabs (two sessions) at once: ArrowLeft in one steps
-    that tab's game only (move_left) and its frame changes on screen; the other tab stays at its start frame and
-    its own key press then gives its own step 1; a reload starts a new game with the k radio showing its k."""
+def test_a_player_in_the_browser_steps_their_own_game(crafter_files, tmp_path, monkeypatch):
+    """The page served on localhost, two headless Chromium tabs (two sessions) at once, played as a player plays:
+    ArrowLeft, then a click on the move_right button, each change the frame on screen and advance the step
+    counter of that tab's game only; the other tab stays at its start and its own key press gives its own step 1;
+    a reload starts a new game with the k radio showing its k. On a failure each tab's page is kept as a PNG in
+    the test's tmp folder."""
     pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
     exe = chromium_exe()
-    if exe is None:
-        pytest.skip("no chromium binary (apt-get install chromium) for the headless browser check")
     from mcar.tools.play import build_app
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
@@ -506,39 +553,35 @@ def test_browser_key_press_shows_a_new_frame(crafter_files, tmp_path, monkeypatc
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     browser = Chromium(exe, tmp_path / "profile")
-    img, info = "document.querySelector('#play-frame img')", "document.getElementById('play-info').innerText"
+    tabs = []
     try:
-        tabs = [browser.open(f"http://127.0.0.1:{port}/") for _ in range(2)]
+        tabs += [browser.open(f"http://127.0.0.1:{port}/") for _ in range(2)]
         for tab in tabs:
             browser.use(tab)
-            browser.wait(f"!!{img} && window.__mcarPlayKeys === true && {img}.complete")
+            browser.wait(f"!!{IMG} && window.__mcarPlayKeys === true && {IMG}.complete")
         browser.use(tabs[0])
-        src0 = browser.eval(f"{img}.src")
-        before = browser.screenshot("#play-frame img")
-        browser.key("ArrowLeft", "ArrowLeft", 37)
-        browser.wait(f"{img}.src !== {json.dumps(src0)} && {img}.complete")
-        assert "move_left" in browser.wait(info) and "step 1" in browser.eval(info)
-        src1 = browser.eval(f"{img}.src")
-        after = browser.screenshot("#play-frame img")
-        assert before.shape == after.shape and before.size > 0
-        diff = np.abs(before.astype(int) - after.astype(int)).mean()
-        assert diff > 5, f"the frame on the page did not change (mean abs difference {diff:.2f})"
+        played = [play_a_step(browser, lambda: browser.key("ArrowLeft", "ArrowLeft", 37), "move_left", 1),
+                  play_a_step(browser, lambda: browser.click("#play-move_right"), "move_right", 2)]
 
         browser.use(tabs[1])  # the other session: still at its start, then its own first step
-        assert "reset" in browser.eval(info) and "step 0" in browser.eval(info)
-        assert browser.eval(f"{img}.src") != src1  # not the other tab's new frame
-        browser.key("ArrowUp", "ArrowUp", 38)
-        browser.wait(f"{info}.includes('move_up')")
-        assert "step 1" in browser.eval(info) and demo.games.live == 2
+        assert "reset" in browser.eval(INFO) and "step 0" in browser.eval(INFO)
+        assert browser.eval(f"{IMG}.src") not in played  # not the other tab's new frames
+        play_a_step(browser, lambda: browser.key("ArrowUp", "ArrowUp", 38), "move_up", 1)
+        assert demo.games.live == 2
         browser.use(tabs[0])
-        assert "move_left" in browser.eval(info) and "step 1" in browser.eval(info)
+        assert "move_right" in browser.eval(INFO) and "step 2" in browser.eval(INFO)
         assert s.steps == 0  # the loaded session only lends its model
 
-        browser.eval("document.querySelector('#play-k input[value=\"1\"]').click()")  # k=1 in this tab ...
-        browser.wait(f"{info}.includes('k=1')")
+        browser.click('#play-k input[value="1"]')  # k=1 in this tab ...
+        browser.wait(f"{INFO}.includes('k=1')")
         browser.send("Page.reload")  # ... a reload is a new session: a new game, the radio at its k again
-        browser.wait(f"!!{img} && {info}.includes('step 0')")
+        browser.wait(f"!!{IMG} && {INFO}.includes('step 0')")
         assert browser.wait("document.querySelector('#play-k input:checked')?.value") == str(s.k)
+    except BaseException:
+        for i, tab in enumerate(tabs):
+            browser.use(tab)
+            browser.save_page(tmp_path / f"failure-tab{i}.png")
+        raise
     finally:
         browser.close()
         demo.close()
