@@ -199,7 +199,7 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
 
     common = ["init_from=" + str(REPO / "checkpoints/shipped/crafter_world/last.ckpt"), "logger=csv",
               f"paths.checkpoint_root={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/out", "posttrain.group=2",
-              "posttrain.starts=1", "posttrain.rollout_frames=3", "posttrain.context=2", "checkpoint.every_n_steps=1",
+              "posttrain.starts=1", "posttrain.rollout_frames=3", "sampler.context=2", "checkpoint.every_n_steps=1",
               "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2",
               "optim.lr=1e-3",  # steps that move the weights: the next rollouts must see them
               # a term that needs the starts' player positions: they must reach it

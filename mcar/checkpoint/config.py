@@ -150,19 +150,22 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True, force_add=True)
 
 
-def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "vq")) -> list[str]:
+def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "vq"),
+                            overrides: list[str] | None = None) -> list[str]:
     """Take the config groups a checkpoint carries (its data and VQ, for sampling also its schedule) unless the
     command line names them: `mcar finetune` after `mcar train data=synthetic`, or `mcar evaluate ckpt=...`, need
     no data= repeated. A conflicting override is then checked against the checkpoint (check_data_fits). -> the
     groups taken. What is taken is data only (checkpoint_group_config): plain values, and Hydra's `_target_` keys
-    exactly as this install's own config group has them, or the checkpoint is refused. Outside a Hydra app (a
-    config composed in code) nothing is taken: the caller's config is whole."""
+    exactly as this install's own config group has them, or the checkpoint is refused. overrides: the words the
+    config was composed with (None: the Hydra app's command line; outside a Hydra app, a config composed in code
+    by a test, nothing is taken: the caller's config is whole)."""
     for key in COPIED_MODEL_FIELDS:
         if key in hp:
             checked_checkpoint_value(hp[key], None, source, key, None)
-    if not HydraConfig.initialized():
+    if overrides is None and not HydraConfig.initialized():
         return []
-    keys = [(o.split("=", 1)[0].lstrip("+~"), o) for o in command_line_overrides() if "=" in o]
+    words = command_line_overrides() if overrides is None else overrides
+    keys = [(o.split("=", 1)[0].lstrip("+~"), o) for o in words if "=" in o]
     chosen = {key.split("@")[0] for key, _ in keys if "." not in key}  # data=crafter: the user's own choice
     taken = [g for g in groups if hp.get(g) is not None and g not in chosen]
     adopted = {group: checkpoint_group_config(group, hp[group], source) for group in taken}

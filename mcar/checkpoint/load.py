@@ -65,14 +65,20 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu", dtype: str 
     if "arch" not in hp or "layout" not in hp:
         raise ValueError(f"{path} has no mcar hyper_parameters (arch, layout): not a train.py checkpoint")
     check_arch_fits_weights(hp["arch"], state["state_dict"], path)
-    model = Transformer(ModelConfig(**hp["arch"]))
-    model.load_state_dict({k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")})
-    model = model.to(device).eval()
+    model = transformer_of(hp["arch"], state["state_dict"]).to(device)
     dtype = sampling_dtype(dtype, device)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.to(dtype)
     return SamplingModel(model, Layout(**hp["layout"])), hp
+
+
+def transformer_of(arch: dict, state_dict: dict) -> Transformer:
+    """A checkpoint's arch and its Lightning state dict (the model's weights under `model.`) -> the plain
+    Transformer, in eval mode on the CPU."""
+    model = Transformer(ModelConfig(**arch))
+    model.load_state_dict({k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")})
+    return model.eval()
 
 
 def check_arch_fits_weights(arch: dict, state_dict: dict, path: Path) -> None:

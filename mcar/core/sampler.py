@@ -215,6 +215,10 @@ class ScheduleSampler:
         """Whether generate() on `device` runs the bucketed static shapes (compiling implies them)."""
         return bool(self.static) or self.compiles(device)
 
+    def sampling_rule(self, device) -> SamplingRule:
+        """The one rule this sampler draws under (its temperature, top_k, top_p, image codes only), on `device`."""
+        return SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, device)
+
     def rolls(self, frames: int | None = None) -> bool:
         """Whether generate() on clips of `frames` frames (default: the sampler's) runs a rolling `Rollout`."""
         return self.context is not None and (frames or self.frames) > self.context
@@ -277,7 +281,7 @@ class ScheduleSampler:
             return self._done(rolled.tokens, rolled.passes, sched, t0)
         # one key per (batch row, slot), the dummy column N included
         noise = SlotNoise.of(seed_key(self.seed), clip.shape[0], clip.shape[1] + 1, n_values, clip.device)
-        rule = SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, clip.device)
+        rule = self.sampling_rule(clip.device)
         if self.is_static(clip.device):
             tokens, passes = self._generate_static(model, clip, sched, setup_cache, noise, rule)
         else:

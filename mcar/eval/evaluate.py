@@ -66,12 +66,12 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wm = WorldModel.load(cfg)
+    wm = WorldModel.from_config(cfg)
     layout, cb = wm.layout, wm.codebook_size
     frames = cfg.frames or wm.trained_frames
     sampler = wm.sampler(frames)  # past the model's context it rolls, as generate does
     P = sampler.prompt_frames
-    dm, ids, gt = wm.held_out_clips(frames, cfg.n_clips, cfg.clips)  # the data read once
+    dm, ids, gt = wm.pick_held_out(frames, cfg.n_clips, cfg.clips)  # the data read once
     log.info("%s: %d held-out clips of %d frames, %d prompt frame(s), sampler %s%s", cfg.ckpt, len(ids), frames, P,
              sampler.label, f", a rolling window of {sampler.context} frames" if sampler.rolls() else "")
 

@@ -574,7 +574,7 @@ def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
 class WorldTests:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.wm = WorldModel.load(cfg)
+        self.wm = WorldModel.from_config(cfg)
         self.layout, self.cb, self.vq = self.wm.layout, self.wm.codebook_size, self.wm.vq
         view = cfg.data.get("view")
         if view is None or list(view) != [self.layout.w, self.layout.h]:

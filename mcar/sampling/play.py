@@ -452,7 +452,7 @@ def open_game(cfg: DictConfig) -> PlaySession:
     the start frame(s)."""
     torch.manual_seed(cfg.seed)
     set_threads(cfg.threads)
-    wm = WorldModel.load(cfg)
+    wm = WorldModel.from_config(cfg)
     schedule = to_dict(cfg.schedule)
     P = int(schedule.get("prompt_frames", 1))
     if P >= wm.context:

@@ -1,19 +1,24 @@
-"""A checkpoint ready to sample: one object every sampling tool shares (litgpt's `LLM.load`, gpt-fast's
-`_load_model` + `generate`).
+"""A checkpoint ready to sample: one object every sampling tool and a Python user share (litgpt's `LLM.load`,
+gpt-fast's `_load_model` + `generate`).
 
-    wm = WorldModel.load(cfg)              # cfg: a sampling tool's config (conf/sampling.yaml and the tool's keys)
-    sampler = wm.sampler(frames=32)        # rolls a KV cache past wm.context frames, as every tool does
-    tokens, stats = wm.generate(clips, sampler)
+    wm = WorldModel.load("checkpoints/shipped/crafter_world_recall_grpo")  # plain Python: device, dtype "auto"
+    clips = wm.held_out_clips(frames=8, n_clips=2)
+    tokens, stats = wm.generate(clips, wm.sampler(frames=8))  # rolls a KV cache past wm.context frames
+    wm.save_gif(tokens[0], "outputs/clip.gif")
 
-`WorldModel.load` reads the checkpoint (weights only), adopts its data, VQ and schedule config, checks the data
-fits and puts the model on `cfg.device` in `cfg.dtype`. The window a sampler sees at once has one default,
-`context` (`sampler.context`, null: the checkpoint's clip length): generate, evaluate, play and the world tests all
-roll past it the same way.
+`WorldModel.load(path, **overrides)` composes conf/sampling.yaml with the checkpoint and `overrides` (the keys a
+sampling tool takes: `sampler.temperature=0.0`, `schedule.k=3`, ...); the tools, which compose their own config,
+call `WorldModel.from_config(cfg)`. Either reads the checkpoint (weights only), adopts its data, VQ and schedule
+config, checks the data fits and puts the model on `cfg.device` in `cfg.dtype`. The window a sampler sees at once
+has one default, `context` (`sampler.context`, null: the checkpoint's clip length): generate, evaluate, play, the
+world tests and post-training all roll past it the same way.
 """
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,9 +29,19 @@ from mcar.checkpoint.load import check_data_fits, load_model, sampling_dtype, wa
 from mcar.core.devices import device_memory, resolve_device, sync
 from mcar.core.layout import Layout
 from mcar.core.sampler import SampleStats, ScheduleSampler, build_sampler
-from mcar.hydra_app import to_dict
+from mcar.hydra_app import compose_tool, to_dict
 from mcar.sampling.held_out import held_out_data, pick_clips
 from mcar.sampling.prompts import prompt_clip
+from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_gif
+
+
+def flat_keys(node: dict, prefix: str = ""):
+    """{"sampler": {"temperature": 0}, "schedule.k": 3} -> ("sampler.temperature", 0), ("schedule.k", 3)."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 @dataclass
@@ -41,12 +56,26 @@ class WorldModel:
     cfg: DictConfig
 
     @classmethod
-    def load(cls, cfg: DictConfig) -> "WorldModel":
-        """cfg.ckpt on cfg.device in cfg.dtype, checked against cfg.data (which takes the checkpoint's own data, VQ
-        and schedule config where the command line does not set them)."""
+    def load(cls, path: str | Path, device: str = "auto", dtype: str = "auto", **overrides) -> "WorldModel":
+        """A checkpoint file or run folder -> ready to sample, no Hydra needed: the checkpoint carries its data,
+        VQ and schedule config. overrides: dotted keys of conf/sampling.yaml, e.g. `**{"sampler.temperature": 0}`
+        or `sampler={"temperature": 0}` (a mapping is flattened to its dotted keys)."""
+        words = [f"ckpt={path}", f"device={device}", f"dtype={dtype}"]
+        words += [f"{key}={json.dumps(value)}" for key, value in flat_keys(overrides)]
+        try:
+            cfg = compose_tool("sampling", words)
+        except SystemExit as e:  # the command line's one-line refusal, as an error a Python caller can catch
+            raise ValueError(str(e)) from None
+        return cls.from_config(cfg, overrides=words)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, overrides: list[str] | None = None) -> "WorldModel":
+        """A sampling tool's composed config -> cfg.ckpt on cfg.device in cfg.dtype, checked against cfg.data (which
+        takes the checkpoint's own data, VQ and schedule config where `overrides`, default the command line, do not
+        set them)."""
         device = resolve_device(cfg.device)
         module, hp = load_model(cfg.ckpt, device, sampling_dtype(cfg.get("dtype"), device))
-        adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", groups=("data", "vq", "schedule"))
+        adopt_checkpoint_config(cfg, hp, f"ckpt={cfg.ckpt}", ("data", "vq", "schedule"), overrides)
         check_data_fits(module.layout, hp, cfg.data)
         wm = cls(module.model, module.layout, hp, device, cfg)
         wm.check_fits_memory()  # a bad sampler.context or a checkpoint's huge clip fails now, in one line
@@ -136,12 +165,24 @@ class WorldModel:
         validation episodes (built on first use)."""
         return held_out_data(self.cfg, frames)
 
-    def held_out_clips(self, frames: int, n_clips: int, ids=None):
-        """`n_clips` evenly spaced held-out clips of `frames` frames (or those `ids`) -> (the held-out data, as
-        `held_out` gives it, the ids, (n, N) clips)."""
+    def held_out_clips(self, frames: int, n_clips: int = 1, ids=None) -> torch.Tensor:
+        """(n, N): `n_clips` evenly spaced held-out clips of `frames` frames (or those `ids`): prompt frames and
+        every action, ready for `generate`."""
+        return self.pick_held_out(frames, n_clips, ids)[2]
+
+    def pick_held_out(self, frames: int, n_clips: int, ids=None):
+        """`held_out_clips` with where they come from -> (the held-out data, as `held_out` gives it, the ids,
+        (n, N) clips)."""
         data = self.held_out(frames)
         ids = pick_clips(data.val_source, n_clips, ids)
         return data, ids, torch.stack([data.val_source.clip(i) for i in ids])
+
+    def save_gif(self, tokens: torch.Tensor, path: str | Path, fps: float = 4) -> Path:
+        """A generated clip's tokens (N,) -> a GIF of its frames decoded by the checkpoint's VQ, each captioned
+        with its action."""
+        frames = comparison_frames({"generated": tokens}, self.layout, self.codebook_size, self.vq,
+                                   data_action_space(self.cfg.data))
+        return write_gif(frames, path, fps)
 
     def prompt(self, frames: int) -> tuple[torch.Tensor, bool, str]:
         """The configured prompt (cfg.prompt: a held-out clip id or episode[:frame]; or cfg.prompt_image + actions)

@@ -35,7 +35,7 @@ log = logging.getLogger("mcar.generate")
 def generate(cfg: DictConfig) -> dict:
     set_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    wm = WorldModel.load(cfg)
+    wm = WorldModel.from_config(cfg)
     layout, cb = wm.layout, wm.codebook_size
     frames = len(cfg.actions) + 1 if cfg.prompt_image else (cfg.frames or wm.trained_frames)
     sampler = wm.sampler(frames, schedule={"prompt_frames": 1} if cfg.prompt_image else None)

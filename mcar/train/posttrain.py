@@ -23,7 +23,8 @@ import lightning as L
 import torch
 
 from mcar.checkpoint.io import load_checkpoint
-from mcar.core.model import ModelConfig, Transformer
+from mcar.checkpoint.load import transformer_of
+from mcar.core.model import Transformer
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, build_sampler
 from mcar.tokenizer.pictures import comparison_frames, write_video
@@ -68,9 +69,10 @@ class PostTrainModule(MCARModule):
             raise ValueError(f"posttrain.supervised_coef={self.supervised_coef}: a weight >= 0 (0: GRPO alone)")
         if self.group < 2:
             raise ValueError(f"posttrain.group={self.group}: GRPO compares rollouts of one start, at least 2")
-        context = p.get("context") or self.hparams.clip_frames
+        context = sampler.get("context") or self.hparams.clip_frames  # the window every sampling tool takes
         if self.frames < 2 or context < 2:
-            raise ValueError(f"posttrain.rollout_frames={self.frames}, context={context}: at least 2 frames each")
+            raise ValueError(f"posttrain.rollout_frames={self.frames}, sampler.context={context}: at least 2 frames "
+                             f"each")
         self.context = context
         sampler = {**dict(sampler), "context": context, "compile": False}
         if float(sampler.get("temperature", 1.0)) <= 0 or sampler.get("top_k") == 1:
@@ -80,8 +82,6 @@ class PostTrainModule(MCARModule):
         self.codebook_size = int(data.get("codebook_size") or self.hparams.arch["vocab_size"])
         self.sampler = build_sampler(sampler, self.layout, self.frames, self.codebook_size, self.schedule)
         self.scorer = RolloutScorer(self.layout, self.frames, self.sampler.config, context, self.sampler.full)
-        self.rule_args = (float(sampler.get("temperature", 1.0)), sampler.get("top_k"), sampler.get("top_p"),
-                          self.codebook_size)
         self.terms = reward_terms(p.get("rewards"))
         if reference is None and float(p["kl_coef"]):
             raise ValueError("posttrain.kl_coef > 0 needs a reference checkpoint (init_from)")
@@ -95,10 +95,8 @@ class PostTrainModule(MCARModule):
         if path is None or not float(self.post["kl_coef"]):
             return None
         if not self._reference:
-            state = load_checkpoint(path)["state_dict"]
-            ref = Transformer(ModelConfig(**self.hparams.arch))
-            ref.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
-            self._reference.append(ref.requires_grad_(False).eval())
+            ref = transformer_of(self.hparams.arch, load_checkpoint(path)["state_dict"])
+            self._reference.append(ref.requires_grad_(False))
         return self._reference[0].to(self.device)
 
     # --- rollouts -------------------------------------------------------------------------------------------
@@ -127,7 +125,7 @@ class PostTrainModule(MCARModule):
                     terms=terms, advantages=group_advantages(total, self.group))
 
     def rule(self, device) -> SamplingRule:
-        return SamplingRule.of(*self.rule_args, device)
+        return self.sampler.sampling_rule(device)  # the rule the rollouts were drawn under
 
     # --- the step -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
