@@ -26,6 +26,7 @@ TOOLS = {
     "convert": "convert a public checkpoint (MineWorld) into an mcar checkpoint",
     "soak": "kill -9 a training run at random moments and check it resumes bit for bit",
     "crafter_gen": "play seeded Crafter episodes into mp4 + jsonl",
+    "record": "play any Gymnasium game into a recordings folder (mp4 + jsonl + actions.yaml)",
     "tokenize": "VQ-tokenise episodes into token shards",
     "vq_train": "train a VQ tokenizer on episodes",
     "vq_eval": "score a VQ on held-out frames: PSNR, SSIM, codebook usage",
@@ -39,11 +40,13 @@ def usage() -> str:
             + "\n\n`mcar <tool> --help` shows a tool's config (conf/<tool>.yaml) and how to override it.")
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> None:
+    """Run one tool. Returns None, so that the `mcar` script exits 0 (a tool's summary dict, returned to it,
+    would make `sys.exit` print it and exit 1)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
-        return None
+        return
     name, rest = args[0], args[1:]
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None):
 
     # the tools that compose their config themselves get these here (hydra_tool's get them inside Hydra too)
     with readable_progress(), plain_errors(), stop_signals_end(name):
-        return importlib.import_module(f"mcar.tools.{name}").main(rest)
+        importlib.import_module(f"mcar.tools.{name}").main(rest)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,17 @@ class ClipDataModule(L.LightningDataModule):
         return DataLoader(batches, batch_size=None)
 
 
+def complete_data_config(cfg) -> None:
+    """A data module whose config comes partly from its files (data=recordings: the token grid, the action schema)
+    fills its `auto` fields in now, before anything reads them: its class's `complete_config(cfg)`."""
+    import hydra
+
+    target = cfg.get("data", {}).get("_target_")
+    complete = getattr(hydra.utils.get_class(target), "complete_config", None) if target else None
+    if complete is not None:
+        complete(cfg)
+
+
 def build_datamodule(data_cfg, **overrides) -> "ClipDataModule":
     """The `data` config group instantiated (`_target_`), strictly: a key its datamodule does not take (a
     misspelling in conf/data/*.yaml or on the command line) is an error naming it, not silently ignored."""

@@ -53,15 +53,17 @@ VPT_SIZE = (360, 640)  # (H, W) of VPT's recordings
 
 
 def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, drop_null: bool = True,
-                     drop_gui: bool = True, size: tuple[int, int] | None = None, space: str | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+                     drop_gui: bool = True, size: tuple[int, int] | None = None, space: str | dict | None = None,
+                     every: int = 1) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """-> (frame tokens (T, h, w) uint16 of the frames resized to size = (H, W) (None: as stored), action ids
-    (T, n_a) uint16 in the action space `space` (None: the source's), notes). Raises EpisodeError if unusable."""
+    (T, n_a) uint16 in the action space `space` (a name or a schema; None: the source's), notes), every
+    `every`-th recorded frame (a lower rate) with its action. Raises EpisodeError if unusable."""
     from mcar.tokenizer.vq_model import encode_tokens
 
     ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui, space)
     if len(ids) == 0:
         raise EpisodeError("jsonl has no records")
+    keep &= np.arange(len(keep)) % every == 0
     stream, buf, tokens, kept = FrameStream(mp4, size), [], [], []
 
     device = next(vq.parameters()).device
@@ -145,26 +147,29 @@ def describe_share(out: Path, names: list[str], written: dict, rank: int) -> lis
 
 def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: str, batch: int = 16,
                  min_frames: int = 2, drop_null: bool = True, drop_gui: bool = True, rank: int = 0,
-                 world: int = 1, size: tuple[int, int] | None = None, space: str | None = None,
-                 stats: dict | None = None) -> dict:
+                 world: int = 1, size: tuple[int, int] | None = None, space: str | dict | None = None,
+                 stats: dict | None = None, every: int = 1) -> dict:
     """Tokenise every episode (this rank's share) not already done, frames resized to size = (H, W) (None: as
     stored), on the VQ's device, and describe the share in this rank's part of the index. -> world = 1: the
     index (merged_index); world > 1: this rank's part ({"meta", "episodes"}), which rank 0 merges with the others
-    by `merged_index` once every rank is done. `stats` (if given) gets this rank's frames, seconds and frames/s.
+    by `merged_index` once every rank is done. `stats` (if given) gets this rank's frames, seconds and frames/s;
+    every: keep every `every`-th recorded frame.
     One process per rank writes into a folder at a time (a second waits, then skips what the first finished)."""
     out = Path(out)
     with writing_into(out, f"token shards (rank {rank} of {world})", f".mcar-writer.rank{rank}.lock"):
         return _tokenize_dir(episodes, out, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
-                             size, space, {} if stats is None else stats)
+                             size, space, {} if stats is None else stats, every)
 
 
 def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
-                  size, space, stats: dict) -> dict:
+                  size, space, stats: dict, every: int) -> dict:
     encoder = action_space(space or source)
     meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
             "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
     if space not in (None, source):  # only then: folders tokenised before this option keep their meta
         meta["actions"] = space
+    if every != 1:
+        meta["every"] = every
     check_meta(out, meta)
     found = list_episodes(episodes)
     orphans = sorted({p.stem for p in Path(episodes).glob("*.jsonl")} - {name for name, _, _ in found})
@@ -183,7 +188,7 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
             continue
         try:
             frames, actions, notes = tokenize_episode(mp4, jsonl, source, vq, batch, drop_null, drop_gui, size=size,
-                                                      space=space)
+                                                      space=space, every=every)
             encoded += len(frames)
             progress.set_postfix(frames_per_s=f"{encoded / (time.perf_counter() - t0):.1f}")
             if len(frames) < min_frames:

@@ -17,7 +17,11 @@ The data pipeline adds the image codebook size to these ids, so actions live aft
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
+
+from mcar.tokenizer.action_schema import ActionSpace, SchemaActions
 
 # ------------------------------------------------------------------------------------------------ camera
 CAM_MAXVAL, CAM_BINSIZE, CAM_MU = 90.0, 9.0, 11.4887
@@ -36,41 +40,6 @@ def bin_to_camera(b: int) -> float:
     """Bin centre in degrees (the inverse of the mu-law)."""
     x = (b * CAM_BINSIZE - CAM_MAXVAL) / CAM_MAXVAL
     return float(np.sign(x) * ((1 + CAM_MU) ** abs(x) - 1) / CAM_MU * CAM_MAXVAL)
-
-
-class ActionSpace:
-    """What every action space says about its ids beyond encode/decode, so that the tools (labels under frames,
-    actions by name in prompts and play, the IDM's table) ask the space instead of testing its name.
-
-    names: the name of each id when one token is one named action (Crafter), else None: ids are then given as
-    n_a numbers. moves: the names of the movement actions (the IDM's precision/recall columns, play's arrows)."""
-
-    n_a: int
-    vocab_size: int
-    names: tuple[str, ...] | None = None
-    moves: tuple[str, ...] = ()
-
-    def encode(self, action: dict) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids) -> dict:
-        raise NotImplementedError
-
-    def encode_name(self, name: str) -> list[int]:
-        """An action by its name -> its n_a ids (a ValueError when this space has no names or not this one)."""
-        if self.names is None:
-            raise ValueError(f"{type(self).__name__} has no action names: give actions as {self.n_a} ids")
-        if name not in self.names:
-            raise ValueError(f"unknown action {name!r}; the actions: {', '.join(self.names)}")
-        return [self.names.index(name)]
-
-    def label(self, ids) -> str:
-        """A short label of one frame's ids for people (under a video frame); a ValueError when they are not ids
-        of this space."""
-        ids = [int(i) for i in ids]
-        if self.names is None or len(ids) != 1 or not 0 <= ids[0] < len(self.names):
-            raise ValueError(f"{ids} is not one action id of {type(self).__name__}")
-        return self.names[ids[0]]
 
 
 def pressed_label(action: dict) -> str:
@@ -110,34 +79,35 @@ def checked_vpt_action(action: dict) -> tuple[float, float, int]:
     return float(cam[0]), float(cam[1]), int(hotbar)
 
 
-class VPTActions(ActionSpace):
-    """Action dict {camera: (pitch, yaw) degrees, hotbar: 0..9 (0 = none), forward, back, ...: 0/1} <-> 11 ids."""
+VPT_SCHEMA = {"actions": [
+    {"name": "bos", "type": "constant"},
+    {"name": "pitch", "field": "camera[0]", "type": "axis", "range": [-CAM_MAXVAL, CAM_MAXVAL], "bins": CAM_BINS,
+     "scale": "mu_law", "mu": CAM_MU},
+    {"name": "yaw", "field": "camera[1]", "type": "axis", "range": [-CAM_MAXVAL, CAM_MAXVAL], "bins": CAM_BINS,
+     "scale": "mu_law", "mu": CAM_MU},
+    {"name": "hotbar", "type": "choice", "choices": list(range(10))},  # 0 = no hotbar key
+    *[{"name": "|".join(k for k in pair if k), "field": "*", "type": "keys", "keys": [k for k in pair if k],
+       "mode": "one"} for pair in PAIRS],  # a pair pressed together is null, as MineWorld has it
+    {"name": "eos", "type": "constant"}]}
 
-    n_a, vocab_size = len(VPT_SLOTS), VPT_VOCAB
+
+class VPTActions(SchemaActions):
+    """Action dict {camera: (pitch, yaw) degrees, hotbar: 0..9 (0 = none), forward, back, ...: 0/1} <-> 11 ids:
+    VPT_SCHEMA, whose parts own VPT_SLOTS' ranges."""
+
+    def __init__(self):
+        super().__init__(VPT_SCHEMA)
 
     def label(self, ids) -> str:
         return pressed_label(self.decode(ids))
 
     def encode(self, action: dict) -> list[int]:
-        pitch, yaw, hotbar = checked_vpt_action(action)
-        local = [0, camera_to_bin(pitch), camera_to_bin(yaw), hotbar]
-        for a, b in PAIRS:
-            on_a, on_b = bool(action.get(a, 0)), bool(b and action.get(b, 0))
-            local.append(0 if on_a == on_b else (1 if on_a else 2))  # both pressed -> null
-        local.append(0)
-        return [off + v for off, v in zip(VPT_OFFSETS, local)]
+        checked_vpt_action(action)  # VPT's own checks: keys 0/1 and a whole-number hotbar, named
+        return super().encode(action)
 
     def decode(self, ids) -> dict:
-        local = [int(i) - off for i, off in zip(ids, VPT_OFFSETS)]
-        for (name, n), v in zip(VPT_SLOTS, local):
-            if not 0 <= v < n:
-                raise ValueError(f"action token {v + VPT_OFFSETS[VPT_SLOTS.index((name, n))]} is not a {name} token")
-        out = {"camera": (bin_to_camera(local[1]), bin_to_camera(local[2])), "hotbar": local[3]}
-        for (a, b), v in zip(PAIRS, local[4:-1]):
-            out[a] = int(v == 1)
-            if b:
-                out[b] = int(v == 2)
-        return out
+        out = super().decode(ids)
+        return out | {"camera": tuple(out["camera"])}
 
 
 # ------------------------------------------------------------------------------------------------ mineworld
@@ -194,29 +164,25 @@ CRAFTER_ACTIONS = ["noop", "move_left", "move_right", "move_up", "move_down", "d
                    "make_iron_pickaxe", "make_wood_sword", "make_stone_sword", "make_iron_sword"]
 
 
-class CrafterActions(ActionSpace):
-    """{"action": name} <-> one id, Crafter's own action index."""
+CRAFTER_SCHEMA = {"actions": [{"name": "action", "type": "choice", "choices": CRAFTER_ACTIONS}],
+                  "moves": ["move_left", "move_right", "move_up", "move_down"]}
 
-    n_a, vocab_size = 1, len(CRAFTER_ACTIONS)
-    names, moves = tuple(CRAFTER_ACTIONS), ("move_left", "move_right", "move_up", "move_down")
 
-    def encode(self, action: dict) -> list[int]:
-        name = action["action"]
-        if name not in CRAFTER_ACTIONS:
-            raise ValueError(f"unknown Crafter action {name!r}")
-        return [CRAFTER_ACTIONS.index(name)]
+class CrafterActions(SchemaActions):
+    """{"action": name} <-> one id, Crafter's own action index: CRAFTER_SCHEMA."""
 
-    def decode(self, ids) -> dict:
-        (i,) = ids
-        if not 0 <= int(i) < len(CRAFTER_ACTIONS):
-            raise ValueError(f"Crafter action id {int(i)} out of range")
-        return {"action": CRAFTER_ACTIONS[int(i)]}
+    def __init__(self):
+        super().__init__(CRAFTER_SCHEMA)
 
 
 ACTION_SPACES = {"vpt": VPTActions, "mineworld": MineWorldActions, "crafter": CrafterActions}
 
 
-def action_space(name: str) -> ActionSpace:
-    if name not in ACTION_SPACES:
-        raise ValueError(f"unknown action space {name!r}; choose one of {sorted(ACTION_SPACES)}")
-    return ACTION_SPACES[name]()
+def action_space(spec: str | dict) -> ActionSpace:
+    """A space by name (ACTION_SPACES), or the space a schema mapping declares (mcar.tokenizer.action_schema)."""
+    if isinstance(spec, Mapping):
+        return SchemaActions(spec)
+    if spec not in ACTION_SPACES:
+        raise ValueError(f"unknown action space {spec!r}; choose one of {sorted(ACTION_SPACES)}, or declare one "
+                         f"in a schema (an actions.yaml: docs/own-game.md)")
+    return ACTION_SPACES[spec]()

@@ -43,16 +43,21 @@ def to_u8(frames: torch.Tensor) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ action text
-def data_action_space(data) -> str | None:
-    """The action space of a data config (a name in mcar.tokenizer.actions.ACTION_SPACES), None for synthetic data:
-    labels show ids."""
+def data_action_space(data) -> str | dict | None:
+    """The action space of a data config: a name in mcar.tokenizer.actions.ACTION_SPACES, or the schema mapping
+    a recordings folder declares (data=recordings); None for synthetic data: labels show ids."""
+    from collections.abc import Mapping
+
+    from mcar.tokenizer.action_schema import plain
     from mcar.tokenizer.actions import ACTION_SPACES
 
     space = data.get("actions") or data.get("name")
+    if isinstance(space, Mapping):
+        return plain(space)
     return space if space in ACTION_SPACES else None
 
 
-def action_labels(actions: torch.Tensor, space: str | None) -> list[str]:
+def action_labels(actions: torch.Tensor, space: str | dict | None) -> list[str]:
     """(T, n_a) local action ids -> one short label per frame."""
     from mcar.tokenizer.actions import action_space
 

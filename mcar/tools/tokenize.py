@@ -1,4 +1,4 @@
-"""`mcar tokenize episodes=... out=... source=crafter|vpt size=[H,W] [devices=8 num_nodes=4] [stream=...]`
+"""`mcar tokenize episodes=... out=... source=recordings|crafter|vpt size=[H,W] [devices=8 num_nodes=4] [stream=...]`
 (conf/tokenize.yaml): episodes -> token shards + index (mcar/data/tokenize.py says what is written and how it
 resumes), one rank per device over the allocation (Lightning Fabric), then optionally a LitData stream of them
 (mcar/data/stream.py)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+from mcar.data.episodes import read_schema
 from mcar.data.index import merged_index
 from mcar.data.tokenize import tokenize_dir
 from mcar.hydra_app import compose_tool
@@ -32,9 +33,10 @@ def run(fabric, c) -> dict | None:
 
     vq = load_vq(c.vq.path).to(fabric.device).eval()
     stats: dict = {}
+    schema = read_schema(c.episodes) if c.source == "recordings" else None  # any game: its actions.yaml
     mine = tokenize_dir(c.episodes, c.out, c.source, vq, vq_id(c.vq.path), int(c.batch), int(c.min_frames),
                         not c.keep_null, not c.keep_gui, fabric.global_rank, fabric.world_size,
-                        size=check_frame_size(vq, list(c.size), "size"), stats=stats)
+                        size=check_frame_size(vq, list(c.size), "size"), stats=stats, space=schema)
     rate = torch.tensor([stats["frames"], stats["seconds"]], dtype=torch.float64, device=fabric.device)
     every = fabric.all_gather(rate).reshape(-1, 2).cpu()  # waits for every rank: every part is written
     if fabric.global_rank != 0:

@@ -50,8 +50,9 @@ def generate_eager(sampler, model, clips: torch.Tensor):
 class ValDashboard(Callback):
     def __init__(self, sampler: dict, output_dir: str, data_name: str, codebook_size: int,
                  vq_path: str | None = None, n_clips: int = 1, max_frames: int | None = 4, fps: float = 4,
-                 videos: bool = True, actions: str | None = None, min_steps: int = 0):
-        """actions: the data's action space when it is not named by data_name (data.actions: vpt | mineworld).
+                 videos: bool = True, actions: str | dict | None = None, min_steps: int = 0):
+        """actions: the data's action space when it is not named by data_name (data.actions: vpt | mineworld, or
+        a recordings folder's schema).
         min_steps: validations before this step sample nothing (a smoke run's end costs seconds)."""
         self.sampler_cfg, self.data_name, self.codebook_size = dict(sampler), data_name, codebook_size
         self.action_space = data_action_space({"name": data_name, "actions": actions})

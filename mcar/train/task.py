@@ -25,7 +25,7 @@ from mcar.checkpoint.io import (
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
-from mcar.data.common import build_datamodule
+from mcar.data.common import build_datamodule, complete_data_config
 from mcar.hydra_app import to_dict
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
@@ -92,7 +92,8 @@ def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str
          datamodule=None) -> dict:
     set_threads(cfg.get("threads"))
     L.seed_everything(cfg.seed, workers=True)
-
+    if datamodule is None:
+        complete_data_config(cfg)  # data=recordings: its grid and actions, read from its folder
     layout = Layout.of(cfg.data)
     # bad sampler or schedule values fail now, not at the first validation (the schedule is built once: the mask
     # factory and the samplers take the same object)

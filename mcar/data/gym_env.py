@@ -1,0 +1,164 @@
+"""Any Gymnasium game that renders pixels, as mcar sees a game: its action schema, its actions as records, and the
+environment protocol (reset(seed) -> frame; step(action) -> frame, info; save_state/restore_state where the
+simulator has them: the Arcade Learning Environment's cloneState/restoreState).
+
+    env = GymGame("ALE/Pong-v5")            # pip install gymnasium ale-py (the Atari ROMs ship inside ale-py)
+    frame = env.reset(seed=3)               # (H, W, 3) uint8, env.render()
+    frame, info = env.step(env.schema_action(2))
+
+The schema (mcar.tokenizer.action_schema) follows the action space: Discrete -> one choice (ALE: its action
+meanings, NOOP, FIRE, UP, ...), MultiBinary -> keys, MultiDiscrete -> a choice per part, Box -> a uniform axis
+per element over its bounds, Dict/Tuple -> their parts, prefixed by their keys.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BOX_BINS = 21
+PLAY_KEYS = {"ArrowUp": "UP", "ArrowDown": "DOWN", "ArrowLeft": "LEFT", "ArrowRight": "RIGHT", " ": "FIRE"}
+
+
+def require_gymnasium():
+    try:
+        import gymnasium
+    except ImportError:
+        raise SystemExit("Gymnasium games need gymnasium (and ale-py for Atari): pip install gymnasium ale-py") \
+            from None
+    try:
+        import ale_py
+
+        gymnasium.register_envs(ale_py)  # ALE/<Game>-v5 ids
+    except ImportError:
+        pass
+    return gymnasium
+
+
+def space_parts(space, prefix: str, names=None) -> list[dict]:
+    """A Gymnasium space -> schema entries (their `name` is where the record keeps the value)."""
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Discrete):
+        choices = list(names) if names is not None else [int(space.start) + i for i in range(int(space.n))]
+        return [{"name": prefix or "action", "type": "choice", "choices": choices}]
+    if isinstance(space, spaces.MultiBinary):
+        n = int(np.prod(space.shape))
+        return [{"name": prefix or "buttons", "type": "keys", "keys": [f"b{i}" for i in range(n)]}]
+    if isinstance(space, spaces.MultiDiscrete):
+        return [{"name": f"{prefix or 'part'}{i}", "type": "choice", "choices": list(range(int(n)))}
+                for i, n in enumerate(np.asarray(space.nvec).ravel())]
+    if isinstance(space, spaces.Box):
+        lo, hi = np.broadcast_to(space.low, space.shape).ravel(), np.broadcast_to(space.high, space.shape).ravel()
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            raise ValueError(f"action space {space}: an unbounded Box has no bins; wrap the env to clip its actions "
+                             f"(gymnasium.wrappers.ClipAction) or record with a schema of your own")
+        return [{"name": f"{prefix or 'axis'}{i}", "type": "axis", "range": [float(a), float(b)],
+                 "bins": BOX_BINS} for i, (a, b) in enumerate(zip(lo, hi))]
+    if isinstance(space, spaces.Dict):
+        return [p for key, sub in space.spaces.items() for p in space_parts(sub, f"{prefix}{key}.")]
+    if isinstance(space, spaces.Tuple):
+        return [p for i, sub in enumerate(space.spaces) for p in space_parts(sub, f"{prefix}{i}.")]
+    raise ValueError(f"action space {type(space).__name__} has no action schema here: Discrete, MultiBinary, "
+                     f"MultiDiscrete, Box, Dict or Tuple")
+
+
+def action_record(space, action, prefix: str = "", names=None) -> dict:
+    """A Gymnasium action -> its record under `space_parts`' names (JSON-ready)."""
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Discrete):
+        i = int(action)
+        return {prefix or "action": names[i - int(space.start)] if names is not None else i}
+    if isinstance(space, spaces.MultiBinary):
+        return {prefix or "buttons": [f"b{i}" for i, v in enumerate(np.asarray(action).ravel()) if v]}
+    if isinstance(space, spaces.MultiDiscrete):
+        return {f"{prefix or 'part'}{i}": int(v) for i, v in enumerate(np.asarray(action).ravel())}
+    if isinstance(space, spaces.Box):
+        return {f"{prefix or 'axis'}{i}": float(v) for i, v in enumerate(np.asarray(action, float).ravel())}
+    subs = space.spaces.items() if isinstance(space, spaces.Dict) else enumerate(space.spaces)  # Dict, Tuple
+    return {k: v for key, sub in subs for k, v in action_record(sub, action[key], f"{prefix}{key}.").items()}
+
+
+class GymGame:
+    """A Gymnasium env id played through the environment protocol, frames from `render()`."""
+
+    def __init__(self, env_id: str, **make_kwargs):
+        gym = require_gymnasium()
+        try:
+            self.env = gym.make(env_id, render_mode="rgb_array", **make_kwargs)
+        except gym.error.Error as e:
+            raise ValueError(f"env={env_id}: {str(e).splitlines()[0]} (ALE games: pip install ale-py; ids like "
+                             f"ALE/Pong-v5)") from None
+        self.env_id, self.space = env_id, self.env.action_space
+        meanings = getattr(self.env.unwrapped, "get_action_meanings", None)
+        self.names = list(meanings()) if meanings is not None and hasattr(self.space, "n") else None
+
+    def schema(self) -> dict:
+        """The action schema of this game's action space, with its frame rate and play keys where known."""
+        schema: dict = {"actions": space_parts(self.space, "", self.names)}
+        if self.names is not None:
+            schema["moves"] = [n for n in ("UP", "DOWN", "LEFT", "RIGHT") if n in self.names]
+            schema["play_keys"] = [[k, n] for k, n in PLAY_KEYS.items() if n in self.names]
+        fps = self.env.metadata.get("render_fps")
+        skip = (self.env.spec.kwargs or {}).get("frameskip") if self.env.spec is not None else None
+        if fps:
+            schema["fps"] = float(fps) / skip if isinstance(skip, int) and skip > 0 else float(fps)
+        return schema
+
+    def record(self, action) -> dict:
+        return action_record(self.space, action, "", self.names)
+
+    def reset(self, seed: int | None = None) -> np.ndarray:
+        self.env.reset(seed=seed)
+        self.space.seed(seed)
+        return self.frame()
+
+    def step(self, action) -> tuple[np.ndarray, dict]:
+        _, reward, terminated, truncated, info = self.env.step(action)
+        return self.frame(), {**info, "reward": float(reward), "done": bool(terminated or truncated)}
+
+    def frame(self) -> np.ndarray:
+        return np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+
+    def save_state(self):
+        """The simulator's state (ALE: cloneState), or None where the game has none to give."""
+        ale = getattr(self.env.unwrapped, "ale", None)
+        return ale.cloneState() if ale is not None else None
+
+    def restore_state(self, state) -> None:
+        ale = getattr(self.env.unwrapped, "ale", None)
+        if ale is None or state is None:
+            raise ValueError(f"{self.env_id} cannot restore a state: only games with cloneState/restoreState")
+        ale.restoreState(state)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# ------------------------------------------------------------------------------------------------ policies
+class RandomPolicy:
+    """Each step a fresh action from the space (seeded)."""
+
+    def __init__(self, space, rng: np.random.Generator):
+        self.space, self.rng = space, rng
+        self.space.seed(int(rng.integers(2**31)))
+
+    def __call__(self, frame) -> object:
+        return self.space.sample()
+
+
+class StickyPolicy(RandomPolicy):
+    """Bursts: an action held for a random run of steps (geometric, mean `hold`), so the data shows what a held
+    action does (a paddle crossing the screen, a ship turning around) as well as every action's first effect."""
+
+    def __init__(self, space, rng: np.random.Generator, hold: float = 6.0):
+        super().__init__(space, rng)
+        self.hold, self.left, self.action = float(hold), 0, None
+
+    def __call__(self, frame) -> object:
+        if self.left <= 0:
+            self.action, self.left = self.space.sample(), int(self.rng.geometric(1 / self.hold))
+        self.left -= 1
+        return self.action
+
+
+POLICIES = {"random": RandomPolicy, "sticky": StickyPolicy}
