@@ -454,7 +454,8 @@ def check_one_fingerprint(out: Path, found: dict[str, dict]) -> None:
 
 
 def check_targets(r: dict, t: DictConfig) -> list[dict]:
-    """The issue's targets, each with its measured value (None where its stage is missing) and whether it is met."""
+    """The targets (bench.gpu.targets), each with its measured value (None where its stage is missing) and whether
+    it is met."""
     rows = []
 
     def add(what, value, target, higher_is_better):
