@@ -22,7 +22,7 @@ TOOLS = {
     "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
     "bench": "speed and memory: bench sampler|train|memory|gpu",
     "idm": "train the inverse dynamics model that evaluate's action F1 uses",
-    "table3": "the paper's table 3 pipeline: pre-train, fine-tune, evaluate, write RESULTS.md",
+    "table3": "the paper's table 3 pipeline: pre-train, fine-tune, evaluate, write the table",
     "convert": "convert a public checkpoint (MineWorld) into an mcar checkpoint",
     "soak": "kill -9 a training run at random moments and check it resumes bit for bit",
     "crafter_gen": "play seeded Crafter episodes into mp4 + jsonl",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds an offline wheelhouse of what mcar needs beyond a CUDA PyTorch image that has torch and lightning (numpy,
-# einops, pillow, safetensors, tqdm, rich, imageio, torchmetrics are assumed present: the lent GPU image has them),
+# einops, pillow, safetensors, tqdm, rich, imageio, torchmetrics are assumed present: a CUDA PyTorch image has them),
 # for a machine with no package index.
 #   bash scripts/wheelhouse.sh DIR            # minimal: hydra-core, omegaconf, antlr4 4.9.3, diffusers (~7 MB)
 #   bash scripts/wheelhouse.sh DIR --full     # also wandb, av, crafter: ~65 MB in all

@@ -1,4 +1,4 @@
-"""Issue 3/5: inputs that used to fail deep inside torch or diffusers now fail naming the file or the field."""
+"""Inputs that used to fail deep inside torch or diffusers now fail naming the file or the field."""
 import json
 import logging
 import shutil
@@ -51,7 +51,7 @@ def test_convert_names_a_ckpt_without_layers(tmp_path):
 
 
 def test_a_checkpoint_with_separate_gate_and_up_weights_is_named_in_one_line():
-    """feed_forward.w1 / w3 (gate / up apart) against the fused w13: one line naming the tensor and the fix."""
+    """Feed_forward.w1 / w3 (gate / up apart) against the fused w13: one line naming the tensor and the fix."""
     from mcar.checkpoint.io import check_state_shapes
     from mcar.core.model import ModelConfig, Transformer
 

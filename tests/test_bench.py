@@ -100,7 +100,7 @@ def test_bench_train(tmp_path):
 
 
 def test_bench_train_steps_the_training_optimizer(monkeypatch):
-    """Issue 2/5: `mcar bench train` steps the optimiser training builds (conf/optim's values, weight decay on 2-D
+    """`mcar bench train` steps the optimiser training builds (conf/optim's values, weight decay on 2-D
     weights only, the same fused rule), not one of its own."""
     made = []
     init = torch.optim.AdamW.__init__

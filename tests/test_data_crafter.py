@@ -124,7 +124,7 @@ def test_mismatched_config_is_a_clear_error(crafter_dm):
 
 @pytest.mark.parametrize("view", [None, [24, 14]])
 def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
-    """data.vq_train=true: a VQ is trained under root/vq (tiny here), then used to tokenise; with data.view, on
+    """Data.vq_train=true: a VQ is trained under root/vq (tiny here), then used to tokenise; with data.view, on
     episodes of that view, under root/view<W>x<H>."""
     tiny = ["generate.episodes=2", "generate.frames=8", "generate.workers=1", "val_episodes=1",
             "val_per_episode=2", "crop=[64,64]", "batch_size=2", "steps=2", "val_every=2", "ckpt_every=2",
@@ -152,7 +152,7 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
 
 
 def test_vq_train_outside_a_training_job_trains_nothing(tmp_path):
-    """data.vq_train=true (a checkpoint's data config, say) in a tool that is not a training job: one line saying
+    """Data.vq_train=true (a checkpoint's data config, say) in a tool that is not a training job: one line saying
     how to train the VQ, and nothing trained or generated."""
     dm = CrafterDataModule(root=str(tmp_path / "crafter"), episodes=2, frames_per_episode=8, workers=1,
                            vq_train=True, h=14, w=24, n_a=1, codebook_size=16, action_vocab_size=17, clip_frames=4,
@@ -187,7 +187,7 @@ def _children(pid: int) -> set[int]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the worker processes")
 def test_generation_workers_die_with_a_killed_parent(tmp_path):
-    """Issue 15 item 2: kill -9 of the generating process used to leave its workers running their queue."""
+    """Kill -9 of the generating process used to leave its workers running their queue."""
     import signal
     import subprocess
     import sys
@@ -215,7 +215,7 @@ def test_generation_workers_die_with_a_killed_parent(tmp_path):
 
 @pytest.mark.slow
 def test_episodes_are_the_same_in_every_process():
-    """Issue 15 item 5: Crafter's despawning picked from a set iterated in memory-address order, so episode i of
+    """Crafter's despawning picked from a set iterated in memory-address order, so episode i of
     seed s differed between processes. Two fresh processes with different heap layouts (junk allocated first)
     must now render identical frames (before the fix episodes 1-3 here differed)."""
     import subprocess
@@ -253,7 +253,7 @@ def _tiles_kept_by_moves(view):
 
 
 def test_tile_view_makes_a_move_a_one_token_shift():
-    """data.view=[24,14] at 384x224: one Crafter tile is one 16x16 token, so a move shifts the map by exactly one
+    """Data.view=[24,14] at 384x224: one Crafter tile is one 16x16 token, so a move shifts the map by exactly one
     token (the player's tile, moving creatures and the revealed edge aside); Crafter's default 9x9 view does not."""
     tiles, n = _tiles_kept_by_moves((24, 14))
     assert n > 0 and tiles > 0.9, tiles

@@ -1,4 +1,4 @@
-"""Issue 3/5 items 2 and 4: data folders and run folders shared by several processes stay whole. Two Crafter
+"""Data folders and run folders shared by several processes stay whole. Two Crafter
 generators on one folder, a cut-off mp4, a stale or empty index, a 0-byte meta.json, a full disk, convert over a
 trained run, a refused run's Hydra record, sweep results written in parallel."""
 import errno
@@ -120,7 +120,7 @@ def test_a_full_disk_names_the_path_and_leaves_no_temp_file(tmp_path, monkeypatc
 
 
 def test_a_full_disk_during_a_checkpoint_save_says_so_and_removes_its_temp_file(tmp_path, monkeypatch):
-    """torch.save on a full disk fails with "inline_container.cc ... unexpected pos" naming no path."""
+    """Torch.save on a full disk fails with "inline_container.cc ... unexpected pos" naming no path."""
     import shutil
 
     from mcar.checkpoint.io import AtomicCheckpointIO
@@ -170,7 +170,7 @@ def _add_row(sweep, i, barrier):
 
 
 def test_parallel_jobs_of_a_sweep_keep_every_row(tmp_path):
-    """gather_sweep's read-modify-write of results.csv used to run unlocked: jobs finishing together lost rows."""
+    """Gather_sweep's read-modify-write of results.csv used to run unlocked: jobs finishing together lost rows."""
     import multiprocessing
 
     from mcar.eval.reporting import read_table

@@ -1,4 +1,4 @@
-"""Issue 5/5 item 1: clip indexing in O(episodes) memory gives the same clips in the same order as the table of
+"""Clip indexing in O(episodes) memory gives the same clips in the same order as the table of
 every (episode, first frame) it replaced, and maps no more shards at once than it may."""
 import numpy as np
 import pytest
@@ -69,8 +69,8 @@ def test_memory_is_per_episode_and_a_clip_reads_only_its_frames(tmp_path, monkey
 
 @pytest.mark.parametrize("path", ["local", "stream"])
 def test_bench_data_reports_startup_memory_and_step_time_on_vpt_geometry(tmp_path, path):
-    """mcar bench data: synthetic VPT shards written once (then reused; for the stream path packed once), one JSON
-    row with the issue's fields."""
+    """`mcar bench data`: synthetic VPT shards written once (then reused; for the stream path packed once), one JSON
+    row with the fields the targets read."""
     from mcar.bench.data_speed import run_data
 
     from .conftest import compose
@@ -113,7 +113,7 @@ def test_a_child_that_ended_is_left_out_of_the_workers_memory():
 
 
 def test_mcar_bench_data_prints_one_json_line_at_the_target_batch(tmp_path):
-    """`mcar bench data` as a user runs it: the last line printed is the JSON row, measured at the issue's target
+    """`mcar bench data` as a user runs it: the last line printed is the JSON row, measured at the target
     batch, 8 clips of 16 frames, with no batch given (bench.batch_size, the other modes' default, is 1)."""
     import json
 
@@ -129,7 +129,7 @@ def test_mcar_bench_data_prints_one_json_line_at_the_target_batch(tmp_path):
 
 
 def test_bench_tokenizer_measures_cpu_and_predicts_a_gpu():
-    """mcar bench tokenizer: encoder FLOPs per frame (4x the pixels, 4x the FLOPs: convolutions), CPU encode and
+    """Mcar bench tokenizer: encoder FLOPs per frame (4x the pixels, 4x the FLOPs: convolutions), CPU encode and
     decode frames/s measured, one GPU's frames/s = utilisation x TF32 peak / FLOPs."""
     from mcar.bench.tokenize_speed import encoder_flops_per_frame, run_tokenizer
     from mcar.tokenizer.vq_model import build_vq

@@ -89,7 +89,7 @@ def test_parse_vpt_fixture_exact():
 
 
 def test_vpt_fixture_tokenised_with_mineworld_ids(tmp_path):
-    """data=mineworld: the same records, MineWorld's action ids; its tokens folder says so in its meta."""
+    """Data=mineworld: the same records, MineWorld's action ids; its tokens folder says so in its meta."""
     from mcar.tokenizer.actions import VPTActions, action_space
 
     write_vpt(tmp_path, "fixture", RECORDS)
@@ -276,7 +276,7 @@ def test_a_shard_with_out_of_range_ids_is_named(tmp_path):
 
 
 def test_other_resolutions_and_orphan_jsonl_are_reported(tmp_path):
-    """Issue 15 item 6: a video at another size than VPT's 640x360 is resized with a note, and a jsonl without
+    """A video at another size than VPT's 640x360 is resized with a note, and a jsonl without
     its mp4 is named instead of ignored in silence."""
     write_vpt(tmp_path, "small", good_records(4), size=(180, 320))
     (tmp_path / "lonely.jsonl").write_text(json.dumps(rec(keys=[K + "w"])) + "\n")

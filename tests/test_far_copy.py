@@ -1,4 +1,4 @@
-"""The training loss's far-copy weight (issue 3/5, memory past two frames): `far_copy_slots` finds the image
+"""The training loss's far-copy weight (memory past two frames): `far_copy_slots` finds the image
 tokens a view shows again after a wait or a longer walk, which no copy from the two frames before gives; checked
 against walks in a world of distinct tokens, where a token is at the same place in two frames exactly when the
 views are. `weighted_loss` is masked_loss with weights; the module weights the rows predicting them, any mask."""

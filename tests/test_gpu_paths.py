@@ -1,6 +1,6 @@
 """The CUDA paths, checked on CPU: what the first GPU run would otherwise find out the hard way.
 
-`pytest -k "cuda_branch or recompile or reinplace"` selects the three regression tests of issue 1/5:
+`pytest -k "cuda_branch or recompile or reinplace"` selects its three regression tests:
 - flex attention's CUDA branch, forced on CPU, compiles inside activation-checkpointed, per-block compiled blocks
   (a global written while tracing broke the graph and left every block eager);
 - per-block compile keeps static shapes when a second sequence length comes (DiagD after causal), instead of

@@ -1,11 +1,9 @@
 """The memory planner against measured peaks, and the GPU check command at tiny sizes on CPU."""
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -14,16 +12,6 @@ from mcar.core.model import ModelConfig, Transformer
 from mcar.train.memory import count_params, fit_activations, measure_step_peak, plan
 
 from .conftest import REPO, compose, script_env
-
-
-def load_gpu_calls():
-    """scripts/gpu_calls.py, imported from its file (scripts/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_calls", REPO / "scripts" / "gpu_calls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 TINY = ["model=tiny", "data.h=3", "data.w=4", "data.n_a=2", "data.clip_frames=3", "data.codebook_size=32",
         "data.action_vocab_size=8"]
@@ -135,7 +123,6 @@ def test_staged_gpu_check_runs_every_stage_on_cpu_resumes_and_reports_timeouts(t
     flex = json.loads((out / "flex.json").read_text())
     assert flex["fingerprint"]["tiny"] and flex["fingerprint"]["model"] == "tiny"
     assert flex["fingerprint"]["device"] == "cpu" and "model=tiny" in flex["fingerprint"]["overrides"]
-    assert flex["compile_cache"]["saved"] == "nothing compiled: nothing saved"  # nothing compiles on CPU here
     assert json.loads((out / "sampler_ntp_4f.json").read_text())["result"]["bare_forward"] == "timed"  # eager
     flex["fingerprint"] |= {"model": "700m", "tiny": False}  # as if another run had measured flex here
     (out / "flex.json").write_text(json.dumps(flex))
@@ -195,9 +182,8 @@ FLEX = {"dtype": "float32", "seq_len": 46, "max_rel_err": 1e-7, "argmax_agreemen
 def test_a_stage_is_done_only_for_the_run_that_measured_it_and_merge_refuses_mixed_runs(tmp_path):
     """A tiny CPU run's stage JSON never stands in for the 700m run's: the fingerprint (model, overrides, tiny,
     torch, device) tells them apart, and merge refuses a folder holding both, naming the stage files."""
-    from mcar.bench.gpu_check import fingerprint, merge
+    from mcar.bench.gpu_check import fingerprint, merge, stage_states
 
-    stage_states = load_gpu_calls().stage_states
     cfg = compose("bench", TINY)
     tiny = fingerprint(cfg, ["bench.gpu.stage=flex", f"bench.gpu.dir={tmp_path}", "model=tiny",
                              "bench.gpu.targets.mfu=0.5"])
@@ -258,54 +244,48 @@ def test_merge_joins_the_play_stages_and_reads_mfu_off_the_fastest_causal_config
 
 
 FAKE_BENCH = """#!{python}
-# scripts/gpu_calls.py list|plan|stage and `python -m mcar.cli bench gpu bench.gpu.stage=merge` as
-# scripts/gpu_check.sh calls them, without mcar or torch: stage estimates from FAKE_ESTIMATES, each stage sleeps
-# FAKE_SLEEP[stage] seconds; any other use of the interpreter is the real one
+# `python -m mcar.cli bench gpu bench.gpu.stage=list|<stage>|merge` as scripts/gpu_check.sh calls them, without
+# mcar or torch: the stages are FAKE_STAGES, each sleeps FAKE_SLEEP[stage] seconds; any other use of the
+# interpreter is the real one
 import json, os, sys, time
 from pathlib import Path
 
 args = sys.argv[1:]
-if args[:1] == ["scripts/gpu_calls.py"]:
-    stage = args[2] if args[1] == "stage" else args[1]
-elif args[:4] == ["-m", "mcar.cli", "bench", "gpu"]:
-    stage = "merge"
-else:
+if args[:4] != ["-m", "mcar.cli", "bench", "gpu"]:
     os.execv(sys.executable, [sys.executable, *args])
 kv = dict(a.split("=", 1) for a in args if "=" in a)
-out = Path(kv["bench.gpu.dir"])
-estimates = json.loads(os.environ["FAKE_ESTIMATES"])
-names = [s for s in estimates if s != "merge"]
+out, stage = Path(kv["bench.gpu.dir"]), kv["bench.gpu.stage"]
+names = json.loads(os.environ["FAKE_STAGES"])
 if stage == "list":
     def state(s):
         p = out / f"{{s}}.json"
         return "missing" if not p.exists() else "done" if json.loads(p.read_text())["fingerprint"] == "fp" else "stale"
-    print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}, "estimate_s": estimates}}))
-elif stage == "plan":
-    left = f", {{args[args.index('--left') + 1]}} left" if "--left" in args else ""
-    print(json.dumps({{"text": f"planned for {{args[args.index('--budget') + 1]}} s{{left}}"}}))
+    print(json.dumps({{"stages": names, "state": {{s: state(s) for s in names}}}}))
 elif stage == "merge":
     (out / "bench_gpu.md").write_text("merged: " + " ".join(s for s in names if (out / f"{{s}}.json").exists()) + "\\n")
 else:
     time.sleep(json.loads(os.environ.get("FAKE_SLEEP", "{{}}")).get(stage, 0))
     (out / f"{{stage}}.json").write_text(json.dumps({{"fingerprint": "fp"}}))
-    (out / "compile_cache.zip").write_text(stage)
     print(stage, "measured")
 """
 
 
 def fake_gpu_check(root, *args, estimates, sleep=None, env=()):
+    """scripts/gpu_check.sh in `root` with `estimates` as its scripts/gpu_estimates.yaml (merge's and each stage's)."""
+    (root / "scripts" / "gpu_estimates.yaml").write_text(
+        "".join(f"{name}: {seconds}\n" for name, seconds in estimates.items()) + "unlisted: 300\n")
+    stages = [s for s in estimates if s != "merge"]
     return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=root, capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHON=str(root / "python"),
-                                                FAKE_ESTIMATES=json.dumps(estimates),
+                                                FAKE_STAGES=json.dumps(stages),
                                                 FAKE_SLEEP=json.dumps(sleep or {}), **dict(env)))
 
 
 def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_another_runs_stage(tmp_path):
-    """scripts/gpu_check.sh's own logic (a fake `mcar.bench gpu`, no torch, seconds): --tiny writes its own folder;
+    """scripts/gpu_check.sh's own logic (a fake `mcar bench gpu`, no torch, seconds): --tiny writes its own folder;
     with --budget a stage whose estimate does not fit the time left (less merge's) is skipped for budget, later
     ones that fit still run; a stage of another run is moved aside and run again, not merged; a started stage's
-    timeout is cut to the time left; --stages picks; --copy-to returns the results as three files (the lent machine
-    returns at most 8); --plan runs no stage."""
+    timeout is cut to the time left; --stages picks."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "gpu_check.sh", tmp_path / "scripts")
     (tmp_path / "python").write_text(FAKE_BENCH.format(python=sys.executable))
@@ -316,7 +296,7 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     tiny.mkdir(parents=True)
     (tiny / "memory.json").write_text(json.dumps({"fingerprint": "fp"}))  # done by this run before
     (tiny / "sampler_diagd_16f.json").write_text(json.dumps({"fingerprint": "another run"}))
-    p = fake_gpu_check(tmp_path, "--tiny", "--copy-to", "returned", estimates=est, env={"GPU_CHECK_BUDGET": "60"})
+    p = fake_gpu_check(tmp_path, "--tiny", estimates=est, env={"GPU_CHECK_BUDGET": "60"})
     assert p.returncode == 0, p.stdout + p.stderr
     assert not (tmp_path / "outputs" / "gpu_check").exists()  # the real run's folder is untouched
     assert "== sampler_ntp_16f: skipped for budget (estimate 1000s" in p.stdout
@@ -329,26 +309,9 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     assert (tiny / "bench_gpu.md").read_text() == "merged: train_causal flex memory\n"
     assert "not run yet: sampler_ntp_16f sampler_diagd_16f (skipped for budget: sampler_ntp_16f sampler_diagd_16f)" \
         in p.stdout and "every stage done" not in p.stdout
-    returned = tmp_path / "returned"
-    assert {f.name for f in returned.iterdir()} == {"gpu_check.tgz", "bench_gpu.md", "compile_cache.zip"}
-    unpacked = tmp_path / "unpacked"  # as the script's header carries them back to the next call
-    unpacked.mkdir()
-    subprocess.run(["tar", "-xzf", str(returned / "gpu_check.tgz"), "-C", str(unpacked)], check=True)
-    assert {f.name for f in unpacked.iterdir()} >= {"train_causal.json", "flex.json", "memory.json", "bench_gpu.md",
-                                                     "sampler_diagd_16f.json.stale", "train_causal.log", "list.log",
-                                                     "merge.log"}
-    assert (returned / "compile_cache.zip").read_text() == "flex"  # the last stage run's
 
-    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--budget", "300", estimates=est)
-    assert p.returncode == 0 and p.stdout == "planned for 300 s\n", p.stdout + p.stderr
-    p = fake_gpu_check(tmp_path, "--tiny", "--plan", estimates=est)
-    assert p.stdout == "planned for 540 s\n" and not (tiny / "sampler_ntp_16f.json").exists()
-    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--left", "600", estimates=est)
-    assert p.stdout == "planned for 540 s, 600 left\n", p.stdout + p.stderr
-    p = fake_gpu_check(tmp_path, "--tiny", "--plan", "--left", "10m", estimates=est)
-    assert p.returncode == 2 and "--left takes whole seconds" in p.stdout
-
-    # the next call: only the stage asked for, its timeout cut to the budget left after merge's estimate
+    p = fake_gpu_check(tmp_path, "--tiny", "--budget", "10m", estimates=est)
+    assert p.returncode == 2 and "--budget (or GPU_CHECK_BUDGET) takes whole seconds" in p.stdout
     p = fake_gpu_check(tmp_path, "--tiny", "--budget", "8", "--stages", "sampler_ntp_16f",
                        estimates=est | {"sampler_ntp_16f": 1}, sleep={"sampler_ntp_16f": 60})
     assert p.returncode == 1 and "timed out after" in p.stdout, p.stdout + p.stderr
@@ -358,6 +321,27 @@ def test_gpu_check_script_skips_what_does_not_fit_its_budget_and_never_resumes_a
     assert p.returncode == 0 and "every stage done" in p.stdout, p.stdout + p.stderr
     p = fake_gpu_check(tmp_path, "--tiny", "--stages", "nope", estimates=est)
     assert p.returncode == 2 and "--stages: no stage 'nope'" in p.stdout
+
+
+def test_the_shipped_estimates_name_every_700m_stage_and_bench_gpu_lists_their_states(tmp_path, capsys):
+    """scripts/gpu_estimates.yaml has an estimate for every stage of the 700m check (none falls back to
+    `unlisted`), each at most a stage's default timeout (480 s); `bench.gpu.stage=list` gives every stage's state
+    for this run's fingerprint and runs nothing."""
+    from omegaconf import OmegaConf
+
+    from mcar.bench.gpu_check import stages
+    from mcar.tools.bench import main as bench
+    from tests.conftest import run_in_process
+
+    overrides = ["experiment=paper", "model=700m"]
+    e = OmegaConf.load(REPO / "scripts" / "gpu_estimates.yaml")
+    names = stages(compose("bench", overrides))
+    assert not [s for s in names if s not in e] and all(0 < e[s] <= 480 for s in names) and e.merge > 0
+    run_in_process(bench, "gpu", "bench.gpu.stage=list", *overrides, f"bench.gpu.dir={tmp_path}",
+                   f"hydra.run.dir={tmp_path}")
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["stages"] == names and set(r["state"].values()) == {"missing"} and r["fingerprint"]["model"] == "700m"
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["bench_gpu.json"]  # bench.out: the listing alone
 
 
 # on the GPU machine hydra, omegaconf and antlr4 exist only as the wheelhouse's wheels installed into .site
@@ -410,150 +394,7 @@ def test_gpu_check_runs_with_only_the_wheelhouse_beside_torch_and_lightning(tmp_
     assert {"hydra", "omegaconf", "antlr4"} <= set(loaded[::2]) and all(o.startswith(str(site)) for o in loaded[1::2])
 
 
-# ---- the call plan, the compile cache carried between calls, what a sampler stage compiles ----------------------
-SITTING = {"sitting_s": 900, "machine_start_s": 120, "gap_s": 20, "min_start_s": 240}
-
-
-def test_plan_calls_packs_stages_in_order_into_calls_and_calls_into_the_device_time_left():
-    """As gpu_check.sh --budget runs them: each call spends call_s, starts in order every stage whose estimate fits
-    what is left less merge's, then merges. The calls fill sittings of device time: the first has what is left
-    (--left), less a machine start; a sitting's last call gets the budget the sitting has left; later sittings are
-    whole; a stage too long for any call alone is reported, not packed."""
-    plan_calls = load_gpu_calls().plan_calls
-    est = {"a": 100, "b": 300, "c": 150, "too_long": 800, "d": 50, "merge": 30}
-    plan = plan_calls(est, budget=400, call_s=10, left=900, sitting=SITTING)
-    # sitting 1: 900 - 120 = 780 s; call 1 of 400 s: a, c, d (340); 780 - 340 - 20 = 420 s left: call 2 of 400, b
-    assert plan["sittings"] == [{"left_s": 900, "spare_s": 80, "calls": [
-        {"budget_s": 400, "stages": {"a": 100, "c": 150, "d": 50}, "estimate_s": 340},
-        {"budget_s": 400, "stages": {"b": 300}, "estimate_s": 340}]}]
-    assert plan["too_long"] == {"too_long": 800} and plan["total_s"] == 680 and len(plan["calls"]) == 2
-    # 500 s left: one call of 380 s (a, c, d: 340); b (340 s) waits for the next, whole sitting
-    plan = plan_calls(est, budget=400, call_s=10, left=500, sitting=SITTING)
-    assert [[c["budget_s"] for c in s["calls"]] for s in plan["sittings"]] == [[380], [400]]
-    assert [list(c["stages"]) for c in plan["calls"]] == [["a", "c", "d"], ["b"]]
-    # under min_start_s left: no machine starts, the first sitting holds nothing
-    plan = plan_calls(est, budget=400, call_s=10, left=239, sitting=SITTING)
-    assert plan["sittings"][0] == {"left_s": 239, "calls": [], "spare_s": 239} and len(plan["sittings"]) == 2
-    assert plan_calls({"merge": 30}, budget=400, call_s=10, left=900, sitting=SITTING)["calls"] == []  # all done
-
-
-def test_the_shipped_700m_estimates_put_every_goal_stage_into_one_sitting(tmp_path):
-    """`gpu_calls.py plan --left 900` (gpu_check.sh --plan) with the shipped scripts/gpu_estimates.yaml for 700m:
-    the first 15-minute sitting holds every stage a goal is read from (`first`), the rest follow in calls of <= 540
-    s; each stage's estimate start-up + graphs x compile_s + work; a stage done before is not planned, and one whose
-    artifacts compile_cache.zip holds compiles at cached_compile_fraction."""
-    import zipfile
-
-    from omegaconf import OmegaConf
-
-    from mcar.bench.gpu_check import fingerprint, stages
-
-    calls = load_gpu_calls()
-    overrides = ["experiment=paper", "model=700m", f"bench.gpu.dir={tmp_path}"]
-    cfg = compose("bench", overrides)
-    plan = calls.main(["plan", "--budget", "540", "--left", "900", *overrides])
-    assert all(c["estimate_s"] <= c["budget_s"] <= 540 for c in plan["calls"]) and not plan["too_long"]
-    assert sorted(s for c in plan["calls"] for s in c["stages"]) == sorted(stages(cfg))
-    e = OmegaConf.load(calls.ESTIMATES)
-    first = plan["sittings"][0]
-    assert [s for c in first["calls"] for s in c["stages"]] == list(e.first)  # every goal in the first sitting
-    assert e.sitting.machine_start_s + sum(c["estimate_s"] + e.sitting.gap_s for c in first["calls"]) <= 900
-    assert list(plan["calls"][0]["stages"]) == ["train_causal", "train_diagd", "sampler_diagd_16f"]
-    assert plan["arithmetic"]["sampler_ntp_16f"] == "205 = 25 start-up + 2 model x 60 + 60 work"
-    assert int(plan["arithmetic"]["sampler_ntp_16f"].split()[0]) == \
-        e.startup_s + 2 * e.compile_s.model + e.stages.sampler_ntp_16f.work_s
-    assert "sitting 2, 900 s" in plan["text"] and "call 2, --budget 260, ~215 s: play 170" in plan["text"]
-    assert "of commands, plus 3 machine start(s)" in plan["text"]
-    assert re.search(r"sampler_diagd_16f +165 = 25 start-up", plan["text"])
-
-    stage_json(tmp_path, "train_causal", fingerprint(cfg, overrides), {})  # done by this run
-    with zipfile.ZipFile(tmp_path / calls.COMPILE_CACHE, "w") as z:
-        z.writestr("sampler_ntp_16f.bin", b"artifacts")
-    plan = calls.main(["plan", "--budget", "540", *overrides])
-    assert plan["done"] == ["train_causal"] and "train_causal" not in plan["arithmetic"]
-    assert plan["arithmetic"]["sampler_ntp_16f"] == "115 = 25 start-up + 2 model x 15 + 60 work (compile cached)"
-
-
-def test_compile_cache_keeps_one_member_per_stage_and_loads_them_all(tmp_path, monkeypatch):
-    """save_compile_cache adds this process's artifacts (torch.compiler.save_cache_artifacts, faked here) as the
-    stage's member of compile_cache.zip, replacing its older one; load_compile_cache loads every member; a damaged
-    file or a torch without the API is a one-line note, never an error."""
-    calls = load_gpu_calls()
-    COMPILE_CACHE, cached_stages = calls.COMPILE_CACHE, calls.cached_stages
-    load_compile_cache, save_compile_cache = calls.load_compile_cache, calls.save_compile_cache
-    made, loaded = [], []
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: made.pop())
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or "info")
-
-    def save(stage, artifacts):
-        made.append(None if artifacts is None else (artifacts, "info"))  # what save_cache_artifacts returns
-        return save_compile_cache(tmp_path, stage)
-
-    assert load_compile_cache(tmp_path) == "no compile_cache.zip yet: compiled cold"
-    assert cached_stages(tmp_path) == set()
-    assert save("train_causal", b"train graphs").startswith("saved 0.0 MiB of artifacts")
-    assert save("flex", None) == "nothing compiled: nothing saved"
-    save("sampler_ntp_4f", b"sampler graphs")
-    save("train_causal", b"train graphs, again")
-    assert cached_stages(tmp_path) == {"train_causal", "sampler_ntp_4f"}
-    assert load_compile_cache(tmp_path).startswith("loaded 2 of 2 stages' artifacts")
-    assert sorted(loaded) == [b"sampler graphs", b"train graphs, again"]
-
-    (tmp_path / COMPILE_CACHE).write_bytes(b"half a zip")
-    assert load_compile_cache(tmp_path).startswith("compile_cache.zip unreadable (") and not cached_stages(tmp_path)
-    monkeypatch.delattr(torch.compiler, "save_cache_artifacts")
-    monkeypatch.delattr(torch.compiler, "load_cache_artifacts")
-    assert "has no torch.compiler.save_cache_artifacts: nothing saved" in save_compile_cache(tmp_path, "flex")
-    assert "has no torch.compiler.load_cache_artifacts: compiled cold" in load_compile_cache(tmp_path)
-
-
-def test_a_stage_stopped_by_sigterm_still_saves_what_it_compiled(tmp_path, monkeypatch):
-    """`timeout` stops a stage with SIGTERM, 30 s before its kill: the stage's compile artifacts are saved first
-    (the redo compiles from cache), no stage JSON is written, and the previous SIGTERM handler is back (the stop
-    itself is every tool's: mcar.stopping, as `gpu_calls.py stage` runs one)."""
-    import signal
-
-    from mcar.bench import gpu_check
-
-    calls = load_gpu_calls()
-    saved = []
-
-    def stopped_by_timeout(cfg, out):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the handler runs at the next bytecode
-
-    monkeypatch.setattr(gpu_check, "memory_check", stopped_by_timeout)
-    monkeypatch.setattr(calls, "save_compile_cache", lambda out, stage: saved.append(stage) or "saved")
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as stop:
-        calls.main(["stage", "memory", *TINY, f"bench.gpu.dir={tmp_path}"])
-    assert stop.value.code == 128 + signal.SIGTERM and saved == ["memory"]
-    assert not (tmp_path / "memory.json").exists() and signal.getsignal(signal.SIGTERM) is previous
-
-
-def test_compile_cache_round_trip_lets_a_fresh_machine_compile_from_cache(tmp_path, monkeypatch):
-    """Real inductor artifacts on CPU: a compile with an empty inductor cache directory misses and its artifacts are
-    saved; another empty directory (a fresh machine) that loads compile_cache.zip first hits the cache."""
-    from torch._dynamo.utils import counters
-
-    calls = load_gpu_calls()
-    load_compile_cache, save_compile_cache = calls.load_compile_cache, calls.save_compile_cache
-
-    def compile_on(machine):
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / machine))
-        torch._dynamo.reset()
-        counters.clear()
-        note = load_compile_cache(tmp_path)
-        torch.compile(lambda x: (x * 2 + 1).sin(), dynamic=False)(torch.ones(8))
-        return note, counters["aot_autograd"]["autograd_cache_hit"]
-
-    assert compile_on("machine1") == ("no compile_cache.zip yet: compiled cold", 0)
-    assert save_compile_cache(tmp_path, "flex").startswith("saved ")
-    note, hits = compile_on("machine2")
-    assert note.startswith("loaded 1 of 1 stages' artifacts") and hits == 1
-    torch._dynamo.reset()
-
-
+# ---- what a sampler stage compiles ------------------------------------------------------------------------------
 def test_a_compiled_sampler_stage_compiles_the_generation_step_alone(monkeypatch):
     """A sampler stage with the sampler compiled (CUDA's path; forced on CPU here, dynamo with a counting backend,
     no inductor) compiles only generate's step: the bare forwards (another function, so other whole-model graphs,
@@ -598,7 +439,7 @@ def test_a_compiled_sampler_stage_compiles_the_generation_step_alone(monkeypatch
 
 
 def test_every_training_variant_composes_with_train_py():
-    """The variants a sitting times (bench.gpu.variants) are train.py overrides that compose and mean what they say;
+    """The variants the GPU check times (bench.gpu.variants) are train.py overrides that compose and mean what they say;
     --tiny skips some, so a typo there would otherwise surface only on the GPU."""
     from .conftest import compose
 

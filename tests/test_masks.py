@@ -1,4 +1,4 @@
-"""Mask factories on an accelerator: a training step copies nothing from the host (issue 1/5 item 4).
+"""Mask factories on an accelerator: a training step copies nothing from the host.
 
 A copy from pageable host memory to a GPU waits for the GPU (a host sync), so the factories copy their constant
 tensors (coordinates, gather indices, loss masks) to a device once and reuse them. Checked on the meta device,
@@ -81,7 +81,7 @@ def test_next_token_targets_keep_image_slots_only():
         assert torch.equal(batch.targets[:, p], want), p
 
 
-# ------------------------------------------------------------------------------- attention paths (issue 1/5 round 2)
+# ------------------------------------------------------------------------------- attention paths
 @pytest.mark.parametrize("device, backend, causal, diagd", [
     ("cpu", "auto", "is_causal", "dense"), ("cuda", "auto", "is_causal", "flex"),
     ("cuda", "sdpa", "is_causal", "dense"),
@@ -129,7 +129,7 @@ def test_flex_gets_the_kernel_options_on_cuda_only(monkeypatch):
 
 
 def rule_as_written(feed_pass, pos, is_proxy, full):
-    """docs/diagd.md section 5, element by element: the oracle of the packed mask_mod."""
+    """Docs/diagd.md section 5, element by element: the oracle of the packed mask_mod."""
     n = len(pos)
     out = torch.zeros(n, n, dtype=torch.bool)
     for q in range(n):

@@ -1,4 +1,4 @@
-"""An independent oracle for the mask factories (issue 13, items 5 and 6).
+"""An independent oracle for the mask factories.
 
 The oracle is a literal, pass-by-pass event simulation of the DiagD sampler written from docs/diagd.md
 sections 1-5 alone, in plain Python (ints, lists, sets, dicts). It shares no code with the schedule, the
@@ -384,7 +384,7 @@ def test_causal_factory_matches_oracle(h, w, n_a, action_loss):
 @pytest.mark.parametrize("variant", ["diagd", "diagd_full"])
 @pytest.mark.parametrize("h, w, n_a", [(2, 3, 0), (3, 4, 2), (4, 2, 1)])
 def test_k_equal_w_spatial_only_is_ntp(variant, h, w, n_a):
-    """docs/diagd.md section 4: k = w with d = s_spa is exactly NTP: no proxies, the causal mask and targets."""
+    """Docs/diagd.md section 4: k = w with d = s_spa is exactly NTP: no proxies, the causal mask and targets."""
     for T, P in FRAMES:
         cfg = Config(h, w, n_a, T, P, w, None, variant=variant)
         orc = oracle(cfg)
@@ -508,7 +508,7 @@ def test_mutation_proxies_left_in_the_cache_is_detected(monkeypatch):
 
 
 def test_mutation_full_drops_position_rule_in_the_pass_is_detected(monkeypatch):
-    """diagd_full may see later positions from earlier passes only, never later positions of its own pass."""
+    """Diagd_full may see later positions from earlier passes only, never later positions of its own pass."""
     def mutate(mp):
         def wrap(table, mod):
             F, proxy = table.feed_pass, table.is_proxy
@@ -599,10 +599,10 @@ def _d(c: Config) -> int:
 # these; each rule (i)-(iii) leaks in every such configuration; none in diagd or causal. They must be rejected
 # (ValueError) or made exact.
 KNOWN_LEAKS = {
-    # (i) the issue: a row start's predictor c[t,i-1,w-1] is fed after c[t,i,0] and, full, sees it
+    # (i) a row start's predictor c[t,i-1,w-1] is fed after c[t,i,0] and, full, sees it
     "diagd_full, proxy_slots=False, h >= 2, k <= w-2":
         lambda c: c.variant == "diagd_full" and not c.proxy_slots and c.h >= 2 and c.k <= c.w - 2,
-    # (ii) the issue: the last image token c[t,h-1,w-1] predicts a[t,0], fed earlier (pass (t+1-P)*d)
+    # (ii) the last image token c[t,h-1,w-1] predicts a[t,0], fed earlier (pass (t+1-P)*d)
     "diagd_full, action_loss=True, n_a >= 1, d < s_spa":
         lambda c: c.variant == "diagd_full" and c.action_loss and c.n_a >= 1 and _d(c) < c.s_spa,
     # (iii) found here: a frame start c[t,0,0] (n_a = 0) is fed in pass (t-P)*d+1, before its predictor
@@ -663,7 +663,7 @@ def test_leak_check_notices_a_leak(monkeypatch):
 
 
 def test_known_leaking_combinations_are_rejected_or_exact():
-    """The issue's leaking combinations: the factory must refuse them (ValueError) or not leak."""
+    """The known leaking combinations: the factory must refuse them (ValueError) or not leak."""
     configs = [c for c in leak_grid([(2, 2, 0), (2, 3, 1), (3, 4, 0), (2, 4, 2)], [(2, 1), (3, 1), (3, 2)])
                if any(rule(c) for rule in KNOWN_LEAKS.values())]
     assert all(any(rule(c) for c in configs) for rule in KNOWN_LEAKS.values())

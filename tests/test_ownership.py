@@ -1,4 +1,4 @@
-"""A run owns its directories (issue 15 items 3, 4): a second live run is refused naming the owner, a killed
+"""A run owns its directories: a second live run is refused naming the owner, a killed
 run's lock is taken over, an unwritable location fails before any work, a fresh run never writes beside another
 run's checkpoints."""
 import json
@@ -63,7 +63,7 @@ time.sleep(120)
 @pytest.mark.parametrize("fork", ["os.fork", "multiprocessing"])
 def test_a_killed_runs_lock_is_free_at_once_while_its_forked_children_live(tmp_path, fork):
     """A flock belongs to the open file, which forked children share: the lock outlived a kill -9 of its run for as
-    long as the run's loader workers lived, and the resume was refused (issue 37)."""
+    long as the run's loader workers lived, and the resume was refused."""
     owner = subprocess.Popen([sys.executable, "-c", _FORKING_OWNER, str(tmp_path), fork], stdout=subprocess.PIPE,
                              text=True, cwd=REPO, env=script_env())
     lines = sorted(owner.stdout.readline().split() for _ in range(2))  # the child's line and its pid, either order
@@ -193,7 +193,7 @@ def test_our_errors_end_with_their_message_not_a_traceback(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- silent surprises
 def test_surprises_are_messages(tmp_path, tiny_checkpoint, capsys):
-    """Issue 15 item 6: each of these used to pass silently or with torch's own text (the commands' main, in this
+    """Each of these used to pass silently or with torch's own text (the commands' main, in this
     process: the output of a failed command is test_our_errors_end_with_their_message_not_a_traceback's)."""
     from mcar.tools.finetune import main as finetune
     from mcar.tools.train import main as train

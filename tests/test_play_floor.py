@@ -1,4 +1,4 @@
-"""The bandwidth floor of play (mcar.core.flops.play_floor): the issue's 700m numbers, and what GQA buys."""
+"""The bandwidth floor of play (mcar.core.flops.play_floor): the 700m numbers, and what GQA buys."""
 import pytest
 
 from mcar.core.flops import play_floor
@@ -14,7 +14,7 @@ def arch(n_kv_heads: int) -> ModelConfig:
 
 def test_700m_play_floor_at_context_16_on_an_h100_sxm():
     """700m MHA, context 16, k=2 on 3.35 TB/s: one session's K/V ring is 0.91 GB, its floor ~25.8 frames/s, 16
-    sessions' ~66 in all (4/5's figures, computed by hand); GQA with 4 KV heads cuts the ring 8x and lifts the
+    sessions' ~66 in all (computed by hand); GQA with 4 KV heads cuts the ring 8x and lifts the
     16-session floor 5x."""
     one, many = play_floor(arch(32), MC_AR, 16, 1, 3.35e12), play_floor(arch(32), MC_AR, 16, 16, 3.35e12)
     assert one["kv_bytes_per_session"] == pytest.approx(0.91e9, rel=0.01) and one["passes_per_frame"] == 50

@@ -38,18 +38,20 @@ def test_file_references_in_code_and_docs_point_inside_the_repository():
 
 
 def test_what_is_inside_names_every_module():
-    """README's "What is inside" tree names every module of the package (a new module is added to the map)."""
-    readme = (REPO / "README.md").read_text()
+    """docs/architecture.md's "What is inside" tree names every module of the package (a new module is added to the
+    map)."""
+    readme = (REPO / "docs" / "architecture.md").read_text()
     start = readme.index("## What is inside")
     inside = readme[start:readme.index("\n\n", readme.index("pre-commit install", start))]  # the tree
     modules = sorted({p.stem for p in (REPO / "mcar").rglob("*.py") if p.stem != "__init__"})
     unnamed = [m for m in modules if not re.search(rf"\b{re.escape(m)}\b", inside)]
-    assert not unnamed, f"README's 'What is inside' does not name: {unnamed}"
+    assert not unnamed, f"docs/architecture.md's 'What is inside' does not name: {unnamed}"
 
 
 def test_a_sampler_option_lives_in_the_sampler_and_its_config():
-    """README "Where do I add X": a sampler option is a ScheduleSampler keyword checked by check_settings, with its
-    default in conf/sampler/shared.yaml; every sampler config takes it, and nothing else lists options."""
+    """docs/architecture.md "Where do I add X": a sampler option is a ScheduleSampler keyword checked by
+    check_settings, with its default in conf/sampler/shared.yaml; every sampler config takes it, and nothing else
+    lists options."""
     import inspect
 
     from omegaconf import OmegaConf

@@ -120,7 +120,7 @@ def test_rollout_equals_the_windowed_schedule(model, name, kw, sampling):
 
 @pytest.mark.parametrize("sampling", SAMPLING)
 def test_split_kv_rollout_equals_the_unsplit_one(model, sampling, monkeypatch):
-    """sampler.kv_splits=3: every cached pass of a rolling rollout reads the ring in 3 slices (flash-decoding) and
+    """Sampler.kv_splits=3: every cached pass of a rolling rollout reads the ring in 3 slices (flash-decoding) and
     gives the tokens of one attention call, eager and static."""
     clip = clip_for(LAYOUT, N)
     for static in (False, True):
@@ -189,7 +189,7 @@ def test_rolling_static_step_compiles_once_for_every_frame(model, monkeypatch):
 
 
 def test_static_rollout_passes_are_staged_at_fixed_addresses_with_nothing_built_per_frame(model, monkeypatch):
-    """4/5 item 1: past the warm-up every pass the static (compiled) step takes reads its inputs from one set of
+    """Past the warm-up every pass the static (compiled) step takes reads its inputs from one set of
     tensors per pass shape, marked static (CUDA graphs copy any other input at every replay), the mask already the
     attention bias, and no tensor is made on the host per pass (torch.tensor: a host-to-device copy and a host sync
     per pass on CUDA); the tokens equal the eager rollout's far past the reference clip."""
@@ -232,7 +232,7 @@ def test_rolling_settings_are_checked():
 @pytest.mark.skipif(not (REPO / "checkpoints/shipped/crafter_tiles_diagd/last.ckpt").exists(),
                     reason="the shipped checkpoint is not in this checkout")
 def test_generate_rolls_past_the_checkpoints_clip_length(tmp_path):
-    """mcar generate frames=N on the shipped model (trained on 3-frame clips): the window defaults to the
+    """Mcar generate frames=N on the shipped model (trained on 3-frame clips): the window defaults to the
     checkpoint's clip_frames, every frame costs the schedule's d passes, the ground truth's actions drive it."""
     from mcar.tools.generate import generate
 

@@ -62,7 +62,7 @@ def test_static_equals_eager_for_the_same_seed(model, name):
 
 
 def test_bucketed_shapes_fit_the_paper_geometry():
-    """h=14, w=24, n_a=11, 16 frames: tens of buckets, not one shape padded to the widest pass and the whole cache."""
+    """H=14, w=24, n_a=11, 16 frames: tens of buckets, not one shape padded to the widest pass and the whole cache."""
     layout = Layout(14, 24, 11)
     N = layout.n_slots(16)
     expect = {"ntp": (ScheduleSampler.ntp(layout, 16), 30), "diagd k=2": (ScheduleSampler(layout, 16, k=2), 46)}
@@ -126,7 +126,7 @@ def test_compile_auto_is_on_for_cuda_only(model):
 
 
 def test_generate_reuses_a_fitting_cache(model):
-    """setup_cache=True keeps a cache of the right shape (zeroed in place): compiled CUDA graphs read its buffers."""
+    """Setup_cache=True keeps a cache of the right shape (zeroed in place): compiled CUDA graphs read its buffers."""
     layout = Layout(3, 4, 2)
     s = ScheduleSampler(layout, T, k=2, temperature=0)
     a, _ = s.generate(model, clip_for(layout))
@@ -218,7 +218,7 @@ def test_compiled_step_reads_every_input_at_a_fixed_address(model, monkeypatch):
 
 def test_compiled_step_takes_no_python_float_as_a_graph_input(model, monkeypatch):
     """The model's floats (RMSNorm eps) are constants of the graph: under dynamic=True each was a CPU float64 input,
-    a host kernel and a host-to-device copy before every CUDA graph replay (issue 1/5 round 2 item 3)."""
+    a host kernel and a host-to-device copy before every CUDA graph replay."""
     torch._dynamo.reset()
     inputs = []
 
@@ -239,7 +239,7 @@ def test_compiled_step_takes_no_python_float_as_a_graph_input(model, monkeypatch
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("g++") and not shutil.which("c++"), reason="inductor on CPU needs a C++ compiler")
 def test_compiled_on_cpu_gives_the_eager_tokens(model):
-    """sampler.compile=true on CPU: real inductor with its C++ wrapper (CPU_COMPILE_OPTIONS), the same tokens as eager
+    """Sampler.compile=true on CPU: real inductor with its C++ wrapper (CPU_COMPILE_OPTIONS), the same tokens as eager
     (greedy: float rounding of fused kernels cannot flip a keyed draw's argmax here unless two logits tie)."""
     torch._dynamo.reset()
     layout = Layout(3, 4, 2)

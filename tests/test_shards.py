@@ -1,4 +1,4 @@
-"""Issue 3/5 item 3: a bad token shard is refused at start, naming the file, the field and (for an id) the frame;
+"""A bad token shard is refused at start, naming the file, the field and (for an id) the frame;
 it used to train silently (a negative action id became an image token, a float shard was truncated to zeros) or
 fail deep inside torch. A shard is read in full once, when the index is built: a start with a current index reads
 none."""
@@ -127,7 +127,7 @@ def test_verify_shards_reads_every_shard_whatever_the_index_says(tmp_path):
 
 
 def test_a_same_size_shard_swapped_after_indexing_is_caught_at_the_clip_that_reads_it(tmp_path):
-    """The index's id ranges are trusted at start; a clip's own ids are not (issue 34 item 3: ids >= codebook_size
+    """The index's id ranges are trusted at start; a clip's own ids are not (ids >= codebook_size
     were action ids, trained on silently)."""
     write(tmp_path, "e")
     entries = {e["name"]: e for e in build_index(tmp_path, {})["episodes"]}

@@ -1,4 +1,4 @@
-"""Issue 15 item 7, short form of `mcar soak`: kill -9 a training run at random moments, resume it each
+"""The short form of `mcar soak`: kill -9 a training run at random moments, resume it each
 time; every step's loss and the final weights equal an uninterrupted run's (the long form is in BENCHMARKS.md)."""
 import json
 

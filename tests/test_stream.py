@@ -1,4 +1,4 @@
-"""Issue 5/5 items 2-3: the LitData stream (packed from token shards, split across ranks, resumed mid-epoch and at an
+"""The LitData stream (packed from token shards, split across ranks, resumed mid-epoch and at an
 epoch's end exactly, soaked) and the tokeniser over several devices (Lightning Fabric) with its throughput."""
 import json
 import os
@@ -134,7 +134,7 @@ def copied_stream(stream, tmp_path) -> Path:
 
 
 def test_a_stream_declaring_pickled_fields_is_refused_before_any_item_is_read(stream, tmp_path):
-    """LitData unpickles a field its index.json calls "pickle": a crafted stream ran its payload (issue 34 item 1)."""
+    """LitData unpickles a field its index.json calls "pickle": a crafted stream ran its payload."""
     copy = copied_stream(stream, tmp_path)
     index = copy / "train" / "index.json"
     config = json.loads(index.read_text())
@@ -199,7 +199,7 @@ def test_pack_json_goes_to_and_comes_from_the_object_store_beside_a_url_stream(t
 
 
 def test_a_stale_index_is_rebuilt_before_packing_or_refused(tmp_path):
-    """pack_stream packs what is on disk: shards added since the index was built (a killed tokeniser's) are packed
+    """Pack_stream packs what is on disk: shards added since the index was built (a killed tokeniser's) are packed
     too; without a meta.json to rebuild the index with, a stale index is refused, naming the folder."""
     from mcar.data.stream import pack_stream
 
@@ -226,7 +226,7 @@ def test_data_stream_composes_with_the_training_config():
 
 @pytest.mark.slow
 def test_soak_kills_and_resumes_a_stream_bit_identically(stream, tmp_path):
-    """Issue 5/5: the soak test passes on the stream too (two loader workers; 121 clips of batch 2: the 130 steps
+    """The soak test passes on the stream too (two loader workers; 121 clips of batch 2: the 130 steps
     cross two epoch ends)."""
     _, stream_dir, _ = stream
     geometry = [f"data.{k}={v}" for k, v in GEOMETRY.items()]
@@ -285,8 +285,8 @@ def test_tokenize_over_two_devices_writes_what_one_does_and_a_stream(tmp_path):
 
 
 def test_each_pack_stages_its_chunks_in_its_own_folder_and_removes_it(stream, tmp_path, monkeypatch):
-    """LitData empties one machine-wide /tmp/chunks at each optimize's start: two packs at once broke each other
-    (issue 34 item 5). Each pack now has its own staging folders, gone afterwards, the caller's settings restored."""
+    """LitData empties one machine-wide /tmp/chunks at each optimize's start: two packs at once broke each other.
+    Each pack now has its own staging folders, gone afterwards, the caller's settings restored."""
     import litdata
 
     from mcar.data.stream import pack_stream
@@ -311,7 +311,7 @@ def test_each_pack_stages_its_chunks_in_its_own_folder_and_removes_it(stream, tm
 
 
 def test_a_pack_cut_off_by_a_full_disk_leaves_the_old_stream_whole(stream, tmp_path, monkeypatch):
-    """LitData's traceback, partial chunks in the output (issue 34 item 11): now one line, the old stream as it was."""
+    """LitData's traceback, partial chunks in the output: now one line, the old stream as it was."""
     import errno
 
     import litdata
@@ -336,7 +336,7 @@ def test_a_pack_cut_off_by_a_full_disk_leaves_the_old_stream_whole(stream, tmp_p
 
 def test_a_pack_that_cannot_fit_its_disk_is_refused_in_one_line_before_litdata_starts(stream, tmp_path,
                                                                                        monkeypatch):
-    """A full disk found inside LitData's workers prints their tracebacks (issue 45 item 5): the pack's size is
+    """A full disk found inside LitData's workers prints their tracebacks: the pack's size is
     checked against the free space first; with room, it packs."""
     import shutil
     from collections import namedtuple
@@ -358,7 +358,7 @@ def test_a_pack_that_cannot_fit_its_disk_is_refused_in_one_line_before_litdata_s
 
 
 def test_a_pack_removes_what_a_killed_pack_left_behind(stream, tmp_path):
-    """kill -9 during a pack leaves its staging folder beside the stream and its /tmp/mcar-pack-<pid>-* folder; the
+    """Kill -9 during a pack leaves its staging folder beside the stream and its /tmp/mcar-pack-<pid>-* folder; the
     next pack of that stream removes both (a live pack's cache folder stays)."""
     import subprocess
     import tempfile

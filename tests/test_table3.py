@@ -1,5 +1,6 @@
-"""Crafter table 3 (mcar/tools/table3.py): the gap formula, the RESULTS.md section, config checks, and the whole
-pipeline (pre-train, IDM, evaluations, three fine-tunings, table) on a tiny synthetic setting, re-run = no-op."""
+"""Crafter table 3 (mcar/tools/table3.py): the gap formula, the table (its run folder's table3.md), config checks,
+and the whole pipeline (pre-train, IDM, evaluations, three fine-tunings, table) on a tiny synthetic setting,
+re-run = no-op."""
 import json
 import math
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mcar.tools.table3 import compose_experiment, gap_closed, update_section
+from mcar.tools.table3 import compose_experiment, gap_closed
 
 from .conftest import SMALL_DATA, run_script
 
@@ -114,18 +115,6 @@ def test_a_run_from_scratch_gets_equal_total_steps_and_is_compared_with_its_fine
         in "\n".join(lines)
 
 
-def test_update_section_replaces_only_its_own_section(tmp_path):
-    md = tmp_path / "RESULTS.md"
-    md.write_text("# Results\n\nhand-written intro\n")
-    sec = lambda name, body: f"<!-- table3:{name} start -->\n{body}\n<!-- table3:{name} end -->\n"
-    update_section(md, "a", sec("a", "one"))
-    update_section(md, "b", sec("b", "two"))
-    update_section(md, "a", sec("a", "three"))
-    text = md.read_text()
-    assert text.startswith("# Results\n\nhand-written intro\n") and text.count("table3:a start") == 1
-    assert "three" in text and "one" not in text and text.index("three") < text.index("two")
-
-
 def test_experiment_configs_compose_and_bad_blocks_name_the_field():
     cpu = compose_experiment(["experiment=crafter_table3_cpu"])
     gpu = compose_experiment(["experiment=crafter_table3"])
@@ -202,12 +191,13 @@ def test_pipeline_writes_results_and_a_rerun_skips_every_stage(tmp_path):
     assert set(res["gap"]) >= {"token_acc", "loss_tf"}
     assert set(res["gap_closed"]) == {"diagd_proxy", "causal"} and set(res["versus_control"]) == {"diagd_proxy"}
     assert res["facts"]["params"] > 0 and res["facts"]["pretrain_steps"] == 4
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert text.count("<!-- table3:crafter_table3_cpu start") == 1 and "| ft_" not in text
+    text = (out / "table3.md").read_text()
+    assert not (tmp_path / "RESULTS.md").exists()  # the table is the run's: a doc quoting it is edited by hand
+    assert text.startswith("## crafter_table3_cpu: ") and "| ft_" not in text
     assert "fine-tuned 2 steps: mask=diagd (2 seeds) | diagd k=2 |" in text
     assert "against the causal control (causal)" in text and "- diagd_proxy " in text
     assert "| reference, no model | copy_last | n/a |" in text and "| 1.000 |" in text
 
-    again = run_script(*args, timeout=600)  # every stage done: nothing re-runs, the section is rewritten once
+    again = run_script(*args, timeout=600)  # every stage done: nothing re-runs, the same table is written again
     assert again.stdout.count("skipped") == len(state)
-    assert (tmp_path / "RESULTS.md").read_text().count("<!-- table3:crafter_table3_cpu start") == 1
+    assert (out / "table3.md").read_text() == text

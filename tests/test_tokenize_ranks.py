@@ -1,4 +1,4 @@
-"""Issue 5/5 item 3: the tokeniser over several ranks reads no shard back. Each rank describes the shards it wrote
+"""The tokeniser over several ranks reads no shard back. Each rank describes the shards it wrote
 (from memory) in its part of the index; rank 0 merges the parts into the index one rank writes, reading no shard;
 a killed rank's shards are picked up by the next run; the ranks' skipped episodes count as skipped."""
 import json

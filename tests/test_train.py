@@ -20,7 +20,7 @@ from .conftest import SMALL_DATA, compose, job_overrides, run_in_process, run_sc
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """step -> train loss from the CSV logger of a run."""
+    """Step -> train loss from the CSV logger of a run."""
     rows = csv.DictReader(open(next(run_dir.glob("csv/version_*/metrics.csv"))))
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
@@ -33,7 +33,7 @@ PER_STEP_FLOATS = {"train/lr", "perf/tokens_per_s", "perf/step_ms", "perf/mfu"}
 
 
 def test_python_floats_are_logged_only_on_the_steps_lightning_writes(tmp_path, monkeypatch):
-    """Issue 1/5 item 4: Lightning makes each logged Python float a device tensor, a host-to-device copy that
+    """Lightning makes each logged Python float a device tensor, a host-to-device copy that
     waits for the GPU. lr, throughput and MFU are logged on the steps whose log line is written (every
     log_every_n_steps), and the log lines still hold them."""
     module = build_module(compose("train", [*SMALL_DATA, "peak_flops=1e12"]))
@@ -91,7 +91,7 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
 
 
 def val_losses(config_name: str, overrides: list[str], ckpt: Path, **schedule) -> dict[str, float]:
-    """val/loss and val/loss_diagd of a checkpoint on the run's validation clips (one batch), recomputed here with
+    """Val/loss and val/loss_diagd of a checkpoint on the run's validation clips (one batch), recomputed here with
     the module that mcar.eval.evaluate rebuilds from the checkpoint's hyperparameters (`schedule`: fields changed)."""
     cfg = compose(config_name, overrides)
     data = hydra.utils.instantiate(cfg.data, _recursive_=False)
@@ -109,7 +109,7 @@ def val_losses(config_name: str, overrides: list[str], ckpt: Path, **schedule) -
 
 
 def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path, tiny_checkpoint):
-    """Issue 13 item 1: `finetune.py mask=diagd schedule.k=4` trains, validates (val/loss_diagd) and samples the
+    """`finetune.py mask=diagd schedule.k=4` trains, validates (val/loss_diagd) and samples the
     dashboard's DiagD on k=4, the one schedule."""
     overrides = ["mask=diagd", "steps=20", *SMALL_DATA, "schedule.k=4", "val_dashboard.min_steps=0"]
     run_script("finetune.py", *overrides, *job_overrides(tmp_path, "ft"), f"init_from={tiny_checkpoint}", "logger=csv",
@@ -267,8 +267,8 @@ def test_a_kill_between_a_checkpoint_and_its_log_line_loses_no_step(tmp_path):
 
 @pytest.mark.slow
 def test_finetune_diagd_on_the_default_crafter_data(tmp_path):
-    """The issue's check: `finetune.py mask=diagd` on the default (Crafter) data on CPU, validation reporting both
-    the causal and the DiagD loss. A small Crafter set and a few steps (the issue ran 20); the commands' main in this
+    """`finetune.py mask=diagd` on the default (Crafter) data on CPU, validation reporting both
+    the causal and the DiagD loss. A small Crafter set and a few steps; the commands' main in this
     process."""
     crafter = ["data=crafter", f"paths.data_dir={tmp_path}/data", "data.episodes=3", "data.frames_per_episode=12",
                "data.workers=1", "data.val_episodes=1", "data.val_clips=1", "data.clip_frames=3",
@@ -299,7 +299,7 @@ def test_piped_training_shows_progress(tmp_path):
 
 
 def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path, tiny_checkpoint, capsys):
-    """Issue 4/5 item 3: `finetune`, `generate` and `evaluate` (its schedule too) after `train data=synthetic ...`
+    """`finetune`, `generate` and `evaluate` (its schedule too) after `train data=synthetic ...`
     need no data= repeated (they
     used to fail: "init_from ... was trained with data.n_a=2, but this run has data.n_a=1"); an override that
     conflicts is still named. The commands' main, in this process."""
@@ -334,7 +334,7 @@ def test_a_checkpoint_carries_its_data_config_to_finetune_and_generate(tmp_path,
 
 
 def test_dashboard_token_accuracy_counts_generated_frames_only():
-    """With two prompt frames the copied second prompt frame used to count as correctly generated (issue 33 item 3)."""
+    """With two prompt frames the copied second prompt frame used to count as correctly generated."""
     from mcar.core.agreement import generated_agreement
 
     lay, frames = Layout(3, 4, 2), 4

@@ -1,4 +1,4 @@
-"""Issue 3/5 item 1: no file a user may get from elsewhere runs code. Each loader is fed a torch.save'd object whose
+"""No file a user may get from elsewhere runs code. Each loader is fed a torch.save'd object whose
 unpickling would create a marker file (as `os.system` would run anything): every one refuses it, naming the file,
 and no marker appears. Genuine files (the shipped model and IDM) still load. `run_name` cannot leave the checkpoint
 root."""
@@ -86,7 +86,7 @@ def sharded_checkpoint(folder: Path) -> Path:
 
 
 def test_a_sharded_ckpt_path_is_read_as_data_before_torch_unpickles_its_metadata(hostile, tmp_path):
-    """torch.distributed.checkpoint reads a sharded folder's .metadata with plain pickle: train's resume refuses a
+    """Torch.distributed.checkpoint reads a sharded folder's .metadata with plain pickle: train's resume refuses a
     .metadata (or meta.pt) holding code before Lightning gets the folder; a genuine one passes."""
     import pickle
 
@@ -126,7 +126,7 @@ def test_soak_reads_its_checkpoints_as_weights_only(hostile):
 
 
 def test_a_vq_folder_with_pickled_code_is_refused(hostile, tmp_path):
-    """diffusers reads a VQ's .bin weights with weights_only=True (pinned here: load_vq relies on it)."""
+    """Diffusers reads a VQ's .bin weights with weights_only=True (pinned here: load_vq relies on it)."""
     from mcar.tokenizer.vq_model import load_vq
 
     folder = tmp_path / "vq"
@@ -185,7 +185,7 @@ def tiny_checkpoint(path: Path, edit=lambda hp: None) -> Path:
 
 
 def test_an_arch_that_does_not_fit_the_weights_is_refused_before_anything_is_built(tmp_path, monkeypatch):
-    """A 1 kB edit of arch made mcar allocate 51 GB before comparing it with the weights (issue 34 item 8)."""
+    """A 1 kB edit of arch made mcar allocate 51 GB before comparing it with the weights."""
     import mcar.checkpoint.load as load
 
     path = tiny_checkpoint(tmp_path / "big.ckpt", lambda hp: hp["arch"].update(dim=8192, n_layers=64, mlp_dim=32768))
@@ -221,7 +221,7 @@ def run_tool(tool: str, ckpt: Path, tmp_path: Path):
 
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_a_checkpoints_data_config_naming_code_is_refused(tool, tmp_path):
-    """Issue 3/5: a checkpoint that passes the weights-only load made mcar call what its stored data config named
+    """A checkpoint that passes the weights-only load made mcar call what its stored data config named
     (build_datamodule instantiates it). Its `_target_` keys must be those of mcar/conf/data/<its name>.yaml: the
     refusal names the checkpoint and the field, and nothing runs."""
     marker = tmp_path / "PWNED"
@@ -267,8 +267,8 @@ def test_the_shipped_checkpoints_config_passes_unchanged():
 
 
 def test_a_checkpoint_never_decides_where_data_is_built_or_how_its_vq_trains():
-    """data.root and data.vq_train_overrides come from this install's config of the same name (issue 34 items 6, 7:
-    a checkpoint chose where generate built data, and its override strings reached the VQ job's compose())."""
+    """data.root and data.vq_train_overrides come from this install's config of the same name (a checkpoint
+    chose where generate built data, and its override strings reached the VQ job's compose())."""
     from mcar.checkpoint.config import checkpoint_group_config
     from mcar.checkpoint.io import load_checkpoint
 
@@ -348,7 +348,7 @@ def test_the_sweeps_table_is_never_left_half_written(tmp_path, monkeypatch):
 
 
 def test_command_line_overrides_on_an_adopted_checkpoint_config_parse_as_hydra_parses_them():
-    """finetune init_from=... data.recall={max_actions:5,...}: a mapping on the command line reached the adopted
+    """Finetune init_from=... data.recall={max_actions:5,...}: a mapping on the command line reached the adopted
     data config as the keys 'max_actions:5' (a YAML dotlist), and the data refused them."""
     from omegaconf import OmegaConf
 

@@ -1,4 +1,4 @@
-"""mcar.sampling.WorldModel: one loaded checkpoint every sampling tool shares, and its one window default."""
+"""Mcar.sampling.WorldModel: one loaded checkpoint every sampling tool shares, and its one window default."""
 import pytest
 import torch
 
@@ -43,7 +43,7 @@ def test_generate_batches_and_scores_teacher_forced_on_cpu_tensors(tmp_path):
 
 
 def test_a_long_video_is_decoded_and_written_a_chunk_at_a_time(tmp_path, monkeypatch):
-    """generate frames=N: the side-by-side video is decoded `chunk` frames at a time while the mp4 is written (its
+    """Generate frames=N: the side-by-side video is decoded `chunk` frames at a time while the mp4 is written (its
     memory does not grow with N); the gif keeps the first GIF_FRAMES frames, the mp4 every one."""
     from mcar.core.layout import Layout
     from mcar.tokenizer import pictures
@@ -67,7 +67,7 @@ def test_a_long_video_is_decoded_and_written_a_chunk_at_a_time(tmp_path, monkeyp
 
 
 def test_what_a_checkpoint_asks_for_is_checked_against_this_machine(tmp_path):
-    """5/5 item 4: a checkpoint's clip length asking for a KV cache larger than the machine, and a data config
+    """A checkpoint's clip length asking for a KV cache larger than the machine, and a data config
     asking a sampling tool to build 100,000 episodes, are each refused in one line before any allocation or build."""
     from mcar.sampling.held_out import held_out_data
     from mcar.sampling.world_model import WorldModel

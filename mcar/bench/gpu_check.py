@@ -8,9 +8,9 @@ fake tensors as a cross-check.
 gpu: the check a GPU machine runs first, `mcar bench gpu` (every stage in this process, then the merge), or one
 stage (`bench.gpu.stage=<name>`) writing its own JSON into bench.gpu.dir and `bench.gpu.stage=merge` joining them
 into bench_gpu.{json,md} with the targets. Each stage JSON records the fingerprint of what it measured (model,
-overrides, tiny or not, torch, device); merge refuses stages of different fingerprints. scripts/gpu_check.sh runs
-the stages one process each under a timeout, resumably (scripts/gpu_calls.py: what splitting them over short
-borrowed device calls needs: estimates, the call plan, inductor's artifacts carried between machines).
+overrides, tiny or not, torch, device); merge refuses stages of different fingerprints. `bench.gpu.stage=list`
+prints each stage's state for this run (done, stale: measured by another run, or missing): scripts/gpu_check.sh
+runs the stages not done, one process each under a timeout.
 Stages:
 - train_<mask> (causal, diagd), and train_<variant> for each of bench.gpu.variants (a mask and overrides: the
   training-speed route, e.g. no activation checkpointing with gradient accumulation, flex's USE_TMA): train.py's
@@ -361,7 +361,7 @@ def run_stage(cfg: DictConfig, stage: str, out: Path, overrides: list[str]) -> d
     """One stage -> its JSON (out/<stage>.json, with the fingerprint of `overrides`, the command line's)."""
     t0 = time.perf_counter()
     if stage not in stages(cfg):
-        raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all or merge")
+        raise ValueError(f"bench.gpu.stage={stage!r} is unknown; choose one of {stages(cfg)}, all, merge or list")
     if stage.startswith("train_"):
         result = train_check(cfg, stage.removeprefix("train_"), out, overrides)
     elif stage == "flex":
@@ -389,11 +389,26 @@ def read_stage(out: Path, stage: str) -> dict | None:
     return json.loads(path.read_text())["result"] if path.exists() else None
 
 
+def stage_states(out: Path, names: list[str], fp: dict) -> dict[str, str]:
+    """Each stage: done (its JSON has this fingerprint), stale (a JSON of another fingerprint, or of none) or
+    missing."""
+    states = {}
+    for name in names:
+        path = out / f"{name}.json"
+        states[name] = "missing" if not path.exists() else \
+            "done" if json.loads(path.read_text()).get("fingerprint") == fp else "stale"
+    return states
+
+
 def run_gpu(cfg: DictConfig) -> dict:
-    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), merge, or all (every stage, then merge)."""
+    """bench.gpu.stage: one stage (its JSON in bench.gpu.dir), merge, all (every stage, then merge), or list (each
+    stage's state for this run's fingerprint; runs nothing)."""
     out = Path(cfg.bench.gpu.dir)
     out.mkdir(parents=True, exist_ok=True)
     stage = cfg.bench.gpu.stage
+    if stage == "list":
+        fp = fingerprint(cfg, command_line_overrides())
+        return {"stages": stages(cfg), "state": stage_states(out, stages(cfg), fp), "fingerprint": fp}
     if stage == "all":
         for name in stages(cfg):
             torch.compiler.reset()  # every stage compiles from scratch, as in its own process
@@ -439,7 +454,8 @@ def check_one_fingerprint(out: Path, found: dict[str, dict]) -> None:
 
 
 def check_targets(r: dict, t: DictConfig) -> list[dict]:
-    """The issue's targets, each with its measured value (None where its stage is missing) and whether it is met."""
+    """The targets (bench.gpu.targets), each with its measured value (None where its stage is missing) and whether
+    it is met."""
     rows = []
 
     def add(what, value, target, higher_is_better):

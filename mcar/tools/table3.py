@@ -1,11 +1,11 @@
 """The paper's MC-AR table 3 on Crafter: pre-train, evaluate NTP and DiagD without fine-tuning, fine-tune with
 the DiagD mask (proxy slots), the paper's plain DiagD mask and the causal mask (the control), each once per seed
 (table3.finetune.seeds), evaluate each on the same held-out clips with the sampler it was tuned for, and write the
-table to RESULTS.md: every fine-tuned row pooled over its seeds, the share of the NTP-DiagD gap each fine-tuning
-closes and each DiagD mask against the causal control, with 95% intervals over seeds and clips (a two-level
-bootstrap: the clips paired across models).
+table to outputs/table3/<name>/table3.md (and table3.json): every fine-tuned row pooled over its seeds, the share of
+the NTP-DiagD gap each fine-tuning closes and each DiagD mask against the causal control, with 95% intervals over
+seeds and clips (a two-level bootstrap: the clips paired across models).
 
-    mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h (RESULTS.md)
+    mcar table3 experiment=crafter_table3_cpu        # CPU pipeline check, ~1 h (RESULTS.md, table 3)
     mcar table3 experiment=crafter_table3            # GPU scale
     mcar table3 experiment=crafter_table3_cpu trainer.max_steps=50 table3.finetune.steps=10  # smoke
 
@@ -138,7 +138,7 @@ def python(*args: str) -> list[str]:
 
 
 def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
-    """All stages of the experiment, then the table; -> the RESULTS file written."""
+    """All stages of the experiment, then the table; -> the table written (its run folder's table3.md)."""
     cfg = compose_experiment(overrides)
     t = cfg.table3
     out = Path(cfg.paths.root_dir) / "outputs" / "table3" / t.name
@@ -185,7 +185,7 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
             evaluate(f"scratch_{label}", ckpt, sampler)
     if dry_run:
         return out
-    return write_results(cfg, out, stages.state, Path(cfg.paths.root_dir) / "RESULTS.md", overrides)
+    return write_results(cfg, out, stages.state, overrides)
 
 
 def seeds_of(t: DictConfig) -> list[int]:
@@ -280,7 +280,7 @@ def gap_closed(pre_ntp: dict, pre_diagd: dict, tuned: dict) -> dict:
 
 
 def table_md(rows: list[dict]) -> list[str]:
-    """The RESULTS.md table: setting, sampler, then TABLE_COLUMNS as results.md writes them (headers, digits and
+    """The table3.md table: setting, sampler, then TABLE_COLUMNS as results.md writes them (headers, digits and
     bootstrap intervals from the metric registry); action F1 carries the IDM's ceiling in brackets."""
     head = ["setting", "sampler"] + [("action F1 (GT)" if k == "action_f1" else R.column(k).header)
                                      for k in TABLE_COLUMNS]
@@ -297,7 +297,7 @@ def table_md(rows: list[dict]) -> list[str]:
 
 
 def facts(cfg: DictConfig) -> dict:
-    """Model size, data size, steps and machine, for the RESULTS section."""
+    """Model size, data size, steps and machine, for the table's header."""
     from mcar.checkpoint.io import load_checkpoint
 
     state = load_checkpoint(Path(cfg.checkpoint.dir) / "last.ckpt")
@@ -471,7 +471,8 @@ def verdict(subject: str, other: str, metric: str, versus: dict | None) -> str:
     return f"- {subject} {said} {other} on {metric} ({versus['difference']:+.3f}, [{lo:+.3f}, {hi:+.3f}])."
 
 
-def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path, overrides: list[str]) -> Path:
+def write_results(cfg: DictConfig, out: Path, state: dict, overrides: list[str]) -> Path:
+    """table3.json and table3.md in the run folder `out` (a doc that quotes them is edited by hand)."""
     t = cfg.table3
     rows = model_rows(cfg, out)
     by_key = {r["key"]: r for r in rows}
@@ -483,8 +484,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path, ove
                "seeds": seeds_of(t), "facts": info, "stages": state}
     write_atomic(out / "table3.json", json.dumps(payload, indent=2, default=str))
 
-    lines = [f"<!-- table3:{t.name} start (written by mcar table3; do not edit by hand) -->",
-             f"## {t.name}: {t.label}", "",
+    lines = [f"## {t.name}: {t.label}", "",
              f"Command: `mcar table3 {' '.join(overrides)}`  ",
              f"Machine: {info['machine']}; {info['date']}. {wall_times(state)}", "",
              f"Model: `{info['model']}`, {info['params'] / 1e6:.2f}M parameters ({info['arch']}). "
@@ -498,25 +498,11 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path, ove
              "[low, high]: 95% bootstrap interval over clips, and over seeds for the fine-tuned rows (their values "
              "pool every seed's clips; FVD, action F1, FPS, TP: the mean over seeds). Reference rows: ground_truth "
              "(the held-out clips themselves), copy_last (the last prompt frame repeated: nothing moves), noise "
-             "(random tokens).", "", *gap_lines, "", *scratch_lines, f"<!-- table3:{t.name} end -->"]
-    section = "\n".join(lines) + "\n"
+             "(random tokens).", "", *gap_lines, "", *scratch_lines]
+    section = "\n".join(lines).rstrip("\n") + "\n"
     (out / "table3.md").write_text(section)
-    update_section(results_md, t.name, section)
     print(section, flush=True)
-    return results_md
-
-
-def update_section(path: Path, name: str, section: str) -> None:
-    """Replace this experiment's marked section of RESULTS.md (or append it); the rest is left as written."""
-    start, end = f"<!-- table3:{name} start", f"<!-- table3:{name} end -->"
-    text = path.read_text() if path.exists() else "# Results\n\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        text = head + section + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    return out / "table3.md"
 
 
 def main(argv: list[str] | None = None) -> None:
