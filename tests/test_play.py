@@ -336,16 +336,32 @@ def test_start_frames_from_a_held_out_clip():
 
 def test_the_page_binds_crafter_keys_to_buttons(crafter_files):
     pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
-    from mcar.tools.play import KEYS, build_app, key_script
+    from mcar.tools.play import build_app, key_script, page_controls
 
     s = crafter_session(crafter_files)
-    demo = build_app(s, buttons=["noop", "sleep", "place_stone"], ks=[1, 2, 3])
+    controls = page_controls("crafter")  # Crafter's schema declares its keys and moves
+    demo = build_app(s, buttons=["noop", "sleep", "place_stone"], ks=[1, 2, 3], **controls)
     ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
     assert {"play-move_left", "play-do", "play-sleep", "play-place_stone", "play-reset", "play-frame"} <= ids
-    js = key_script(KEYS)
+    assert "play-make_iron_sword" not in ids  # only the moves, the keys' actions and the buttons asked for
+    js = key_script(controls["keys"])
     table = json.loads(js[js.index("{", js.index("keys =")):js.index(";", js.index("keys ="))])
     assert table["ArrowLeft"] == table["a"] == table["A"] == "move_left" and table[" "] == "do"
     assert table["s"] == "move_down" and table["W"] == "move_up"
+
+
+def test_a_game_of_its_own_gets_a_button_per_action_and_its_schemas_keys():
+    from mcar.tokenizer.actions import action_space
+    from mcar.tools.play import page_actions, page_controls
+
+    schema = {"actions": [{"name": "action", "type": "choice", "choices": ["NOOP", "FIRE", "RIGHT", "LEFT"]}],
+              "moves": ["LEFT", "RIGHT"], "play_keys": [["ArrowLeft", "LEFT"], [" ", "FIRE"]]}
+    controls = page_controls(schema)
+    names, keys = page_actions(list(action_space(schema).names), ["noop", "do", "sleep"], **controls)
+    assert names == ["LEFT", "RIGHT", "FIRE", "NOOP"] and keys == {"ArrowLeft": "LEFT", " ": "FIRE"}
+    crafter = page_actions(list(action_space("crafter").names), ["noop", "sleep"], **page_controls("crafter"))
+    assert crafter[0] == ["move_left", "move_right", "move_up", "move_down", "do", "noop", "sleep"]
+    assert page_controls(None) == {"keys": {}, "moves": ()}
 
 
 @pytest.mark.slow
@@ -357,14 +373,15 @@ def test_two_sessions_on_the_page_play_their_own_games(crafter_files, tmp_path, 
     from gradio_client import Client
     from PIL import Image
 
-    from mcar.tools.play import build_app
+    from mcar.tools.play import build_app, page_controls
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "cache"))
     s = crafter_session(crafter_files, "sampler.temperature=1.0")
     alone = s.fork()
     want = [alone.step(a)[0].copy() for a in ["move_left", "do", "move_left"]]
-    demo = build_app(s, buttons=["noop"], ks=[1, 2, 4], idle_minutes=6 / 60, cache_seconds=2)
+    demo = build_app(s, buttons=["noop"], ks=[1, 2, 4], idle_minutes=6 / 60, cache_seconds=2,
+                     **page_controls("crafter"))
     kept = set((tmp_path / "cache").rglob("*.png"))  # the page's own start frame: gradio keeps it
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -545,11 +562,11 @@ def test_a_player_in_the_browser_steps_their_own_game(crafter_files, tmp_path, m
     the test's tmp folder."""
     pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
     exe = chromium_exe()
-    from mcar.tools.play import build_app
+    from mcar.tools.play import build_app, page_controls
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     s = crafter_session(crafter_files)
-    demo = build_app(s, buttons=["noop"], ks=[1, 2])
+    demo = build_app(s, buttons=["noop"], ks=[1, 2], **page_controls("crafter"))
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     browser = Chromium(exe, tmp_path / "profile")

@@ -94,6 +94,9 @@ class RecordingsDataModule(TokenDataModule):
         if actions == AUTO or AUTO in (kw.get("h"), kw.get("w"), kw.get("n_a")):
             raise ValueError("data=recordings: the config was not completed from data.root (a job calls "
                              "mcar.data.recordings.complete_config first)")
+        if not root:  # a checkpoint never says where data is read: its user does
+            raise ValueError("data.root is required for data=recordings: the folder of the recordings (sampling a "
+                             "checkpoint trained on them: data.root=<that folder>, or held_out=<a token folder>)")
         super().__init__(actions=None, **kw)
         self.schema = action_space(actions).schema  # plain dicts and lists
         self.root, self.tokens_root, self.vq_path, self.vq_fit = Path(root), Path(tokens_root), vq_path, vq_fit

@@ -45,6 +45,7 @@ class ActionSpace:
     vocab_size: int
     names: tuple[str, ...] | None = None
     moves: tuple[str, ...] = ()
+    play_keys: dict[str, str] = {}  # the play page's keyboard: KeyboardEvent.key -> action name
 
     def encode(self, action: dict) -> list[int]:
         raise NotImplementedError

@@ -165,7 +165,10 @@ CRAFTER_ACTIONS = ["noop", "move_left", "move_right", "move_up", "move_down", "d
 
 
 CRAFTER_SCHEMA = {"actions": [{"name": "action", "type": "choice", "choices": CRAFTER_ACTIONS}],
-                  "moves": ["move_left", "move_right", "move_up", "move_down"]}
+                  "moves": ["move_left", "move_right", "move_up", "move_down"],
+                  "play_keys": [["ArrowLeft", "move_left"], ["a", "move_left"], ["ArrowRight", "move_right"],
+                                ["d", "move_right"], ["ArrowUp", "move_up"], ["w", "move_up"],
+                                ["ArrowDown", "move_down"], ["s", "move_down"], [" ", "do"]]}
 
 
 class CrafterActions(SchemaActions):

@@ -5,8 +5,9 @@
     mcar play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
     mcar bench play ckpt=...                        # no page: the step's speed, many games, rollouts (mcar.bench.play)
 
-Then open http://127.0.0.1:7860. Crafter keys: arrows or WASD move, space is `do`; buttons take the other
-actions (noop, sleep, place_stone, ...), `reset` goes back to the start frame, the k radio sets schedule.k.
+Then open http://127.0.0.1:7860. The keys are the action space's (`play_keys`: Crafter's arrows or WASD move,
+space is `do`; a recordings folder's actions.yaml names its own); buttons take the other actions (`buttons`, or
+every action of a game of its own), `reset` goes back to the start frame, the k radio sets schedule.k.
 
 Each step draws the frame the chosen action leads to on the rolling KV cache: the model sees `sampler.context`
 frames (null: the checkpoint's clip_frames, the longest clips it was trained on), the last context - 1 frames and
@@ -26,13 +27,19 @@ from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
 from mcar.sampling.play import GamesFull, PlaySession, open_game
+from mcar.tokenizer.pictures import data_action_space
 
 log = logging.getLogger("mcar.play")
 
-# Crafter: key -> action (KeyboardEvent.key); the page also binds upper-case letters
-KEYS = {"ArrowLeft": "move_left", "a": "move_left", "ArrowRight": "move_right", "d": "move_right",
-        "ArrowUp": "move_up", "w": "move_up", "ArrowDown": "move_down", "s": "move_down", " ": "do"}
-MOVES = ["move_left", "move_right", "move_up", "move_down"]
+def page_controls(space) -> dict:
+    """A data's action space (a name or a schema: mcar.tokenizer.pictures.data_action_space) -> build_app's `keys`
+    (KeyboardEvent.key -> action; the page also binds upper-case letters) and `moves` (their buttons first)."""
+    from mcar.tokenizer.actions import action_space
+
+    if space is None:
+        return {"keys": {}, "moves": ()}
+    space = action_space(space)
+    return {"keys": dict(space.play_keys), "moves": tuple(space.moves)}
 
 
 # ---- the page ---------------------------------------------------------------------------------------------
@@ -48,6 +55,14 @@ def context_help(context: int) -> str:
             f"the clip length it was trained on, or `context=`). It has no memory beyond them: a creature, tree or "
             f"item that leaves the picture, or was last seen more than {context - 1} step(s) ago, has left its "
             f"context, and it may vanish or come back different.")
+
+
+def key_help(keys: dict) -> str:
+    """{key: action} -> "ArrowLeft/a move_left, space do" for the page's first line."""
+    by_action: dict[str, list[str]] = {}
+    for key, action in keys.items():
+        by_action.setdefault(action, []).append("space" if key == " " else key)
+    return ", ".join(f"{'/'.join(ks)} `{a}`" for a, ks in by_action.items())
 
 
 def describe(info: dict) -> str:
@@ -114,18 +129,26 @@ def key_script(keys: dict[str, str]) -> str:
 }""" % json.dumps(table)
 
 
+def page_actions(actions: list[str], buttons, keys: dict, moves) -> tuple[list[str], dict]:
+    """The page's buttons (the moves, the keys' actions, then `buttons`; every action when none of `buttons` is
+    one: a game of its own) and the keys whose action the game has."""
+    keys = {k: v for k, v in keys.items() if v in actions}
+    if not any(b in actions for b in buttons):
+        buttons = actions
+    return [a for a in dict.fromkeys([*moves, *keys.values(), *buttons]) if a in actions], keys
+
+
 def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "mcar play", idle_minutes: float = 30,
-              cache_seconds: int = 120):
+              cache_seconds: int = 120, keys: dict | None = None, moves=()):
     """A gradio Blocks page over `session`: the frame, the action/fps line, k and temperature, reset and one button
-    per action (the moves, then `buttons`); keys as in KEYS when the session knows those actions. Every browser
+    per action (the moves, the keys' actions, then `buttons`; every action when none of `buttons` is the game's);
+    `keys` (KeyboardEvent.key -> action name: `page_controls`) press them. Every browser
     session plays its own game (a gr.State holding a fork of `session`, on its server), dropped after
     `idle_minutes` without a step; the frames' temporary PNGs older than `cache_seconds` are deleted. -> the page
     (`demo.games`: Games)."""
     import gradio as gr
 
-    names = [a for a in dict.fromkeys([*MOVES, "do", *buttons]) if a in session.actions] or \
-        [str(i) for i in range(len(session.actions) or 0)]
-    keys = {k: v for k, v in KEYS.items() if v in names}
+    names, keys = page_actions(list(session.actions), buttons, keys or {}, moves)
     ks = sorted({int(k) for k in ks} | {session.k})
     games = Games(session, refuse=gr.Error)
 
@@ -160,7 +183,7 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
     with gr.Blocks(title=title, analytics_enabled=False, **cache) as demo:
         game = gr.State(None, time_to_live=idle_minutes * 60 if idle_minutes else None,
                         delete_callback=games.dropped)
-        gr.Markdown(f"### {title}\n" + ("Arrow keys or WASD move, space is `do`; " if keys else "")
+        gr.Markdown(f"### {title}\n" + (f"Keys: {key_help(keys)}; " if keys else "")
                     + "the buttons take an action; each step generates the next frame with DiagD.")
         with gr.Row():
             image = gr.Image(value=session.frame, type="numpy", label="frame", interactive=False,
@@ -214,7 +237,7 @@ def play(cfg: DictConfig, block: bool = True):
     log.info("mcar.play: warming up at k=%d (with sampler.compile=true this compiles, ~1 min on CPU)", session.k)
     log.info("mcar.play: warm-up took %.1f s", session.warm_up())
     demo = build_app(session, buttons=list(cfg.buttons), ks=list(cfg.ks), idle_minutes=cfg.idle_minutes,
-                     cache_seconds=cfg.cache_seconds)
+                     cache_seconds=cfg.cache_seconds, **page_controls(data_action_space(cfg.data)))
     port = serving_port(cfg.host, int(cfg.port))
     log.info("mcar.play: %s, context %d frames, k=%d, temperature %g, at most %s games: http://%s:%d", cfg.ckpt,
              session.context, session.k, session.temperature, cfg.max_games, cfg.host, port)
