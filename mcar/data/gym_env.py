@@ -12,7 +12,17 @@ per element over its bounds, Dict/Tuple -> their parts, prefixed by their keys.
 """
 from __future__ import annotations
 
+import importlib
+import json
+import time
+from pathlib import Path
+
 import numpy as np
+import yaml
+from tqdm import tqdm
+
+from mcar.data.files import write_atomic
+from mcar.tokenizer.video import write_mp4
 
 BOX_BINS = 21
 PLAY_KEYS = {"ArrowUp": "UP", "ArrowDown": "DOWN", "ArrowLeft": "LEFT", "ArrowRight": "RIGHT", " ": "FIRE"}
@@ -162,3 +172,65 @@ class StickyPolicy(RandomPolicy):
 
 
 POLICIES = {"random": RandomPolicy, "sticky": StickyPolicy}
+
+
+# ------------------------------------------------------------------------------------------------ recording
+def make_policy(name: str, space, rng: np.random.Generator, hold: float):
+    """policy=random|sticky, or `package.module:factory` (imported because it was named: factory(space, rng))."""
+    if name == "sticky":
+        return StickyPolicy(space, rng, hold)
+    if name in POLICIES:
+        return POLICIES[name](space, rng)
+    if ":" not in name:
+        raise ValueError(f"policy={name!r}: random, sticky or package.module:factory")
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)(space, rng)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"policy={name}: {e}") from None
+
+
+def play_episode(game: GymGame, policy, seed: int, frames: int) -> tuple[list[np.ndarray], list[dict]]:
+    """Up to `frames` frames from reset(seed), each with the action the policy took at it."""
+    frame, shown, records = game.reset(seed), [], []
+    for _ in range(frames):
+        action = policy(frame)
+        shown.append(frame)
+        records.append(game.record(action))
+        frame, info = game.step(action)
+        if info["done"]:
+            break
+    return shown, records
+
+
+def record_folder(env: str, out, episodes: int, frames: int, policy: str = "sticky", hold: float = 6.0,
+                  seed: int = 0, make: dict | None = None, lossless: bool = True) -> dict:
+    """Play `episodes` episodes of `env` (at most `frames` frames each) into the recordings folder `out`:
+    <name>.mp4 + <name>.jsonl each and actions.yaml. Episodes already there are kept (a stopped run resumes);
+    each is written whole or not at all (its jsonl, then its mp4, each renamed into place). -> a summary."""
+    out = Path(out)
+    game = GymGame(env, **(make or {}))
+    schema = game.schema()
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "actions.yaml", yaml.safe_dump(schema, sort_keys=False).encode())
+    fps = schema.get("fps") or 15
+    codec = dict(codec="libx264rgb", pix_fmt="rgb24", crf=0) if lossless else dict(crf=12, pix_fmt="yuv444p")
+    written, kept, t0 = 0, 0, time.perf_counter()
+    stem = env.replace("/", "_")
+    for i in tqdm(range(episodes), desc=f"recording {env}", unit="ep"):
+        name = f"{stem}_s{seed + i:05d}"
+        if (out / f"{name}.mp4").exists():
+            kept += 1
+            continue
+        rng = np.random.default_rng(seed + i)
+        shown, records = play_episode(game, make_policy(policy, game.space, rng, hold), seed + i, frames)
+        write_atomic(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+        write_mp4(shown, out / f"{name}.mp4", fps, **codec)  # last: a present mp4 is a finished episode
+        written += len(shown)
+    game.close()
+    seconds = time.perf_counter() - t0
+    summary = {"out": str(out), "episodes": episodes, "kept": kept, "frames": written,
+               "seconds": round(seconds, 1), "n_a": len(schema["actions"])}
+    print(f"{env}: {episodes - kept} episodes ({written} frames) in {seconds:.1f} s -> {out}"
+          f"{f' ({kept} kept from before)' if kept else ''}; train: python train.py data=recordings data.root={out}")
+    return summary

@@ -3,7 +3,8 @@
 DIR holds episodes (<name>.mp4 + <name>.jsonl, one JSON record per frame) and actions.yaml, the action schema
 (mcar.tokenizer.action_schema; `mcar record` writes all three from a Gymnasium game). Before anything is built
 the data config is completed from the folder (`complete_config`): the action schema, its token count and ids,
-the token grid read off the first frame (its size over the VQ's patch, at most `max_frame_tokens` a frame). With
+the token grid read off the first frame (its size over the VQ's patch, at most `max_frame_tokens` a frame);
+with `record` set, a Gymnasium game is first recorded into `root` (what it lacks; mcar.data.gym_env). With
 `vq=patch` (the default) and no vq.path, a patch VQ is fitted on the training episodes on first use and cached
 with the tokens under `tokens_root`; `vq=<group> vq.path=<folder>` tokenises with another. Frames are resized to
 the grid times the VQ's downsampling and, with `fps`, resampled to that rate (every k-th frame and its action).
@@ -65,6 +66,11 @@ def complete_config(cfg: DictConfig) -> None:
         raise ValueError("data.root is required for data=recordings: the folder of <name>.mp4 + <name>.jsonl and "
                          "actions.yaml (docs/own-game.md; mcar record writes one)")
     root = Path(data.root)
+    if data.get("record"):  # a Gymnasium game recorded on first use (experiment=pong), like any data build
+        from mcar.data.gym_env import record_folder
+
+        rec = dict(data.record)
+        record_folder(str(rec.pop("env")), root, **rec)
     if not root.is_dir():
         raise FileNotFoundError(f"data.root={root}: no such folder")
     with open_dict(cfg):
@@ -88,9 +94,11 @@ class RecordingsDataModule(TokenDataModule):
 
     def __init__(self, root: str, tokens_root: str, vq_path: str | None = None, vq_fit: bool = False,
                  vq_arch: dict | None = None, fit: dict | None = None, fps: float | None = None,
-                 max_frame_tokens: int = 400, tokenize_batch: int = 16, actions: dict | str = AUTO, **kw):
+                 max_frame_tokens: int = 400, tokenize_batch: int = 16, actions: dict | str = AUTO,
+                 record: dict | None = None, **kw):
         """root: the recordings; vq_fit: fit the patch VQ at vq_path on first use (`fit`: its frames, codes'
-        k-means iterations and seed); fps: the rate to train at (null: the recordings' own)."""
+        k-means iterations and seed); fps: the rate to train at (null: the recordings' own); record: what
+        complete_config recorded into root (its env, episodes, ...), kept in the config."""
         if actions == AUTO or AUTO in (kw.get("h"), kw.get("w"), kw.get("n_a")):
             raise ValueError("data=recordings: the config was not completed from data.root (a job calls "
                              "mcar.data.recordings.complete_config first)")
