@@ -1,4 +1,4 @@
-"""mcar worldtest (mcar/eval/world_tests.py): the loop, shape, collision, inventory and invented-tile scores on
+"""mcar worldtest (mcar/crafter/world_tests.py): the loop, shape, collision, inventory and invented-tile scores on
 synthetic maps whose answers are known, and the command once on the shipped tile-exact model at the smallest
 sizes."""
 import json
@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from mcar.data.crafter_gen import MOVE_DELTA, PERPENDICULAR, path_offsets
-from mcar.eval.world_tests import (
+from mcar.crafter.gen import MOVE_DELTA, PERPENDICULAR, path_offsets
+from mcar.crafter.world_tests import (
     MapGrid,
     creature_events,
     far_mask,
@@ -192,7 +192,7 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
 
 
 def test_keep_alive_refills_the_players_needs_so_a_long_rollout_is_one_episode():
-    from mcar.eval.world_tests import KEPT_UP, Scene
+    from mcar.crafter.world_tests import KEPT_UP, Scene
 
     for keep in (False, True):
         scene = Scene(100000, (144, 144), (9, 9), 1.0, keep_alive=keep)
@@ -287,7 +287,7 @@ def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_wind
     from types import SimpleNamespace
 
     from mcar.core.layout import Layout
-    from mcar.eval.world_tests import WorldTests
+    from mcar.crafter.world_tests import WorldTests
 
     layout, cb = Layout(3, 4, 1), 10
 
@@ -395,7 +395,7 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
 
 def test_memory_gains_are_paired_against_the_2_frame_window():
     """Each loop's and shape's recall, longer window minus the 2-frame window's, start by start; in the markdown."""
-    from mcar.eval.world_tests import interval, window_gains
+    from mcar.crafter.world_tests import interval, window_gains
 
     g = torch.Generator().manual_seed(0)
     short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
@@ -428,7 +428,7 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
 
 def test_versus_compares_two_runs_start_by_start():
     """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
-    from mcar.eval.world_tests import interval, paired_versus, versus_markdown
+    from mcar.crafter.world_tests import interval, paired_versus, versus_markdown
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(32, generator=g, dtype=torch.float64)
@@ -471,8 +471,8 @@ def stand_in_tests():
     from omegaconf import OmegaConf
 
     from mcar.core.layout import Layout
-    from mcar.data.crafter_gen import map_rows
-    from mcar.eval.world_tests import WorldTests
+    from mcar.crafter.gen import map_rows
+    from mcar.crafter.world_tests import WorldTests
 
     wt = object.__new__(WorldTests)
     wt.cfg = OmegaConf.create({"seed": 0, "max_moves": 256})
@@ -485,7 +485,7 @@ def stand_in_tests():
 def placed_world():
     """One fresh world (the test's first seed): a wander that bumps often, then a table and a furnace placed and
     walked into."""
-    from mcar.eval.world_tests import Scene
+    from mcar.crafter.world_tests import Scene
 
     scene = Scene(100000, SIZE, VIEW, 1.0)
     wander = scene.wander(48, p_bump=0.6)
@@ -494,7 +494,7 @@ def placed_world():
 
 
 def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_world):
-    from mcar.eval.world_tests import tile_kind
+    from mcar.crafter.world_tests import tile_kind
 
     scene, _, placed = placed_world
     grid, codes = MapGrid(5, VIEW[0]), TileCodes()
@@ -513,7 +513,7 @@ def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_worl
 
 
 def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type(placed_world):
-    from mcar.eval.world_tests import markdown
+    from mcar.crafter.world_tests import markdown
 
     _, wander, placed = placed_world
     assert wander is not None
@@ -538,7 +538,7 @@ def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type
 
 
 def test_pooled_interval_draws_starts_not_moves():
-    from mcar.eval.world_tests import pooled_interval
+    from mcar.crafter.world_tests import pooled_interval
 
     v = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
     one = pooled_interval(v, [7] * 6, 0)

@@ -74,7 +74,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcar.core.agreement import frame_agreement, histogram_distance, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
-from mcar.data.crafter_gen import (
+from mcar.crafter.gen import (
     ACTIONS,
     BACK,
     MOVE_DELTA,
@@ -90,7 +90,7 @@ from mcar.data.crafter_gen import (
     shape_actions,
     walkable,
 )
-from mcar.data.crafter_textures import creature_codes, tile_textures
+from mcar.crafter.textures import creature_codes, tile_textures
 from mcar.eval.metrics import bootstrap_ci
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
@@ -98,7 +98,7 @@ from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_
 from mcar.tokenizer.vq_model import encode_tokens, frame_size
 from mcar.wandb_run import log_media, log_table, open_run
 
-log = logging.getLogger("mcar.eval.world_tests")
+log = logging.getLogger("mcar.crafter.world_tests")
 TESTS = ("loop", "shapes", "blocked", "rollout")
 
 

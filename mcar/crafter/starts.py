@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mcar.core.layout import Layout
+from mcar.crafter.gen import POLICIES, make_env, make_policy, placing_settings, recall_settings
 from mcar.data.common import StepsFrom
-from mcar.data.crafter_gen import POLICIES, make_env, make_policy, placing_settings, recall_settings
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.vq_model import encode_tokens, frame_size, load_vq
 
