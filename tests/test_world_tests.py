@@ -395,7 +395,8 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
 
 def test_memory_gains_are_paired_against_the_2_frame_window():
     """Each loop's and shape's recall, longer window minus the 2-frame window's, start by start; in the markdown."""
-    from mcar.crafter.world_tests import interval, window_gains
+    from mcar.crafter.world_tests import window_gains
+    from mcar.eval.stats import interval
 
     g = torch.Generator().manual_seed(0)
     short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
@@ -428,7 +429,8 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
 
 def test_versus_compares_two_runs_start_by_start():
     """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
-    from mcar.crafter.world_tests import interval, paired_versus, versus_markdown
+    from mcar.crafter.world_tests import paired_versus, versus_markdown
+    from mcar.eval.stats import interval
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(32, generator=g, dtype=torch.float64)
@@ -535,14 +537,3 @@ def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type
     assert len(rows) == len(by_type) and ns[:len(wandered)] == sorted(ns[:len(wandered)], reverse=True)
     assert rows[-2:] == [f"| {name} (placed) | 1 | 1 of 1 worlds | 1.000 (one start) | 1.000 (one start) | "
                          f"1.000 (one start) |" for name in ("furnace", "table")]  # after the wander's, by name
-
-
-def test_pooled_interval_draws_starts_not_moves():
-    from mcar.crafter.world_tests import pooled_interval
-
-    v = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
-    one = pooled_interval(v, [7] * 6, 0)
-    assert one == {"mean": pytest.approx(4 / 6), "lo": None, "hi": None, "n": 6, "starts": 1}
-    two = pooled_interval(v, [0, 0, 0, 1, 1, 1], 0)  # start 0 kept all three, start 1 one of three
-    assert two["mean"] == pytest.approx(4 / 6) and two["starts"] == 2
-    assert two["lo"] == pytest.approx(1 / 3) and two["hi"] == 1.0  # a draw is both starts' moves, or one's twice

@@ -5,7 +5,7 @@ one-token shift of the map): memory, collisions and long rollouts, from starts o
 
 Every start is a fresh Crafter world (seed `seed_base + i`, never a training episode's), played in-process by a
 scripted policy and tokenised by the data's patch VQ. Four tests, each per start, with a 95% bootstrap interval
-over starts (mcar.eval.metrics.bootstrap_ci):
+over starts (mcar.eval.stats):
 
 - loop: n moves one way and n back (a direction whose n tiles are walkable; a loop the env did not carry out
   exactly, e.g. a cow stepped in, is dropped), generated from the start frame alone. `recall`: the share of
@@ -91,7 +91,7 @@ from mcar.crafter.gen import (
     walkable,
 )
 from mcar.crafter.textures import creature_codes, tile_textures
-from mcar.eval.metrics import bootstrap_ci
+from mcar.eval.stats import interval, paired_interval, pooled_interval
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
@@ -262,29 +262,6 @@ def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, gri
         stay.append((n[known] == p[known]).double().mean())
         move.append((n[known] == s[known]).double().mean())
     return torch.stack(stay), torch.stack(move)
-
-
-def interval(per_start: torch.Tensor, seed: int) -> dict:
-    """per-start values -> {mean, lo, hi, n, per_start}: the mean and its 95% bootstrap interval over starts, and the
-    values (the same seed_base gives every model the same starts: two runs compare paired, start by start)."""
-    v = per_start.double()
-    lo, hi = bootstrap_ci(v, lambda x: x.mean(-1), seed)
-    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v), "per_start": [round(float(x), 6) for x in v]}
-
-
-def pooled_interval(values: torch.Tensor, starts, seed: int) -> dict:
-    """per-move values and the start each came from -> {mean: over the moves, lo, hi: its 95% bootstrap interval
-    over starts (starts drawn with replacement, their moves pooled: moves of one start are not independent draws;
-    None with fewer than 2 starts), n: moves, starts}."""
-    v = values.double()
-    _, which = torch.unique(torch.as_tensor(starts), return_inverse=True)
-    k = int(which.max()) + 1
-    per = torch.stack([torch.zeros(k, dtype=torch.float64).index_add_(0, which, v),
-                       torch.bincount(which, minlength=k).double()], 1)  # (starts, [sum, moves])
-    lo = hi = None
-    if k >= 2:
-        lo, hi = bootstrap_ci(per, lambda x: x[..., 0].sum(-1) / x[..., 1].sum(-1), seed)
-    return {"mean": float(v.mean()), "lo": lo, "hi": hi, "n": len(v), "starts": k}
 
 
 @dataclass(frozen=True)
@@ -940,8 +917,7 @@ def baseline_margins(rollout: dict, seed: int) -> list[dict]:
             for key in ("mean", "map_mean", "inventory_mean"):
                 a, b = v.get(key), rollout[base].get(key)
                 if a and b and "per_start" in a and "per_start" in b:
-                    m[key] = interval(torch.tensor(a["per_start"], dtype=torch.float64) -
-                                      torch.tensor(b["per_start"], dtype=torch.float64), seed)
+                    m[key] = paired_interval(a["per_start"], b["per_start"], seed)
             out.append(m)
     return out
 
@@ -960,10 +936,8 @@ def window_gains(res: dict, seed: int) -> list[dict]:
             if not row.startswith("model") or row == f"model context=2{forced}" or "per_start" not in mine \
                     or "per_start" not in short:
                 continue
-            d = torch.tensor(mine["per_start"], dtype=torch.float64) - torch.tensor(short["per_start"],
-                                                                                  dtype=torch.float64)
             out.append({"walk": walk + (" (far tiles)" if key == "recall_far" else ""), "row": row,
-                        **interval(d, seed)})
+                        **paired_interval(mine["per_start"], short["per_start"], seed)})
     return out
 
 
@@ -992,10 +966,9 @@ def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
     for what, a, b in pairs:
         if not a or not b or "per_start" not in a or "per_start" not in b or len(a["per_start"]) != len(b["per_start"]):
             continue
-        d = torch.tensor(a["per_start"], dtype=torch.float64) - torch.tensor(b["per_start"], dtype=torch.float64)
-        lo, hi = bootstrap_ci(d, lambda x: x.mean(-1), seed)
-        out.append({"what": what, "mine": a["mean"], "theirs": b["mean"], "difference": float(d.mean()), "lo": lo,
-                    "hi": hi, "n": len(d)})
+        d = paired_interval(a["per_start"], b["per_start"], seed)
+        out.append({"what": what, "mine": a["mean"], "theirs": b["mean"], "difference": d["mean"], "lo": d["lo"],
+                    "hi": d["hi"], "n": d["n"]})
     return out
 
 
