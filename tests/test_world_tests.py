@@ -14,7 +14,6 @@ from mcar.crafter.world_tests import (
     far_mask,
     fitting_shapes,
     hidden_mask,
-    invented_share,
     loop_recall,
     markdown,
     masked_recall,
@@ -24,6 +23,7 @@ from mcar.crafter.world_tests import (
     shifted,
     stay_or_move,
 )
+from mcar.eval.world_tests import invented_share
 
 from .conftest import REPO, run_in_process
 
@@ -282,12 +282,13 @@ def test_far_recall_counts_only_what_a_copy_from_two_frames_back_cannot_restore(
 
 
 def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_window():
-    """worldtest teacher_forced=true: one causal pass over the window's real frames; a model that reads the next slot
-    off its input returns the clip unchanged (the slots line up), and it sees exactly `context` frames."""
+    """worldtest teacher_forced=true (rows every world test shares, mcar/eval/world_tests.py): one causal pass over
+    the window's real frames; a model that reads the next slot off its input returns the clip unchanged (the slots
+    line up), and it sees exactly `context` frames."""
     from types import SimpleNamespace
 
     from mcar.core.layout import Layout
-    from mcar.crafter.world_tests import WorldTests
+    from mcar.eval.world_tests import ModelRows
 
     layout, cb = Layout(3, 4, 1), 10
 
@@ -299,8 +300,8 @@ def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_wind
             nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
             return torch.nn.functional.one_hot(nxt, cb + 5).float() - (torch.arange(cb + 5) >= cb).float()
 
-    tests = WorldTests.__new__(WorldTests)
-    tests.layout, tests.cb, tests.cfg = layout, cb, SimpleNamespace(batch_size=2)
+    tests = ModelRows.__new__(ModelRows)
+    tests.layout, tests.cb, tests.batch_size = layout, cb, 2
     tests.wm = SimpleNamespace(model=NextSlot(), device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     clips = torch.randint(0, cb, (3, 5 * layout.frame_len), generator=g)
@@ -395,8 +396,8 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
 
 def test_memory_gains_are_paired_against_the_2_frame_window():
     """Each loop's and shape's recall, longer window minus the 2-frame window's, start by start; in the markdown."""
-    from mcar.crafter.world_tests import window_gains
     from mcar.eval.stats import interval
+    from mcar.eval.world_tests import window_gains
 
     g = torch.Generator().manual_seed(0)
     short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
@@ -429,8 +430,8 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
 
 def test_versus_compares_two_runs_start_by_start():
     """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
-    from mcar.crafter.world_tests import paired_versus, versus_markdown
     from mcar.eval.stats import interval
+    from mcar.eval.world_tests import paired_versus, versus_markdown
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(32, generator=g, dtype=torch.float64)
@@ -496,7 +497,7 @@ def placed_world():
 
 
 def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_world):
-    from mcar.crafter.world_tests import tile_kind
+    from mcar.crafter.gen import tile_kind
 
     scene, _, placed = placed_world
     grid, codes = MapGrid(5, VIEW[0]), TileCodes()

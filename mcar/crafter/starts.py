@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mcar.core.layout import Layout
-from mcar.crafter.gen import POLICIES, make_env, make_policy, placing_settings, recall_settings
+from mcar.crafter.env import CrafterEnv
+from mcar.crafter.gen import POLICIES, make_policy, placing_settings, recall_settings
 from mcar.data.common import StepsFrom
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.vq_model import encode_tokens, frame_size, load_vq
@@ -60,16 +61,17 @@ class CrafterStarts:
         (frames, 2)); [] when the player dies first."""
         rng = np.random.default_rng(world_seed)
         policy = make_policy(self.names[rng.choice(len(self.names), p=self.p)], rng, self.recall, self.placing)
-        env, obs = make_env(world_seed, self.size, self.view, self.daylight)
+        sim = CrafterEnv(self.size, self.view, self.daylight)
+        obs = sim.reset(world_seed)
         frames, actions, positions = [], [], []
         n = self.frames * self.clips_per_world
         for _ in range(int(rng.integers(0, self.warmup + 1)) + n):
-            action = policy(env)
+            action = policy(sim.env)
             frames.append(obs)
             actions.append(action)
-            positions.append([int(v) for v in env._player.pos])
-            obs, _, done, _ = env.step(action)
-            if done:
+            positions.append(list(sim.pos))
+            obs, info = sim.step(action)
+            if info["done"]:
                 self.dead += 1
                 return []
         with torch.no_grad():

@@ -38,7 +38,7 @@ over starts (mcar.eval.stats):
   with a 95% bootstrap interval over starts (starts drawn with replacement, their moves pooled). Placed obstacles
   (`placed`, default [table, furnace]): after the other walks each world's player is given what Crafter's place
   rule uses (inventory counts set directly), steps onto a free tile facing another, places the obstacle with
-  Crafter's own place action (drawn as Crafter draws it; checked in env._world), then walks into it: the refused
+  Crafter's own place action (drawn as Crafter draws it; checked in the world's tiles), then walks into it: the refused
   move is scored like the others, on the frames before and after the placing, as `<type> (placed)`; a world where
   it could not be placed (no open way, a creature stepped in, the episode ended) is counted out of that type only.
 - rollout: `rollout_frames` frames from one real frame and the real actions: image-token agreement with the real
@@ -58,8 +58,6 @@ Writes world_tests.{json,md}, rollout_agreement.csv and videos/loop_n<n>.{mp4,gi
 """
 from __future__ import annotations
 
-import csv
-import itertools
 import json
 import logging
 import re
@@ -71,9 +69,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.core.agreement import frame_agreement, histogram_distance, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
+from mcar.crafter.env import CrafterEnv
 from mcar.crafter.gen import (
     ACTIONS,
     BACK,
@@ -82,20 +80,34 @@ from mcar.crafter.gen import (
     PERPENDICULAR,
     ExplorerPolicy,
     blocked_moves,
-    make_env,
     map_rows,
+    material,
     path_offsets,
     path_open,
     place_rules,
     shape_actions,
+    stock_up,
+    tile_kind,
     walkable,
 )
 from mcar.crafter.textures import creature_codes, tile_textures
-from mcar.eval.stats import interval, paired_interval, pooled_interval
+from mcar.eval.stats import interval, pooled_interval
+from mcar.eval.world_tests import (
+    ModelRows,
+    Tokens,
+    baseline_margins,
+    ci_cell,
+    images_of,
+    invented_share,
+    paired_versus,
+    score_rollouts,
+    versus_markdown,
+    window_gains,
+    write_curves,
+)
 from mcar.sampling.world_model import WorldModel
-from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
-from mcar.tokenizer.vq_model import encode_tokens, frame_size
+from mcar.tokenizer.vq_model import frame_size
 from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.crafter.world_tests")
@@ -161,20 +173,6 @@ def loop_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, grid: MapGrid,
     re-revealed tiles where the end frame equals the start frame."""
     masks = torch.stack([rerevealed_mask(grid, dx, dy) for dx, dy in far.tolist()])
     return masked_recall(end_maps, start_maps, masks)
-
-
-def invented_share(frames: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """frames, real (B, T, h, w) generated and real image codes, prompt (B, P, h, w) the prompt frames -> (B, T)
-    share of each generated frame's tiles whose code is in neither the real frame at that step nor any prompt
-    frame: tile types the model made up (0 for a frame that only rearranges what it was shown or what is there)."""
-    B, T = frames.shape[:2]
-    size = int(max(frames.max(), real.max(), prompt.max())) + 1
-    seen = torch.zeros(B, T, size, dtype=torch.bool)
-    seen.scatter_(2, real.flatten(2), True)
-    shown = torch.zeros(B, size, dtype=torch.bool)
-    shown.scatter_(1, prompt.flatten(1), True)
-    seen |= shown[:, None]
-    return (~seen.gather(2, frames.flatten(2))).double().mean(-1)
 
 
 CREATURE_EVENTS = ("creatures", "entered", "left", "popped")
@@ -323,16 +321,6 @@ class Recording:
     blocker: list = field(default_factory=list)  # per move action, what its target tile held then (tile_kind)
 
 
-def tile_kind(env, x: int, y: int) -> str:
-    """What tile (x, y) holds, by Crafter's names: its object's kind when there is one (cow, zombie, skeleton,
-    plant, arrow, ...), else its material (grass, sand, path, tree, water, stone, coal, iron, diamond, table,
-    furnace, lava); `edge` outside the world."""
-    material, obj = env._world[(x, y)]
-    if obj is not None:
-        return type(obj).__name__.lower()
-    return "edge" if material is None else str(material)
-
-
 KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima, refilled before each step (keep_alive)
 
 
@@ -340,14 +328,20 @@ class Scene:
     """One fresh Crafter world, stepped by the tests, each step recorded into the open recording."""
 
     def __init__(self, env_seed: int, size, view, daylight, keep_alive: bool = False):
-        self.env, self.obs = make_env(env_seed, size, view, daylight)
+        self.sim = CrafterEnv(size, view, daylight)
+        self.obs = self.sim.reset(env_seed)
         self.rng = np.random.default_rng(env_seed)
         self.explorer = ExplorerPolicy(self.rng)
         self.keep_alive, self.over = keep_alive, False
 
     @property
+    def env(self):
+        """The crafter.Env being played (for the simulator's own policies and tile reads, mcar.crafter.gen)."""
+        return self.sim.env
+
+    @property
     def pos(self) -> tuple[int, int]:
-        return tuple(int(v) for v in self.env._player.pos)
+        return self.sim.pos
 
     def step(self, action: int, rec: Recording | None = None) -> bool:
         """-> whether the episode goes on."""
@@ -357,11 +351,10 @@ class Scene:
             rec.pos.append(self.pos)
             rec.blocker.append(self.target_kind(int(action)))
         if self.keep_alive:  # a long rollout is one episode: hunger, thirst, fatigue and zombies never end it
-            for need in KEPT_UP:
-                self.env._player.inventory[need] = KEPT_UP[need]
-        self.obs, _, done, _ = self.env.step(int(action))
-        self.over = bool(done)
-        return not done
+            stock_up(self.env, KEPT_UP)
+        self.obs, info = self.sim.step(int(action))
+        self.over = info["done"]
+        return not self.over
 
     def close(self, rec: Recording) -> Recording:
         """Add the frame after the last action (its own action a noop, never used)."""
@@ -395,7 +388,7 @@ class Scene:
             for a in (int(v) for v in self.rng.permutation(MOVES)):
                 dx, dy = MOVE_DELTA[a]
                 if (self.free(x + dx, y + dy) and self.free(x + 2 * dx, y + 2 * dy)
-                        and self.env._world[(x + 2 * dx, y + 2 * dy)][0] in rule["where"]):
+                        and material(self.env, x + 2 * dx, y + 2 * dy) in rule["where"]):
                     return a
             return None
 
@@ -409,9 +402,7 @@ class Scene:
                 return None
         else:
             return None
-        inventory = self.env._player.inventory
-        for item, amount in rule["uses"].items():
-            inventory[item] = max(inventory[item], int(amount))
+        stock_up(self.env, rule["uses"])
         rec, (x, y), (dx, dy) = Recording(), self.pos, MOVE_DELTA[a]
         target = (x + 2 * dx, y + 2 * dy)
         if not self.step(a, rec) or self.pos != (x + dx, y + dy) or not self.free(*target):
@@ -528,31 +519,15 @@ def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, 
 
 
 # ------------------------------------------------------------------------------------------------ the run
-class Tokens:
-    """Frames -> clips with the data's VQ (its patch VQ maps every tile to its token)."""
+class WorldTests(ModelRows):
+    """Crafter's world tests on one checkpoint: the shared rows (mcar.eval.world_tests.ModelRows) on Crafter's own
+    walks, refused moves and rollouts."""
 
-    def __init__(self, vq, layout: Layout, codebook_size: int, batch: int = 64):
-        self.vq, self.layout, self.cb, self.batch = vq, layout, codebook_size, batch
-
-    def images(self, frames) -> torch.Tensor:
-        x = torch.from_numpy(np.stack(frames))
-        return torch.cat([encode_tokens(self.vq, b.to(self.vq.device)).cpu() for b in x.split(self.batch)])
-
-    def clip(self, rec: Recording) -> torch.Tensor:
-        return join_clip(self.images(rec.frames), torch.tensor(rec.actions)[:, None], self.cb)
-
-
-def images_of(clips: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(B, N) clips -> (B, T, h, w) image tokens."""
-    x = clips.view(clips.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens]
-    return x.reshape(*x.shape[:2], layout.h, layout.w)
-
-
-class WorldTests:
     def __init__(self, cfg: DictConfig):
+        wm = WorldModel.load(cfg)
+        super().__init__(wm, cfg.get("windows"), OmegaConf.select(cfg, "schedule.prompt_frames", default=1) or 1,
+                         cfg.batch_size)
         self.cfg = cfg
-        self.wm = WorldModel.load(cfg)
-        self.layout, self.cb, self.vq = self.wm.layout, self.wm.codebook_size, self.wm.vq
         view = cfg.data.get("view")
         if view is None or list(view) != [self.layout.w, self.layout.h]:
             raise ValueError(f"data.view={None if view is None else list(view)}: the world tests need the tile-exact "
@@ -565,41 +540,11 @@ class WorldTests:
         if "rollout" in cfg.tests:  # the creatures' codes, from the game's textures at the data's tile size
             self.creature_codes, self.creatures_hidden = creature_codes(self.vq, tile_textures(self.size[0] //
                                                                                                self.layout.h))
-        self.context = self.wm.context
-        # the model rows' windows: its own, and the smallest a rolling window allows (the frame being made and one
-        # before, mcar.core.rolling)
-        self.windows = [int(w) for w in cfg.windows] if cfg.get("windows") else [self.context, 2]
-        self.prompt = int(OmegaConf.select(cfg, "schedule.prompt_frames", default=1) or 1)
         # the shapes to walk: those whose clip fits the model's window (the start frame still seen at the end)
         shapes = [parse_shape(s) for s in cfg.get("shapes") or []] if "shapes" in cfg.tests else []
         self.shapes, self.skipped = fitting_shapes(shapes, self.context, bool(cfg.get("shapes_beyond_context")))
         # the obstacles placed and walked into, scored with the refused moves
         self.placed = [str(n) for n in cfg.get("placed") or []] if "blocked" in cfg.tests else []
-
-    def generate(self, clips: torch.Tensor, context: int | None = None,
-                 prompt_frames: int | None = None) -> torch.Tensor:
-        """clips generated from their first prompt_frames frames (None: the schedule's) on a window of `context`
-        frames (None: the model's)."""
-        frames = clips.shape[1] // self.layout.frame_len
-        schedule = None if prompt_frames is None else {"prompt_frames": prompt_frames}
-        sampler = self.wm.sampler(frames, context=context, schedule=schedule)
-        return self.wm.generate(clips, sampler, int(self.cfg.batch_size))[0]
-
-    @torch.no_grad()
-    def teacher_forced(self, clips: torch.Tensor, context: int) -> torch.Tensor:
-        """clips with the last frame's image tokens the model's greedy guess from the real frames before it, on a
-        window of `context` frames (one causal pass): what its memory holds, with no sampled frame in the way."""
-        fl, ft = self.layout.frame_len, self.layout.frame_tokens
-        frames = clips.shape[1] // fl
-        window = min(context, frames)
-        x, out = clips[:, (frames - window) * fl:], clips.clone()
-        coords = self.layout.coords(window).to(self.wm.device)
-        last = (window - 1) * fl  # the last frame's first slot in the window; slot s is predicted at s - 1
-        for i in range(0, len(x), int(self.cfg.batch_size)):
-            logits = self.wm.model(x[i:i + int(self.cfg.batch_size)].to(self.wm.device), coords)
-            guess = logits[:, last - 1:last - 1 + ft, :self.cb].argmax(-1)
-            out[i:i + len(guess), (frames - 1) * fl:(frames - 1) * fl + ft] = guess.to(out)
-        return out
 
     def record(self) -> list[StartRecord]:
         cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
@@ -653,14 +598,6 @@ class WorldTests:
                                     "rows": self.rollout_creatures}
         results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
         return results
-
-    def rows_for(self, clips: torch.Tensor, teacher_forced: bool = False) -> dict[str, torch.Tensor]:
-        """{row: (B, N) clips}: the model on each window, copy_last, real; teacher_forced: also the model's last
-        frame from the real ones on each window (`teacher_forced`)."""
-        forced = {f"model context={w} teacher-forced": self.teacher_forced(clips, w) for w in self.windows} \
-            if teacher_forced else {}
-        return {**{f"model context={w}": self.generate(clips, w) for w in self.windows}, **forced,
-                "copy_last": nothing_moves(clips, self.layout, 1), "real": clips}
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
         masks = torch.stack([rerevealed_mask(self.grid, *(a - b for a, b in zip(r.pos[n], r.pos[0]))) for r in recs])
@@ -769,15 +706,13 @@ class WorldTests:
         return out
 
     def rollout_test(self, recs: list[Recording]) -> tuple[dict, dict]:
+        """The shared rollout scores (mcar.eval.world_tests.score_rollouts) with scroll_start as the oracle and the map
+        and inventory rows apart, and the creatures' comings and goings per row."""
         T = int(self.cfg.rollout_frames) + 1
         clips = torch.stack([self.tokens.clip(Recording(r.frames[:T], r.actions[:T], r.pos[:T])) for r in recs])
-        out, curves = {}, {}
         rows = self.rows_for(clips)
         rows.pop("real")
         rows["scroll_start"] = scroll_start(clips, [r.pos[:T] for r in recs], self.grid, self.layout, self.prompt)
-        every = images_of(clips, self.layout)
-        real = every[:, 1:]
-        has_inv = self.layout.h > self.grid.map_h
         moves = torch.tensor([[[b[0] - a[0], b[1] - a[1]] for a, b in zip(r.pos[:T - 1], r.pos[1:T])] for r in recs])
         creatures = {name: creature_events(self.grid.maps(images_of(gen, self.layout)), self.creature_codes, moves)
                      for name, gen in {**rows, "real": clips}.items()}
@@ -786,43 +721,19 @@ class WorldTests:
                                                                                           self.cfg.seed)
                                                               for k, v in ev.items()})
                                   for name, ev in creatures.items()}
-        for name, gen in rows.items():
-            images = images_of(gen, self.layout)[:, 1:]
-            per = frame_agreement(gen, clips, self.layout)[:, 1:]  # (B, T-1)
-            tv = histogram_distance(images, real, self.cb)  # (B, T-1)
-            maps = (self.grid.maps(images) == self.grid.maps(real)).double().flatten(2).mean(-1)  # (B, T-1)
-            inv = (self.grid.inventory(images) == self.grid.inventory(real)).double().flatten(2).mean(-1) \
-                if has_inv else torch.full_like(maps, float("nan"))
-            invented = invented_share(images, real, every[:, :self.prompt])  # (B, T-1)
-            curves[name] = [interval(per[:, k], self.cfg.seed) | {
-                "tv": float(tv[:, k].mean()), "map": float(maps[:, k].mean()), "inventory": float(inv[:, k].mean()),
-                "invented": float(invented[:, k].mean())} for k in range(per.shape[1])]
-            out[name] = {"mean": interval(per.mean(1), self.cfg.seed), "last": interval(per[:, -1], self.cfg.seed),
-                         "tv_mean": interval(tv.mean(1), self.cfg.seed), "tv_last": interval(tv[:, -1], self.cfg.seed),
-                         "map_mean": interval(maps.mean(1), self.cfg.seed),
-                         **({"inventory_mean": interval(inv.mean(1), self.cfg.seed)} if has_inv else {}),
-                         "invented_mean": interval(invented.mean(1), self.cfg.seed),
-                         "invented_last": interval(invented[:, -1], self.cfg.seed)}
-        return out, curves
+        bands = {"map": slice(0, self.grid.map_h), "inventory": slice(self.grid.map_h, None)}
+        return score_rollouts(rows, clips, self.layout, self.cb, self.prompt, self.cfg.seed, bands)
 
 
 # ------------------------------------------------------------------------------------------------ reporting
-def _ci(d: dict | None) -> str:
-    if not d or "mean" not in d:
-        return "n/a"
-    if d.get("lo") is None:  # one start: no interval
-        return f"{d['mean']:.3f} (one start)"
-    return f"{d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}]"
-
-
 def type_rows(by_type: dict) -> list[tuple[str, dict]]:
     """by_type's rows in table order: the wander's types by n (most first), then the placed obstacles."""
     return sorted(by_type.items(), key=lambda kv: (bool(kv[1].get("placed")), -kv[1]["n"], kv[0]))
 
 
 def _memory_cells(v: dict, far: bool = False) -> str:
-    return (f"{_ci(v['recall'])} | " + (f"{_ci(v.get('recall_far'))} | " if far else "") +
-            f"{_ci(v['loop_acc'])} | {_ci(v.get('inventory'))} | {_ci(v.get('invented'))} |")
+    return (f"{ci_cell(v['recall'])} | " + (f"{ci_cell(v.get('recall_far'))} | " if far else "") +
+            f"{ci_cell(v['loop_acc'])} | {ci_cell(v.get('inventory'))} | {ci_cell(v.get('invented'))} |")
 
 
 def markdown(res: dict) -> str:
@@ -852,22 +763,23 @@ def markdown(res: dict) -> str:
     lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
     for kind, key in (("blocked", "stayed"), ("free", "moved")) if b else ():
         v = b[kind]
-        lines.append(f"| {kind} ({key}) | {v['n']} | {_ci(v.get(key, {}))} | {_ci(v.get('real_' + key, {}))} | "
-                     f"{_ci(v.get('map_acc', {}))} |")
+        lines.append(f"| {kind} ({key}) | {v['n']} | {ci_cell(v.get(key, {}))} | {ci_cell(v.get('real_' + key, {}))} | "
+                     f"{ci_cell(v.get('map_acc', {}))} |")
     if b and b.get("blocked", {}).get("by_type"):
         lines += ["", "Refused moves by what refused them (the share whose map stayed put; 95% bootstrap interval "
                       "over starts; placed: put there by Crafter's place action, then walked into):", "",
                   "| refused by | n | starts | model stayed | real frames | map_acc |", "|---|---|---|---|---|---|"]
         for name, v in type_rows(b["blocked"]["by_type"]):
             starts = f"{v.get('starts', 0)} of {v['tried']} worlds" if v.get("placed") else v.get("starts", 0)
-            lines.append(f"| {name} | {v['n']} | {starts} | {_ci(v.get('stayed'))} | {_ci(v.get('real_stayed'))} | "
-                         f"{_ci(v.get('map_acc'))} |")
+            lines.append(f"| {name} | {v['n']} | {starts} | {ci_cell(v.get('stayed'))} | "
+                         f"{ci_cell(v.get('real_stayed'))} | {ci_cell(v.get('map_acc'))} |")
     lines += ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
                   "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
               "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {name} | {_ci(v['mean'])} | {_ci(v['last'])} | {_ci(v.get('map_mean'))} | "
-              f"{_ci(v.get('inventory_mean'))} | {_ci(v.get('invented_mean'))} | {_ci(v.get('invented_last'))} | "
-              f"{_ci(v['tv_mean'])} | {_ci(v['tv_last'])} |" for name, v in res["rollout"].items()]
+    lines += [f"| {name} | {ci_cell(v['mean'])} | {ci_cell(v['last'])} | {ci_cell(v.get('map_mean'))} | "
+              f"{ci_cell(v.get('inventory_mean'))} | {ci_cell(v.get('invented_mean'))} | "
+              f"{ci_cell(v.get('invented_last'))} | {ci_cell(v['tv_mean'])} | {ci_cell(v['tv_last'])} |"
+              for name, v in res["rollout"].items()]
     gains = window_gains(res, int(res.get("seed", 0)))
     if gains:
         lines += ["", "| memory: recall minus the 2-frame window's, start by start | row | difference |",
@@ -897,108 +809,18 @@ def creature_markdown(creatures: dict | None) -> list[str]:
              " | ".join(f"{k} - real" for k in CREATURE_EVENTS) + " |", "|---" * (1 + 2 * len(CREATURE_EVENTS)) + "|"]
     for name, v in creatures["rows"].items():
         diffs = [v.get(f"{k}_minus_real") for k in CREATURE_EVENTS]
-        lines.append(f"| {name} | " + " | ".join(_ci(v[k]) for k in CREATURE_EVENTS) + " | " + " | ".join(
+        lines.append(f"| {name} | " + " | ".join(ci_cell(v[k]) for k in CREATURE_EVENTS) + " | " + " | ".join(
             f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d and d.get("lo") is not None else "" for d in
             diffs) + " |")
     return lines
 
 
-def baseline_margins(rollout: dict, seed: int) -> list[dict]:
-    """Each model row's rollout scores minus each baseline's (copy_last: nothing moves; scroll_start: the start frame
-    scrolled by the true movement), paired start by start, each a mean and its 95% bootstrap interval."""
-    out = []
-    for row, v in rollout.items():
-        if not row.startswith("model"):
-            continue
-        for base in ("copy_last", "scroll_start"):
-            if base not in rollout:
-                continue
-            m = {"row": row, "baseline": base}
-            for key in ("mean", "map_mean", "inventory_mean"):
-                a, b = v.get(key), rollout[base].get(key)
-                if a and b and "per_start" in a and "per_start" in b:
-                    m[key] = paired_interval(a["per_start"], b["per_start"], seed)
-            out.append(m)
-    return out
-
-
-def window_gains(res: dict, seed: int) -> list[dict]:
-    """What memory buys: each loop's and shape's recall for every model row with a longer window minus the 2-frame
-    window's (which cannot see the start frame at the end), paired start by start, with a 95% bootstrap interval
-    over starts: recall "clearly above the 2-frame window" is an interval clear of 0."""
-    walks = [(f"loop n={n}", rows) for n, rows in res.get("loops", {}).items()]
-    walks += [(f"shape {name}", v.get("rows", {})) for name, v in res.get("shapes", {}).items()]
-    out = []
-    for (walk, rows), key in itertools.product(walks, ("recall", "recall_far")):
-        for row, r in rows.items():
-            forced = " teacher-forced" if row.endswith(" teacher-forced") else ""  # against the window's own kind
-            short, mine = rows.get(f"model context=2{forced}", {}).get(key) or {}, r.get(key) or {}
-            if not row.startswith("model") or row == f"model context=2{forced}" or "per_start" not in mine \
-                    or "per_start" not in short:
-                continue
-            out.append({"walk": walk + (" (far tiles)" if key == "recall_far" else ""), "row": row,
-                        **paired_interval(mine["per_start"], short["per_start"], seed)})
-    return out
-
-
-def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
-    """This run's model rows minus another run's (`versus`: its world_tests.json), start by start (the same
-    seed_base and starts: the same worlds and actions), each with a 95% bootstrap interval over starts: the
-    rollout's agreement (mean, last step), map, inventory and invented tiles, and each loop's and shape's recall."""
-    pairs = []
-    for name, row in mine.get("rollout", {}).items():
-        for key in ("mean", "last", "map_mean", "inventory_mean", "invented_mean", "tv_mean"):
-            pairs.append((f"rollout {name}: {key}", row.get(key), theirs.get("rollout", {}).get(name, {}).get(key)))
-    for name, row in mine.get("creatures", {}).get("rows", {}).items():
-        for key in CREATURE_EVENTS if name != "real" else ():
-            pairs.append((f"creatures {name}: {key}", row.get(key),
-                          theirs.get("creatures", {}).get("rows", {}).get(name, {}).get(key)))
-    for n, rows in mine.get("loops", {}).items():
-        for name, r in rows.items():
-            pairs.append((f"loop {n} {name}: recall", r.get("recall"),
-                          theirs.get("loops", {}).get(str(n), {}).get(name, {}).get("recall")))
-    for shape, v in mine.get("shapes", {}).items():
-        for name, r in v.get("rows", {}).items():
-            for key in ("recall", "recall_far"):
-                pairs.append((f"shape {shape} {name}: {key}", r.get(key),
-                              theirs.get("shapes", {}).get(shape, {}).get("rows", {}).get(name, {}).get(key)))
-    out = []
-    for what, a, b in pairs:
-        if not a or not b or "per_start" not in a or "per_start" not in b or len(a["per_start"]) != len(b["per_start"]):
-            continue
-        d = paired_interval(a["per_start"], b["per_start"], seed)
-        out.append({"what": what, "mine": a["mean"], "theirs": b["mean"], "difference": d["mean"], "lo": d["lo"],
-                    "hi": d["hi"], "n": d["n"]})
-    return out
-
-
-def versus_markdown(rows: list[dict], versus: str) -> str:
-    lines = [f"This run minus {versus}, start by start (95% bootstrap interval over starts):", "",
-             "| measure | this run | versus | difference |", "|---|---|---|---|"]
-    lines += [f"| {r['what']} | {r['mine']:.3f} | {r['theirs']:.3f} | {r['difference']:+.3f} [{r['lo']:+.3f}, "
-              f"{r['hi']:+.3f}] |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-CURVE_COLUMNS = ["row", "step", "agreement", "lo", "hi", "tv", "map", "inventory", "invented"]
-
-
-def write_curves(curves: dict, path: Path) -> list[list]:
-    table = [[name, k + 1, c["mean"], c["lo"], c["hi"], c["tv"], c["map"], c["inventory"], c["invented"]]
-             for name, per in curves.items() for k, c in enumerate(per)]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CURVE_COLUMNS)
-        w.writerows(table)
-    return table
-
-
-def log_wandb(cfg: DictConfig, res: dict, table: list[list], media: dict) -> None:
+def log_wandb(cfg: DictConfig, res: dict, columns: list[str], table: list[list], media: dict) -> None:
     """The curve, the summary numbers and the loop videos to the configured W&B run (as mcar evaluate logs)."""
     run = open_run(cfg)
     if run is None:
         return
-    log_table(run, "world/rollout_agreement", CURVE_COLUMNS, table,
+    log_table(run, "world/rollout_agreement", columns, table,
               curve=("step", "agreement", "row", "token agreement per rollout step"))
     log_media(run, media)
     for n, rows in res["loops"].items():
@@ -1054,7 +876,7 @@ def world_tests(cfg: DictConfig) -> dict:
     for key, clips in tests.videos.items():
         video = comparison_frames(clips, tests.layout, tests.cb, tests.vq, space)
         media[f"world/{key}"] = write_video(video, out / "videos" / key, cfg.fps)[1]
-    table = write_curves(tests.curves, out / "rollout_agreement.csv")
+    columns, table = write_curves(tests.curves, out / "rollout_agreement.csv")
     (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
     md = markdown(res)
     if versus is not None:
@@ -1063,6 +885,6 @@ def world_tests(cfg: DictConfig) -> dict:
         md += "\n" + versus_markdown(res["versus"]["rows"], str(path))
         (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
     (out / "world_tests.md").write_text(md)
-    log_wandb(cfg, res, table, media)
+    log_wandb(cfg, res, columns, table, media)
     log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", md, out)
     return res
