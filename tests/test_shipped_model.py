@@ -229,7 +229,7 @@ def test_the_world_model_stops_at_what_the_player_placed(tmp_path, obstacle):
     walks into it; Crafter refuses the move and the model keeps the map where it was, not scrolled as a move through
     would. Under vq=tiles a furnace encoded as the path tile, so a model of those tokens walked through it. Starts
     are kept where scrolling would change the map (not a field of grass)."""
-    from mcar.crafter.world_tests import Scene
+    from mcar.crafter.scenes import Scene
 
     tokens, stayed, through = world_tokens(), [], []
     for seed in range(210, 260):

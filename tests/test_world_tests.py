@@ -1,6 +1,6 @@
-"""mcar worldtest (mcar/crafter/world_tests.py): the loop, shape, collision, inventory and invented-tile scores on
-synthetic maps whose answers are known, and the command once on the shipped tile-exact model at the smallest
-sizes."""
+"""mcar worldtest (mcar/crafter/world_tests.py; its scenes, map geometry and report beside it): the loop, shape,
+collision, inventory and invented-tile scores on synthetic maps whose answers are known, and the command once on
+the shipped tile-exact model at the smallest sizes."""
 import json
 import re
 
@@ -8,21 +8,20 @@ import pytest
 import torch
 
 from mcar.crafter.gen import MOVE_DELTA, PERPENDICULAR, path_offsets
-from mcar.crafter.world_tests import (
+from mcar.crafter.map_tokens import (
     MapGrid,
     creature_events,
     far_mask,
-    fitting_shapes,
     hidden_mask,
     loop_recall,
-    markdown,
     masked_recall,
-    parse_shape,
     rerevealed_mask,
     scroll_start,
     shifted,
     stay_or_move,
 )
+from mcar.crafter.scenes import fitting_shapes, parse_shape
+from mcar.crafter.world_report import markdown
 from mcar.eval.world_tests import invented_share
 
 from .conftest import REPO, run_in_process
@@ -192,7 +191,7 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
 
 
 def test_keep_alive_refills_the_players_needs_so_a_long_rollout_is_one_episode():
-    from mcar.crafter.world_tests import KEPT_UP, Scene
+    from mcar.crafter.scenes import KEPT_UP, Scene
 
     for keep in (False, True):
         scene = Scene(100000, (144, 144), (9, 9), 1.0, keep_alive=keep)
@@ -488,7 +487,7 @@ def stand_in_tests():
 def placed_world():
     """One fresh world (the test's first seed): a wander that bumps often, then a table and a furnace placed and
     walked into."""
-    from mcar.crafter.world_tests import Scene
+    from mcar.crafter.scenes import Scene
 
     scene = Scene(100000, SIZE, VIEW, 1.0)
     wander = scene.wander(48, p_bump=0.6)
@@ -516,7 +515,7 @@ def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_worl
 
 
 def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type(placed_world):
-    from mcar.crafter.world_tests import markdown
+    from mcar.crafter.world_report import markdown
 
     _, wander, placed = placed_world
     assert wander is not None

@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -70,452 +68,38 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mcar.core.devices import set_threads
-from mcar.core.layout import Layout
-from mcar.crafter.env import CrafterEnv
-from mcar.crafter.gen import (
-    ACTIONS,
-    BACK,
-    MOVE_DELTA,
-    MOVES,
-    PERPENDICULAR,
-    ExplorerPolicy,
-    blocked_moves,
-    map_rows,
-    material,
-    path_offsets,
-    path_open,
-    place_rules,
-    shape_actions,
-    stock_up,
-    tile_kind,
-    walkable,
+from mcar.crafter.gen import MOVE_DELTA, map_rows, place_rules
+from mcar.crafter.map_tokens import (
+    MapGrid,
+    creature_events,
+    far_mask,
+    hidden_mask,
+    masked_recall,
+    rerevealed_mask,
+    scroll_start,
+    stay_or_move,
 )
+from mcar.crafter.scenes import Recording, Shape, StartRecord, fitting_shapes, parse_shape, record_start
 from mcar.crafter.textures import creature_codes, tile_textures
+from mcar.crafter.world_report import log_wandb, markdown
 from mcar.eval.stats import interval, pooled_interval
 from mcar.eval.world_tests import (
     ModelRows,
     Tokens,
-    baseline_margins,
-    ci_cell,
     images_of,
     invented_share,
     paired_versus,
     score_rollouts,
     versus_markdown,
-    window_gains,
     write_curves,
 )
 from mcar.sampling.world_model import WorldModel
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
 from mcar.tokenizer.vq_model import frame_size
-from mcar.wandb_run import log_media, log_table, open_run
 
 log = logging.getLogger("mcar.crafter.world_tests")
 TESTS = ("loop", "shapes", "blocked", "rollout")
 
-
-
-# ------------------------------------------------------------------------------------------------ token geometry
-@dataclass(frozen=True)
-class MapGrid:
-    """Where the map is in a frame's token grid: rows [0, map_h) (the inventory rows below), the player drawn at
-    (player_row, player_col) (Crafter's view centre: grid // 2)."""
-
-    map_h: int
-    w: int
-
-    @property
-    def player(self) -> tuple[int, int]:
-        return self.map_h // 2, self.w // 2
-
-    def maps(self, images: torch.Tensor) -> torch.Tensor:
-        """(..., h, w) image tokens -> (..., map_h, w) map tokens."""
-        return images[..., :self.map_h, :]
-
-    def inventory(self, images: torch.Tensor) -> torch.Tensor:
-        """(..., h, w) image tokens -> (..., h - map_h, w) the inventory rows below the map."""
-        return images[..., self.map_h:, :]
-
-
-def rerevealed_mask(grid: MapGrid, dx: int, dy: int) -> torch.Tensor:
-    """(map_h, w) bool: the start view's tiles that are out of view once the view has moved by (dx, dy) tiles."""
-    r, c = torch.meshgrid(torch.arange(grid.map_h), torch.arange(grid.w), indexing="ij")
-    r, c = r - dy, c - dx  # where each start tile sits in the moved view
-    return (r < 0) | (r >= grid.map_h) | (c < 0) | (c >= grid.w)
-
-
-def hidden_mask(grid: MapGrid, offsets) -> torch.Tensor:
-    """(map_h, w) bool: the start view's tiles out of view at any of the view's (dx, dy) offsets (a walk's)."""
-    out = torch.zeros(grid.map_h, grid.w, dtype=torch.bool)
-    for dx, dy in offsets:
-        out |= rerevealed_mask(grid, int(dx), int(dy))
-    return out
-
-
-def far_mask(grid: MapGrid, offsets) -> torch.Tensor:
-    """(map_h, w) bool: the start view's tiles out of view in both frames before a walk's last (its (dx, dy)
-    offsets): no copy from two frames back, the memory an out-and-back loop teaches, brings them back."""
-    offsets = [(int(dx), int(dy)) for dx, dy in offsets]
-    if len(offsets) < 3:
-        return torch.zeros(grid.map_h, grid.w, dtype=torch.bool)
-    return rerevealed_mask(grid, *offsets[-2]) & rerevealed_mask(grid, *offsets[-3])
-
-
-def masked_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """end_maps, start_maps (B, map_h, w), masks (B, map_h, w) bool -> (B,) share of the masked tiles where the end
-    frame equals the start frame (NaN where a mask is empty)."""
-    same = (end_maps == start_maps) & masks
-    return same.flatten(1).sum(1).double() / masks.flatten(1).sum(1).double()
-
-
-def loop_recall(end_maps: torch.Tensor, start_maps: torch.Tensor, grid: MapGrid, far: torch.Tensor) -> torch.Tensor:
-    """end_maps, start_maps (B, map_h, w), far (B, 2) the view's (dx, dy) at the loop's far end -> (B,) share of the
-    re-revealed tiles where the end frame equals the start frame."""
-    masks = torch.stack([rerevealed_mask(grid, dx, dy) for dx, dy in far.tolist()])
-    return masked_recall(end_maps, start_maps, masks)
-
-
-CREATURE_EVENTS = ("creatures", "entered", "left", "popped")
-
-
-def creature_events(maps: torch.Tensor, codes: torch.Tensor, moves: torch.Tensor) -> dict[str, torch.Tensor]:
-    """maps (B, T, h, w) map codes, codes the creatures' (creature_codes), moves (B, T-1, 2) the player's true
-    (dx, dy) from each frame to the next -> {name: (B,)} per frame over frames 1..T-1: `creatures` (creature
-    tiles), `entered` (new creatures on the view's edge: no creature of the frame before, scrolled by the move,
-    within one tile: a creature steps one tile a turn), `left` (creatures of the frame before, scrolled, off the
-    view or on its edge with no creature within one tile now), `popped` (creatures that appeared or vanished
-    inside the view: the game only does that when one is killed or spawns). Matching is by distance, not identity:
-    two creatures passing are not told apart."""
-    B, T, h, w = maps.shape
-    is_c = torch.isin(maps, codes).float()
-    inside = torch.zeros(h + 2, w + 2, dtype=torch.bool)  # the view padded by a ring of just-out-of-view tiles
-    inside[2:h, 2:w] = True  # the view less its edge
-    out = {k: torch.zeros(B, dtype=torch.float64) for k in CREATURE_EVENTS}
-    near = lambda x: torch.nn.functional.max_pool2d(x[None, None], 3, 1, 1)[0, 0] > 0
-    for b in range(B):
-        for t in range(1, T):
-            dx, dy = (int(v) for v in moves[b, t - 1])
-            prev = torch.zeros(h + 2 + 2 * abs(dy), w + 2 + 2 * abs(dx))
-            cur = torch.zeros(h + 2, w + 2)
-            cur[1:h + 1, 1:w + 1] = is_c[b, t]
-            # the frame before as seen from the new view: a creature at (r, c) sits at (r - dy, c - dx)
-            r0, c0 = 1 + abs(dy) - dy, 1 + abs(dx) - dx
-            prev[r0:r0 + h, c0:c0 + w] = is_c[b, t - 1]
-            prev = prev[abs(dy):abs(dy) + h + 2, abs(dx):abs(dx) + w + 2]
-            new = (cur > 0) & ~near(prev)
-            gone = (prev > 0) & ~near(cur)
-            out["creatures"][b] += float(is_c[b, t].sum())
-            out["entered"][b] += float((new & ~inside).sum())
-            out["left"][b] += float((gone & ~inside).sum())
-            out["popped"][b] += float((new & inside).sum() + (gone & inside).sum())
-    return {k: v / max(T - 1, 1) for k, v in out.items()}
-
-
-def shifted(maps: torch.Tensor, dx: int, dy: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., H, W) map tokens -> (the map the view shows after moving (dx, dy) tiles, (H, W) bool where it is known:
-    the tiles that were in view before)."""
-    H, W = maps.shape[-2:]
-    out, known = torch.zeros_like(maps), torch.zeros(H, W, dtype=torch.bool)
-    r0, r1, c0, c1 = max(0, -dy), min(H, H - dy), max(0, -dx), min(W, W - dx)
-    if r0 >= r1 or c0 >= c1:  # moved a whole view away: nothing known (a negative slice bound would wrap round)
-        return out, known
-    out[..., r0:r1, c0:c1] = maps[..., r0 + dy:r1 + dy, c0 + dx:c1 + dx]
-    known[r0:r1, c0:c1] = True
-    return out, known
-
-
-def scroll_start(clips: torch.Tensor, positions: list[list], grid: MapGrid, layout: Layout, prompt: int
-                 ) -> torch.Tensor:
-    """(B, N) clips and each one's player positions per frame -> a copy whose frames >= prompt show the last prompt
-    frame's map scrolled by the player's true movement since: the floor a greedy model must beat ("scroll the start
-    frame by the true movement"). Tiles that come into view keep what the start frame showed there; the player's
-    tile and the inventory rows stay the start frame's; every action stays the clip's own."""
-    out = clips.clone()
-    images = out.view(out.shape[0], -1, layout.frame_len)[..., :layout.frame_tokens].unflatten(-1, (layout.h,
-                                                                                                     layout.w))
-    start = images[:, prompt - 1].clone()
-    pr, pc = grid.player
-    for b, pos in enumerate(positions):
-        for t in range(prompt, images.shape[1]):
-            moved, known = shifted(grid.maps(start[b]), pos[t][0] - pos[prompt - 1][0],
-                                   pos[t][1] - pos[prompt - 1][1])
-            known[pr, pc] = False
-            frame = start[b].clone()
-            frame[:grid.map_h][known] = moved[known]
-            images[b, t] = frame
-    return out
-
-
-def stay_or_move(prev: torch.Tensor, nxt: torch.Tensor, moves: torch.Tensor, grid: MapGrid
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """prev, nxt (B, map_h, w) maps before and after a move action, moves (B,) its action ids -> (agreement of nxt
-    with prev, agreement with prev shifted one tile the move's way), each (B,), over the tiles both know, the
-    player's tile left out."""
-    stay, move = [], []
-    pr, pc = grid.player
-    for p, n, a in zip(prev, nxt, moves.tolist()):
-        s, known = shifted(p, *MOVE_DELTA[a])
-        known = known.clone()
-        known[pr, pc] = False
-        stay.append((n[known] == p[known]).double().mean())
-        move.append((n[known] == s[known]).double().mean())
-    return torch.stack(stay), torch.stack(move)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A walk back to the start view (`shapes`): back_n<n> (n out, n back), wait_n<n>_w<w> (n out, w noops, n back),
-    L_n<n>_m<m> (n one way, m at right angles, m back, n back)."""
-
-    kind: str
-    n: int
-    m: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}_n{self.n}" + {"back": "", "wait": f"_w{self.m}", "L": f"_m{self.m}"}[self.kind]
-
-    def actions(self, a: int, b: int | None = None) -> list[int]:
-        """The walk's actions, first move `a` (and `b`, at right angles to it, for an L)."""
-        return shape_actions(self.kind, a, self.n, self.m, b)
-
-    @property
-    def frames(self) -> int:
-        """Frames of its clip: the start, one after each action."""
-        return len(self.actions(MOVES[0], PERPENDICULAR[MOVES[0]][0])) + 1
-
-
-SHAPE_NAME = re.compile(r"^(?:back_n(\d+)|wait_n(\d+)_w(\d+)|L_n(\d+)_m(\d+))$")
-
-
-def parse_shape(spec: str) -> Shape:
-    """'back_n3' | 'wait_n1_w2' | 'L_n1_m1' -> its Shape (each length >= 1)."""
-    match = SHAPE_NAME.match(str(spec))
-    if match is None or any(g is not None and int(g) < 1 for g in match.groups()):
-        raise ValueError(f"shapes: {spec!r} is not a shape: back_n<n>, wait_n<n>_w<w> or L_n<n>_m<m>, each "
-                         f"length >= 1 (e.g. [wait_n1_w2, L_n1_m1, back_n3]; conf/worldtest.yaml)")
-    g = match.groups()
-    if g[0] is not None:
-        return Shape("back", int(g[0]))
-    if g[1] is not None:
-        return Shape("wait", int(g[1]), int(g[2]))
-    return Shape("L", int(g[3]), int(g[4]))
-
-
-def fitting_shapes(shapes: list[Shape], context: int, beyond: bool = False) -> tuple[list[Shape], dict]:
-    """-> (the shapes to walk: those whose clip fits a window of `context` frames, every one when `beyond`, {name:
-    why} of the others)."""
-    run = [s for s in shapes if beyond or s.frames <= context]
-    return run, {s.name: {"frames": s.frames, "skipped": f"{s.frames} frames > context {context}"}
-                 for s in shapes if s not in run}
-
-
-# ------------------------------------------------------------------------------------------------ Crafter scenes
-@dataclass
-class Recording:
-    """What the env showed: frame t (H, W, 3) uint8 seen before action t, and the player's position then."""
-
-    frames: list = field(default_factory=list)
-    actions: list = field(default_factory=list)
-    pos: list = field(default_factory=list)
-    blocker: list = field(default_factory=list)  # per move action, what its target tile held then (tile_kind)
-
-
-KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima, refilled before each step (keep_alive)
-
-
-class Scene:
-    """One fresh Crafter world, stepped by the tests, each step recorded into the open recording."""
-
-    def __init__(self, env_seed: int, size, view, daylight, keep_alive: bool = False):
-        self.sim = CrafterEnv(size, view, daylight)
-        self.obs = self.sim.reset(env_seed)
-        self.rng = np.random.default_rng(env_seed)
-        self.explorer = ExplorerPolicy(self.rng)
-        self.keep_alive, self.over = keep_alive, False
-
-    @property
-    def env(self):
-        """The crafter.Env being played (for the simulator's own policies and tile reads, mcar.crafter.gen)."""
-        return self.sim.env
-
-    @property
-    def pos(self) -> tuple[int, int]:
-        return self.sim.pos
-
-    def step(self, action: int, rec: Recording | None = None) -> bool:
-        """-> whether the episode goes on."""
-        if rec is not None:
-            rec.frames.append(self.obs)
-            rec.actions.append(int(action))
-            rec.pos.append(self.pos)
-            rec.blocker.append(self.target_kind(int(action)))
-        if self.keep_alive:  # a long rollout is one episode: hunger, thirst, fatigue and zombies never end it
-            stock_up(self.env, KEPT_UP)
-        self.obs, info = self.sim.step(int(action))
-        self.over = info["done"]
-        return not self.over
-
-    def close(self, rec: Recording) -> Recording:
-        """Add the frame after the last action (its own action a noop, never used)."""
-        rec.frames.append(self.obs)
-        rec.actions.append(0)
-        rec.pos.append(self.pos)
-        return rec
-
-    def free(self, x: int, y: int) -> bool:
-        return walkable(self.env, x, y)
-
-    def target_kind(self, action: int) -> str | None:
-        """What the tile a move action goes to holds now (tile_kind), None for other actions."""
-        if action not in MOVE_DELTA:
-            return None
-        (x, y), (dx, dy) = self.pos, MOVE_DELTA[action]
-        return tile_kind(self.env, x + dx, y + dy)
-
-    def place_and_bump(self, name: str, tries: int = 20) -> Recording | None:
-        """The obstacle `name` placed with Crafter's own place action and walked into, the frames recorded: the
-        player is given what placing uses, steps onto a free tile in a direction whose next tile is free and one
-        the rule allows (explorer steps first while there is none, up to `tries`), places it there (facing it) and
-        moves into it. -> a recording whose last action is that refused move, None when no open way was found, a
-        creature stepped in, the obstacle is not there after placing, the env let the player through, or the
-        episode ended."""
-        rule = place_rules()[name]
-        place = ACTIONS.index(f"place_{name}")
-
-        def find() -> int | None:
-            x, y = self.pos
-            for a in (int(v) for v in self.rng.permutation(MOVES)):
-                dx, dy = MOVE_DELTA[a]
-                if (self.free(x + dx, y + dy) and self.free(x + 2 * dx, y + 2 * dy)
-                        and material(self.env, x + 2 * dx, y + 2 * dy) in rule["where"]):
-                    return a
-            return None
-
-        for _ in range(tries):
-            if self.over:
-                return None
-            a = find()
-            if a is not None:
-                break
-            if not self.step(self.explorer(self.env)):
-                return None
-        else:
-            return None
-        stock_up(self.env, rule["uses"])
-        rec, (x, y), (dx, dy) = Recording(), self.pos, MOVE_DELTA[a]
-        target = (x + 2 * dx, y + 2 * dy)
-        if not self.step(a, rec) or self.pos != (x + dx, y + dy) or not self.free(*target):
-            return None
-        if not self.step(place, rec) or tile_kind(self.env, *target) != name:
-            return None
-        if not self.step(a, rec) or self.pos != (x + dx, y + dy):
-            return None
-        return self.close(rec)
-
-    def open_direction(self, n: int) -> int | None:
-        """A move whose next n tiles are walkable and empty now, None when there is none."""
-        x, y = self.pos
-        for a in self.rng.permutation(list(MOVE_DELTA)):
-            dx, dy = MOVE_DELTA[int(a)]
-            if all(self.free(x + k * dx, y + k * dy) for k in range(1, n + 1)):
-                return int(a)
-        return None
-
-    def loop(self, n: int, tries: int = 20) -> Recording | None:
-        """n moves one way and n back, the frames recorded; None when no open direction was found or the env did not
-        move the player exactly there and back."""
-        def out_and_back():
-            a = self.open_direction(n)
-            return None if a is None else [a] * n + [BACK[a]] * n
-
-        return self.walk(out_and_back, tries)
-
-    def open_shape(self, shape: Shape) -> list[int] | None:
-        """The shape's actions along a way whose every tile is walkable and empty now, None when there is none."""
-        for a in (int(v) for v in self.rng.permutation(MOVES)):
-            for b in [int(v) for v in self.rng.permutation(PERPENDICULAR[a])] if shape.kind == "L" else [None]:
-                acts = shape.actions(a, b)
-                if path_open(self.env, acts):
-                    return acts
-        return None
-
-    def shape(self, shape: Shape, tries: int = 20) -> Recording | None:
-        """The shape walked from where the player is (explorer steps first until a way is open), the frames recorded;
-        None when no open way was found, the episode ended, or the env did not move the player exactly along it."""
-        return self.walk(lambda: self.open_shape(shape), tries)
-
-    def walk(self, find, tries: int) -> Recording | None:
-        """The actions `find()` gives (explorer steps first while it finds none, up to `tries`), the frames recorded;
-        None when it found none, the episode ended, or the env did not move the player exactly along them."""
-        for _ in range(tries):
-            acts = find()
-            if acts is not None:
-                break
-            if not self.step(self.explorer(self.env)):
-                return None
-        else:
-            return None
-        rec = Recording()
-        for act in acts:
-            if not self.step(act, rec):
-                return None
-        rec = self.close(rec)
-        x0, y0 = rec.pos[0]
-        return rec if rec.pos == [(x0 + dx, y0 + dy) for dx, dy in path_offsets(acts)] else None
-
-    def wander(self, steps: int, p_bump: float) -> Recording | None:
-        """`steps` actions of the explorer policy, moving into a blocked neighbour tile with probability p_bump when
-        there is one (collisions to test); None when the episode ends first."""
-        rec = Recording()
-        for _ in range(steps):
-            blocked = blocked_moves(self.env)
-            act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.explorer(self.env)
-            if not self.step(act, rec):
-                return None
-        return self.close(rec)
-
-
-@dataclass
-class StartRecord:
-    loops: dict  # n -> Recording
-    wander: Recording
-    shapes: dict = field(default_factory=dict)  # shape name -> Recording, the shapes this start could make
-    placed: dict = field(default_factory=dict)  # obstacle name -> Recording (place_and_bump), those it could place
-
-
-def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
-                 daylight, keep_alive: bool = False, shapes=(), placed=()) -> StartRecord | None:
-    """One start: a few explorer steps into a fresh world, a loop of each length, a wander, then each of `shapes`
-    from where the wander ended, then each obstacle of `placed` placed and walked into (Scene.place_and_bump);
-    None when the episode ended or a loop could not be made (a shape or an obstacle that could not be made is only
-    missing from .shapes / .placed)."""
-    scene = Scene(env_seed, size, view, daylight, keep_alive)
-    for _ in range(int(scene.rng.integers(1, warmup + 1))):
-        if not scene.step(scene.explorer(scene.env)):
-            return None
-    loops = {}
-    for n in loop_lengths:
-        rec = scene.loop(int(n))
-        if rec is None:
-            return None
-        loops[int(n)] = rec
-    wander = scene.wander(wander_steps, p_bump)
-    if wander is None:
-        return None
-    made = {}
-    for shape in shapes:
-        if scene.over:
-            break
-        rec = scene.shape(shape)
-        if rec is not None:
-            made[shape.name] = rec
-    bumped = {}
-    for name in placed:
-        rec = None if scene.over else scene.place_and_bump(str(name))
-        if rec is not None:
-            bumped[str(name)] = rec
-    return StartRecord(loops, wander, made, bumped)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -725,125 +309,8 @@ class WorldTests(ModelRows):
         return score_rollouts(rows, clips, self.layout, self.cb, self.prompt, self.cfg.seed, bands)
 
 
-# ------------------------------------------------------------------------------------------------ reporting
-def type_rows(by_type: dict) -> list[tuple[str, dict]]:
-    """by_type's rows in table order: the wander's types by n (most first), then the placed obstacles."""
-    return sorted(by_type.items(), key=lambda kv: (bool(kv[1].get("placed")), -kv[1]["n"], kv[0]))
-
-
-def _memory_cells(v: dict, far: bool = False) -> str:
-    return (f"{ci_cell(v['recall'])} | " + (f"{ci_cell(v.get('recall_far'))} | " if far else "") +
-            f"{ci_cell(v['loop_acc'])} | {ci_cell(v.get('inventory'))} | {ci_cell(v.get('invented'))} |")
-
-
-def markdown(res: dict) -> str:
-    lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames, "
-             f"sampler {res['sampler']}; 95% bootstrap intervals over starts. inventory: its rows' agreement, every "
-             f"frame; invented: share of tiles whose type is in neither the real frame nor the prompt.", "",
-             "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) | inventory | invented |",
-             "|---|---|---|---|---|---|"]
-    for n, rows in res["loops"].items():
-        lines += [f"| {n} | {name} | {_memory_cells(v)}" for name, v in rows.items()]
-    if res.get("shapes"):
-        lines += ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | recall_far (hidden "
-                      "in both frames before the last: beyond a copy from 2 frames back) | loop_acc (map) | "
-                      "inventory | invented |", "|---|---|---|---|---|---|---|---|---|"]
-        for name, v in res["shapes"].items():
-            if "skipped" in v:
-                lines.append(f"| {name} | {v['frames']} | skipped: {v['skipped']} (shapes_beyond_context=true runs "
-                             f"it) | | | | | | |")
-                continue
-            mark = " (beyond context: a control)" if v.get("beyond_context") else ""
-            made = f"{v['made']} / {v['starts']}{mark}"
-            if not v.get("rows"):
-                lines.append(f"| {name} | {v['frames']} | {made} | | | | | | |")
-            lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r, far=True)}"
-                      for row, r in v.get("rows", {}).items()]
-    b = res["blocked"]
-    lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
-    for kind, key in (("blocked", "stayed"), ("free", "moved")) if b else ():
-        v = b[kind]
-        lines.append(f"| {kind} ({key}) | {v['n']} | {ci_cell(v.get(key, {}))} | {ci_cell(v.get('real_' + key, {}))} | "
-                     f"{ci_cell(v.get('map_acc', {}))} |")
-    if b and b.get("blocked", {}).get("by_type"):
-        lines += ["", "Refused moves by what refused them (the share whose map stayed put; 95% bootstrap interval "
-                      "over starts; placed: put there by Crafter's place action, then walked into):", "",
-                  "| refused by | n | starts | model stayed | real frames | map_acc |", "|---|---|---|---|---|---|"]
-        for name, v in type_rows(b["blocked"]["by_type"]):
-            starts = f"{v.get('starts', 0)} of {v['tried']} worlds" if v.get("placed") else v.get("starts", 0)
-            lines.append(f"| {name} | {v['n']} | {starts} | {ci_cell(v.get('stayed'))} | "
-                         f"{ci_cell(v.get('real_stayed'))} | {ci_cell(v.get('map_acc'))} |")
-    lines += ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
-                  "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {name} | {ci_cell(v['mean'])} | {ci_cell(v['last'])} | {ci_cell(v.get('map_mean'))} | "
-              f"{ci_cell(v.get('inventory_mean'))} | {ci_cell(v.get('invented_mean'))} | "
-              f"{ci_cell(v.get('invented_last'))} | {ci_cell(v['tv_mean'])} | {ci_cell(v['tv_last'])} |"
-              for name, v in res["rollout"].items()]
-    gains = window_gains(res, int(res.get("seed", 0)))
-    if gains:
-        lines += ["", "| memory: recall minus the 2-frame window's, start by start | row | difference |",
-                  "|---|---|---|"]
-        lines += [f"| {g['walk']} | {g['row']} | {g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] |" for g in gains]
-    lines += creature_markdown(res.get("creatures"))
-    margins = baseline_margins(res.get("rollout", {}), int(res.get("seed", 0)))
-    if margins:
-        lines += ["", "| rollout: model row minus baseline, start by start | token agreement, mean | map | "
-                      "inventory |", "|---|---|---|---|"]
-        lines += [f"| {m['row']} - {m['baseline']} | " + " | ".join(
-            f"{m[k]['mean']:+.3f} [{m[k]['lo']:+.3f}, {m[k]['hi']:+.3f}]" if m.get(k) else "" for k in
-            ("mean", "map_mean", "inventory_mean")) + " |" for m in margins]
-    return "\n".join(lines) + "\n"
-
-
-def creature_markdown(creatures: dict | None) -> list[str]:
-    """The rollouts' creatures table: per row, each event per frame and its difference from the real frames'."""
-    if not creatures:
-        return []
-    hidden = f"; not told from the ground by this VQ, so uncounted: {', '.join(creatures['hidden'])}" \
-        if creatures["hidden"] else ""
-    lines = ["", f"Creatures in the rollouts, per frame (cow, zombie, skeleton: {len(creatures['codes'])} codes"
-                 f"{hidden}); entered / left: at the view's edge, popped: appeared or vanished inside it; (model - "
-                 f"real): paired by start.", "",
-             "| rollout row | " + " | ".join(CREATURE_EVENTS) + " | " +
-             " | ".join(f"{k} - real" for k in CREATURE_EVENTS) + " |", "|---" * (1 + 2 * len(CREATURE_EVENTS)) + "|"]
-    for name, v in creatures["rows"].items():
-        diffs = [v.get(f"{k}_minus_real") for k in CREATURE_EVENTS]
-        lines.append(f"| {name} | " + " | ".join(ci_cell(v[k]) for k in CREATURE_EVENTS) + " | " + " | ".join(
-            f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d and d.get("lo") is not None else "" for d in
-            diffs) + " |")
-    return lines
-
-
-def log_wandb(cfg: DictConfig, res: dict, columns: list[str], table: list[list], media: dict) -> None:
-    """The curve, the summary numbers and the loop videos to the configured W&B run (as mcar evaluate logs)."""
-    run = open_run(cfg)
-    if run is None:
-        return
-    log_table(run, "world/rollout_agreement", columns, table,
-              curve=("step", "agreement", "row", "token agreement per rollout step"))
-    log_media(run, media)
-    for n, rows in res["loops"].items():
-        for name, v in rows.items():
-            run.summary[f"loop{n}/{name}/recall"] = v["recall"]["mean"]
-    for shape, entry in res["shapes"].items():
-        for name, v in entry.get("rows", {}).items():
-            run.summary[f"{shape}/{name}/recall"] = v["recall"]["mean"]
-            if "recall_far" in v:
-                run.summary[f"{shape}/{name}/recall_far"] = v["recall_far"]["mean"]
-    for kind, v in res["blocked"].items():
-        for key in ("stayed", "moved"):
-            if key in v:
-                run.summary[f"{kind}/{key}"] = v[key]["mean"]
-    for name, v in res["blocked"].get("blocked", {}).get("by_type", {}).items():
-        run.summary[f"blocked/{name}/n"] = v["n"]
-        if "stayed" in v:
-            run.summary[f"blocked/{name}/stayed"] = v["stayed"]["mean"]
-
-
-def world_tests(cfg: DictConfig) -> dict:
-    set_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+def checked_config(cfg: DictConfig) -> Path | None:
+    """Every setting checked before any work, one line naming the field -> the `versus` run's world_tests.json."""
     for key in ("starts", "rollout_frames", "max_moves", "batch_size", "warmup"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]}: worldtest needs at least 1 (conf/worldtest.yaml)")
@@ -862,11 +329,18 @@ def world_tests(cfg: DictConfig) -> dict:
     unknown = [str(n) for n in cfg.get("placed") or [] if str(n) not in place_rules()]
     if unknown:
         raise ValueError(f"placed={list(cfg.placed)}: Crafter places {sorted(place_rules())} (conf/worldtest.yaml)")
-    versus = None
-    if cfg.get("versus"):  # checked now, not after the run
-        versus = Path(cfg.versus) / "world_tests.json" if Path(cfg.versus).is_dir() else Path(cfg.versus)
-        if not versus.is_file():
-            raise FileNotFoundError(f"versus={cfg.versus}: no world_tests.json there (another worldtest's output)")
+    if not cfg.get("versus"):
+        return None
+    versus = Path(cfg.versus) / "world_tests.json" if Path(cfg.versus).is_dir() else Path(cfg.versus)
+    if not versus.is_file():
+        raise FileNotFoundError(f"versus={cfg.versus}: no world_tests.json there (another worldtest's output)")
+    return versus
+
+
+def world_tests(cfg: DictConfig) -> dict:
+    set_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    versus = checked_config(cfg)
     tests = WorldTests(cfg)
     res = tests.run()
     out = Path(cfg.paths.output_dir)
