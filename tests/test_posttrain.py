@@ -11,7 +11,7 @@ from mcar.core.model import ModelConfig, Transformer
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, ScheduleSampler
 from mcar.crafter.rewards import CreatureCount
-from mcar.crafter.starts import StepStarts
+from mcar.data.starts import StepStarts
 from mcar.idm.model import InverseDynamics, save_idm
 from mcar.train.posttrain import reward_terms
 from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement, TileMix
@@ -267,10 +267,10 @@ def test_starts_play_recall_plans_and_placing_when_asked(monkeypatch):
     from mcar.crafter.gen import ACTIONS, MOVE_DELTA, placing_settings, recall_settings
 
     made = []
-    monkeypatch.setattr(starts, "CrafterStarts", lambda *a: made.append(a[-2:]))
+    monkeypatch.setattr(starts, "CrafterStarts", lambda **k: made.append((k["recall"], k["placing"])))
     for recall in ("null", "{}"):  # posttrain.data, the job's data, hands starts.* on: null stays None, {} a dict
         cfg = compose("posttrain", ["data=crafter_tiles", f"starts.recall={recall}", "starts.placing={p: 0.5}"])
-        instantiate(cfg.posttrain.data)
+        instantiate(cfg.posttrain.data.source)
     assert made == [(None, {"p": 0.5}), ({}, {"p": 0.5})] and all(type(r) is dict for _, r in made)
     monkeypatch.undo()
     seen = []

@@ -1,33 +1,24 @@
-"""Post-training starts: fresh Crafter worlds played by a policy, tokenised by the data's VQ (`mcar posttrain`).
-
-Step s of rank r takes worlds from seed `seed_base + (s * world + r) * 4 * starts` on: never a training episode's
-(those come from the generator's seed, `data.gen_seed`, drawing their own world seeds), and a resumed run goes on
-with the worlds after the last step it finished. Each world is played by a policy drawn from `policy_mix`
-(crafter_gen's policies; `recall` gives the explorer and the wanderer their recall plans, data.recall's settings;
-`placing` has the wanderer place tables and furnaces and walk into them, data.placing's settings)
-for a random warm-up of up to `warmup` steps, then `clips_per_world` x `frames` steps: each
-run of `frames` frames and their actions is the true clip a rollout from its prompt frames is scored against
-(Crafter is the simulator: the true next frames under the same actions). Building a world costs seconds, more than
-a step's rollouts on a small model: one world gives several clips. A world whose player dies first is skipped and
-counted, and the next seed taken in its place.
+"""Post-training starts from Crafter (`mcar posttrain`: the source of mcar.data.starts.StartsDataModule): fresh
+worlds played by a policy, tokenised by the data's VQ. World seeds are never a training episode's (those come from
+the generator's seed, `data.gen_seed`, drawing their own world seeds). Each world is played by a policy drawn from
+`policy_mix` (crafter_gen's policies; `recall` gives the explorer and the wanderer their recall plans, data.recall's
+settings; `placing` has the wanderer place tables and furnaces and walk into them, data.placing's settings) for a
+random warm-up of up to `warmup` steps, then `clips_per_world` x `frames` steps: each run of `frames` frames and
+their actions is the true clip a rollout from its prompt frames is scored against (Crafter is the simulator: the
+true next frames under the same actions). Building a world costs seconds, more than a step's rollouts on a small
+model: one world gives several clips. A world whose player dies first is skipped and counted, and the next seed
+taken in its place.
 """
 from __future__ import annotations
 
-import logging
-
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 from mcar.core.layout import Layout
 from mcar.crafter.env import CrafterEnv
 from mcar.crafter.gen import POLICIES, make_policy, placing_settings, recall_settings
-from mcar.data.common import StepsFrom
 from mcar.tokenizer.clips import join_clip
 from mcar.tokenizer.vq_model import encode_tokens, frame_size, load_vq
-
-log = logging.getLogger("mcar")
 
 
 class CrafterStarts:
@@ -79,49 +70,3 @@ class CrafterStarts:
         clip = join_clip(images, torch.tensor(actions[-n:])[:, None], self.codebook_size)
         where = torch.tensor(positions[-n:]).view(self.clips_per_world, self.frames, 2)
         return list(zip(clip.view(self.clips_per_world, -1), where))
-
-
-class StepStarts(Dataset):
-    """Item s: the (starts, N) true clips of step s for this rank, with the player's (starts, frames, 2) world
-    positions and their world seeds."""
-
-    def __init__(self, source: CrafterStarts, starts: int, seed_base: int, rank: int = 0, world: int = 1):
-        self.source, self.starts, self.seed_base, self.rank, self.world = source, starts, seed_base, rank, world
-
-    def __len__(self) -> int:  # endless; the trainer stops at max_steps
-        return 2**40
-
-    def __getitem__(self, step: int) -> dict:
-        first = self.seed_base + (step * self.world + self.rank) * self.starts * 4  # 4x room for skipped worlds
-        made, seeds = [], []
-        for seed in range(first, first + 4 * self.starts):
-            clips = self.source(seed)[:self.starts - len(made)]
-            made += clips
-            seeds += [seed] * len(clips)
-            if len(made) == self.starts:
-                return {"tokens": torch.stack([c for c, _ in made]), "positions": torch.stack([p for _, p in made]),
-                        "world_seed": torch.tensor(seeds), "dead": torch.tensor(self.source.dead)}
-        raise RuntimeError(f"step {step}: only {len(made)} of {self.starts} clips from {4 * self.starts} worlds from "
-                           f"seed {first} (the player died): lower starts.warmup or the clip's frames")
-
-
-class StartsDataModule(L.LightningDataModule):
-    """The training batches of `mcar posttrain`: `starts` fresh worlds per step (no validation set: the rollouts
-    are scored against the simulator as they are made)."""
-
-    def __init__(self, layout: dict, codebook_size: int, frames: int, vq_path: str | None, view, daylight,
-                 policy_mix: dict, starts: int = 2, seed_base: int = 1_000_000, warmup: int = 16,
-                 clips_per_world: int = 1, recall: dict | None = None, placing: dict | None = None):
-        super().__init__()
-        if starts < 1:
-            raise ValueError(f"posttrain.starts={starts}: at least one start per step")
-        self.source = CrafterStarts(Layout(**layout), codebook_size, frames, vq_path, view, daylight, policy_mix,
-                                    warmup, clips_per_world, recall, placing)
-        self.starts, self.seed_base = starts, seed_base
-
-    def train_dataloader(self) -> DataLoader:
-        t = self.trainer
-        rank, world = (t.global_rank, t.world_size) if t is not None else (0, 1)
-        start = t.global_step if t is not None else 0  # restored on resume before the loaders are built
-        return DataLoader(StepStarts(self.source, self.starts, self.seed_base, rank, world), batch_size=None,
-                          sampler=StepsFrom(start), num_workers=0)
