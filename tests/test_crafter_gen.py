@@ -1,11 +1,11 @@
-"""The data side of recall (mcar/data/crafter_gen.py): the explorer's and the wanderer's recall plans (walks back to
+"""The data side of recall (mcar/crafter/gen.py): the explorer's and the wanderer's recall plans (walks back to
 where they were: longer out-and-backs, waits, L-shapes, revisits in varied order) on a fake all-grass world, so no
 Crafter world is generated; today's policies when none is asked. And the wanderer's placed obstacles, on one small
 real world (Crafter's own place rule decides)."""
 import numpy as np
 import pytest
 
-from mcar.data.crafter_gen import (
+from mcar.crafter.gen import (
     ACTIONS,
     MOVE_DELTA,
     PERPENDICULAR,
@@ -126,7 +126,7 @@ def test_policies_walk_recall_plans_only_when_asked():
 
 
 def test_recall_data_lives_in_its_own_folder_and_default_data_keeps_its_name(tmp_path):
-    from mcar.data.crafter import CrafterDataModule
+    from mcar.crafter.data import CrafterDataModule
 
     def dm(**kw):
         return CrafterDataModule(root=str(tmp_path), episodes=3, frames_per_episode=24, policy_mix={"explorer": 1.0},

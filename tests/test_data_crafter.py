@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from mcar.crafter.data import CrafterDataModule
+from mcar.crafter.gen import ACTIONS, generate, play_episode
 from mcar.data.common import StepBatches
-from mcar.data.crafter import CrafterDataModule
-from mcar.data.crafter_gen import ACTIONS, generate, play_episode
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import save_vq
 from tests.test_data_vpt import tiny_vq
@@ -140,7 +140,7 @@ def test_crafter_trains_its_own_vq_when_asked(tmp_path, view):
     vq_root = tmp_path / "crafter" / ("view24x14" if view else "")
     assert (vq_root / "vq" / "best" / "config.json").exists()
     if view:  # the VQ's own episodes are in the tile view too (vq_train.yaml's generate.seed=1)
-        from mcar.data.crafter_gen import episode_name
+        from mcar.crafter.gen import episode_name
 
         first = read_mp4(vq_root / "vq_episodes" / f"{episode_name(1, 0)}.mp4")[0][0].astype(int)
         mix = {"random": 0.25, "explorer": 0.75}
@@ -193,7 +193,7 @@ def test_generation_workers_die_with_a_killed_parent(tmp_path):
     import sys
     import time
 
-    code = ("from mcar.data.crafter_gen import generate; "
+    code = ("from mcar.crafter.gen import generate; "
             f"generate({str(tmp_path)!r}, episodes=200, frames=400, workers=2, size=(64, 64))")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
@@ -223,7 +223,7 @@ def test_episodes_are_the_same_in_every_process():
 
     code = ("import sys, hashlib; junk = [bytearray(int(sys.argv[1]) * 37 % 4096 + 1) for _ in "
             "range(int(sys.argv[1]) * 101)]\n"
-            "from mcar.data.crafter_gen import play_episode\n"
+            "from mcar.crafter.gen import play_episode\n"
             "print([hashlib.md5(play_episode(0, e, 300, {'random': 0.25, 'explorer': 0.75}, (64, 64))[0].tobytes())"
             ".hexdigest() for e in range(4)])")
     runs = {subprocess.run([sys.executable, "-c", code, str(j)], capture_output=True, text=True, check=True,

@@ -36,7 +36,7 @@ def test_two_generators_on_one_folder_leave_whole_episodes(tmp_path):
 
 
 def test_a_cut_off_episode_is_made_again(tmp_path):
-    from mcar.data.crafter_gen import episode_complete, generate
+    from mcar.crafter.gen import episode_complete, generate
 
     generate(tmp_path, 1, 8, size=(32, 48))
     mp4 = next(tmp_path.glob("*.mp4"))

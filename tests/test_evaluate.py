@@ -129,7 +129,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     """ground truth scores PSNR inf and SSIM 1, noise far lower; a constant IDM gets the F1 worked out by hand;
     missing nets become notes naming the columns."""
     from mcar.core.layout import Layout
-    from mcar.eval import metrics as M
+    from mcar.eval import networks as N
     from mcar.eval.scoring import Scorer, reference_clips, score, score_rows
     from mcar.tokenizer.clips import join_clip
 
@@ -139,7 +139,7 @@ def test_score_reference_rows_and_action_f1_exactly():
     g = torch.Generator().manual_seed(0)
     acts = torch.tensor([[0], [1], [0], [1], [0]])  # pairs t = 0..3 end in a generated frame: actions 0, 1, 0, 1
     gt = torch.stack([join_clip(torch.randint(0, cb, (T, 2, 3), generator=g), acts, cb) for _ in range(2)])
-    missing = M.Unavailable("no weights")
+    missing = N.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=tiny_vq(),
                     nets={"i3d": missing, "lpips": missing, "dino": missing, "raft": missing, "musiq": missing,
                           "idm": ConstantIDM(0)},
@@ -173,7 +173,7 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     of the reference rows: ground_truth 1, copy_last the real share of tokens that stay, noise about 1/codebook."""
     from mcar.core.layout import Layout
     from mcar.eval import metric_registry as R
-    from mcar.eval import metrics as M
+    from mcar.eval import networks as N
     from mcar.eval.reporting import terminal_table, write_results_json, write_table
     from mcar.eval.scoring import Scorer, reference_clips, score_rows
     from mcar.tokenizer.clips import join_clip
@@ -186,7 +186,7 @@ def test_a_registry_entry_drives_its_column_everywhere(tmp_path, monkeypatch):
     new = R.Column("last_token_same", "LAST", digits=3, better="higher", pool=R.mean_of, tokens=last_same,
                    terminal=True, means="the last image token is the real one")
     monkeypatch.setattr(R, "COLUMNS", (*R.COLUMNS, new))
-    missing = M.Unavailable("no weights")
+    missing = N.Unavailable("no weights")
     scorer = Scorer(layout=layout, codebook_size=cb, prompt_frames=P, vq=missing,
                     nets={"i3d": missing, "lpips": missing, "dino": missing, "raft": missing, "musiq": missing,
                           "idm": missing}, names={}, seed=3)

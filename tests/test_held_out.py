@@ -5,6 +5,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from mcar.core.layout import Layout
+
 from .conftest import REPO, compose
 from .test_data_integrity import shards
 
@@ -101,6 +103,9 @@ def test_the_shipped_checkpoint_carries_its_data_and_fits_its_held_out_clips():
     assert hp["data"]["name"] == "crafter_tiles" and hp["vq"]["name"] == "tiles"
     data = OmegaConf.create(hp["data"])
     check_data_fits(module.layout, hp, data)
+    wider = Layout(module.layout.h, module.layout.w + 1, module.layout.n_a)  # the model's layout is the one checked
+    with pytest.raises(ValueError, match="does not fit the checkpoint's"):
+        check_data_fits(wider, hp, data)
     cfg = OmegaConf.create({"ckpt": str(SHIPPED), "held_out": "auto", "data": hp["data"]})
     source = held_out_data(cfg, 3).val_source
     assert len(source) == 2 * (128 // 3) and source.folder == SHIPPED / "held_out"

@@ -8,6 +8,7 @@ import torch
 
 from mcar.core.layout import Layout
 from mcar.eval import metrics as M
+from mcar.eval import networks as N
 from mcar.eval.idm import check_idm_fits
 from mcar.idm.model import InverseDynamics
 from mcar.idm.scores import action_scores, frame_pairs
@@ -68,28 +69,28 @@ class FakeLPIPS(torch.nn.Module):
 
 
 def test_weights_from_local_torchscript_files_or_unavailable_with_the_reason(tmp_path):
-    missing = M.load_torchscript(str(tmp_path / "i3d_torchscript.pt"), "I3D", "fvd.i3d")
-    assert isinstance(missing, M.Unavailable)
+    missing = N.load_torchscript(str(tmp_path / "i3d_torchscript.pt"), "I3D", "fvd.i3d")
+    assert isinstance(missing, N.Unavailable)
     assert "fvd.i3d=" in missing.reason and "i3d_torchscript.pt" in missing.reason
-    assert isinstance(M.load_torchscript(None, "LPIPS", "lpips"), M.Unavailable)
+    assert isinstance(N.load_torchscript(None, "LPIPS", "lpips"), N.Unavailable)
     (tmp_path / "junk.pt").write_text("not torchscript")
-    junk = M.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d", [tmp_path / "junk.pt"])
+    junk = N.load_torchscript(str(tmp_path / "junk.pt"), "I3D", "fvd.i3d", [tmp_path / "junk.pt"])
     assert "cannot load" in junk.reason
     videos = torch.rand(4, 5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-    assert isinstance(M.fvd(missing, videos, videos), M.Unavailable)
+    assert isinstance(M.fvd(missing, videos, videos), N.Unavailable)
     assert M.fmt(missing) == "n/a"
 
     torch.jit.script(FakeI3D()).save(str(tmp_path / "i3d.pt"))
     torch.jit.script(FakeLPIPS()).save(str(tmp_path / "lpips.pt"))
     with pytest.raises(ValueError, match=rf"fvd.i3d={tmp_path}/i3d.pt is a TorchScript program.*"
                                          rf"trust_code=\[{tmp_path}/i3d.pt\]"):
-        M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d")  # refused before torch reads it
+        N.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d")  # refused before torch reads it
     trusted = [str(tmp_path / "i3d.pt"), str(tmp_path / "lpips.pt"), str(tmp_path / "junk.pt")]
-    i3d = M.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d", trusted)
+    i3d = N.load_torchscript(str(tmp_path / "i3d.pt"), "I3D", "fvd.i3d", trusted)
     assert M.fvd(i3d, videos, videos) == pytest.approx(0, abs=1e-9)
     assert M.fvd(i3d, videos.flip(0).mul(0.5), videos) > 0.01
     assert "2 clips" in M.fvd(i3d, videos[:1], videos[:1]).reason
-    lp = M.lpips_per_frame(M.load_torchscript(str(tmp_path / "lpips.pt"), "LPIPS", "lpips", trusted), videos, videos)
+    lp = M.lpips_per_frame(N.load_torchscript(str(tmp_path / "lpips.pt"), "LPIPS", "lpips", trusted), videos, videos)
     assert lp.shape == (4, 5) and float(lp.abs().max()) == 0
 
 
@@ -156,23 +157,6 @@ def test_pooled_psnr_stays_finite_when_one_frame_is_exact():
     assert math.isinf(float(M.psnr_pooled(gt, gt)))
 
 
-def test_bootstrap_interval_of_known_data():
-    """Percentile bootstrap over clips: seeded (same seed, same interval), a point where every clip agrees, about
-    mean +- 1.96 standard errors for 100 coin flips, wider at a higher level; the PSNR pool keeps inf."""
-    from mcar.eval.metric_registry import mean_of, psnr_of_mean_mse
-
-    assert M.bootstrap_ci(torch.full((7,), 0.25), mean_of) == (0.25, 0.25)
-    flips = torch.tensor([0.0, 1.0] * 50)  # mean 0.5, standard error 0.05
-    lo, hi = M.bootstrap_ci(flips, mean_of, seed=1)
-    assert (lo, hi) == M.bootstrap_ci(flips, mean_of, seed=1) and (lo, hi) != M.bootstrap_ci(flips, mean_of, seed=2)
-    assert lo == pytest.approx(0.5 - 1.96 * 0.05, abs=0.02) and hi == pytest.approx(0.5 + 1.96 * 0.05, abs=0.02)
-    lo99, hi99 = M.bootstrap_ci(flips, mean_of, seed=1, level=0.99)
-    assert lo99 <= lo < 0.5 < hi <= hi99
-    assert M.bootstrap_ci(torch.zeros(4), psnr_of_mean_mse) == (math.inf, math.inf)  # every clip exact
-    lo, hi = M.bootstrap_ci(torch.tensor([0.0, 0.01]), psnr_of_mean_mse)  # a quarter of resamples: exact only
-    assert lo == pytest.approx(20) and hi == math.inf  # inf, never nan
-
-
 # ---- VBench's subject consistency ------------------------------------------------------------------------------
 class PooledPixels(torch.nn.Module):
     """A stand-in feature net: each frame's 8x8 average-pooled pixels, centred (what DINO's place takes in tests)."""
@@ -208,7 +192,7 @@ def test_subject_consistency_orders_static_moving_and_noise_frames():
 
 
 def test_dino_loads_weights_only_from_a_local_folder_or_says_which_path_to_set(tmp_path):
-    from mcar.eval.metrics import Unavailable, load_dino
+    from mcar.eval.networks import Unavailable, load_dino
 
     assert "set vbench.dino=/path/to/dino-vitb16" in load_dino(None).reason
     missing = load_dino(str(tmp_path))
@@ -235,8 +219,8 @@ def test_scoring_gives_subject_consistency_per_clip_with_its_interval_or_says_wh
     assert row["subject_consistency_lo"] <= 1.0 + 1e-9 and len(extra["per_clip"]["subject_consistency"]) == 5
     row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": PooledPixels()}))
     assert row["subject_consistency"] < 1.0  # the real clips change
-    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": M.load_dino(None)}))
-    assert isinstance(row["subject_consistency"], M.Unavailable) and "subject_consistency: no DINO weights" in \
+    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"dino": N.load_dino(None)}))
+    assert isinstance(row["subject_consistency"], N.Unavailable) and "subject_consistency: no DINO weights" in \
         row["notes"]
 
 
@@ -258,5 +242,5 @@ def token_video_scoring(monkeypatch, prompt_frames: int):
                      for c in (gen, real))
 
     monkeypatch.setattr(scoring, "_pixels", pixels)
-    return gt, M.Unavailable("no weights"), dict(layout=layout, codebook_size=cb, prompt_frames=prompt_frames,
+    return gt, N.Unavailable("no weights"), dict(layout=layout, codebook_size=cb, prompt_frames=prompt_frames,
                                                  vq=None, names={})

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcar.data.crafter import CrafterDataModule
-from mcar.data.crafter_gen import play_episode, write_episode
+from mcar.crafter.data import CrafterDataModule
+from mcar.crafter.gen import play_episode, write_episode
 from mcar.tokenizer.patch_vq import PatchVQ, fit_patch_vq
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import decode_tokens, downsample, encode_tokens, load_vq, to_uint8, vq_id

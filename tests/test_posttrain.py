@@ -10,12 +10,13 @@ from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, ScheduleSampler
-from mcar.data.crafter_starts import StepStarts
+from mcar.crafter.rewards import CreatureCount
+from mcar.data.starts import StepStarts
 from mcar.idm.model import InverseDynamics, save_idm
 from mcar.train.posttrain import reward_terms
-from mcar.train.rewards import ActionMatch, CreatureCount, NoInventedTiles, Rollouts, TileAgreement, TileMix
+from mcar.train.rewards import ActionMatch, NoInventedTiles, Rollouts, TileAgreement, TileMix
 
-from .conftest import REPO, run_in_process
+from .conftest import REPO, compose, run_in_process
 
 LAYOUT, CB = Layout(3, 4, 1), 10
 # PostTrainModule's arguments for a tiny model on LAYOUT: its `posttrain` node and the rest
@@ -57,7 +58,7 @@ def test_revisited_tiles_are_those_only_the_window_remembers():
     term on a wait-then-return walk: only the column that came back counts."""
     import random
 
-    from mcar.train.rewards import RevisitedTiles, revisited_mask
+    from mcar.crafter.rewards import RevisitedTiles, revisited_mask
 
     rng = random.Random(0)
     for _ in range(20):
@@ -203,7 +204,7 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
               "posttrain.video_every_n_steps=2", "log_every_n_steps=1", "run_name=pt", "starts.warmup=2",
               "optim.lr=1e-3",  # steps that move the weights: the next rollouts must see them
               # a term that needs the starts' player positions: they must reach it
-              "+posttrain.rewards.revisited={_target_:mcar.train.rewards.RevisitedTiles,weight:0}"]
+              "+posttrain.rewards.revisited={_target_:mcar.crafter.rewards.RevisitedTiles,weight:0}"]
     run_in_process(main, *common, "steps=2")
     ckpt = tmp_path / "ckpt" / "pt" / "last.ckpt"
     state = load_checkpoint(ckpt)
@@ -260,13 +261,18 @@ def test_the_supervised_term_adds_the_true_clips_loss_to_grpos():
 def test_starts_play_recall_plans_and_placing_when_asked(monkeypatch):
     """starts.recall and starts.placing reach the policies (crafter_gen's settings, checked up front); null keeps
     today's policies, not the defaults that {} asks for; a placing wanderer places in the true clips."""
-    from omegaconf import OmegaConf
+    from hydra.utils import instantiate
 
-    import mcar.data.crafter_starts as starts
-    from mcar.data.crafter_gen import ACTIONS, MOVE_DELTA, placing_settings, recall_settings
-    from mcar.tools.posttrain import _none_or_dict
+    import mcar.crafter.starts as starts
+    from mcar.crafter.gen import ACTIONS, MOVE_DELTA, placing_settings, recall_settings
 
-    assert _none_or_dict(None) is None and _none_or_dict(OmegaConf.create({})) == {}
+    made = []
+    monkeypatch.setattr(starts, "CrafterStarts", lambda **k: made.append((k["recall"], k["placing"])))
+    for recall in ("null", "{}"):  # posttrain.data, the job's data, hands starts.* on: null stays None, {} a dict
+        cfg = compose("posttrain", ["data=crafter_tiles", f"starts.recall={recall}", "starts.placing={p: 0.5}"])
+        instantiate(cfg.posttrain.data.source)
+    assert made == [(None, {"p": 0.5}), ({}, {"p": 0.5})] and all(type(r) is dict for _, r in made)
+    monkeypatch.undo()
     seen = []
     real_make = starts.make_policy
     monkeypatch.setattr(starts, "make_policy", lambda name, rng, recall, placing: seen.append((recall, placing))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mcar.data.crafter_gen import blocked_moves, make_env
+from mcar.crafter.gen import blocked_moves, make_env
 from mcar.tokenizer.vq_model import encode_tokens, load_vq
 from tests.conftest import REPO, compose
 
@@ -108,7 +108,7 @@ MOVE_NAMES = {move: name for name, move in MOVES.items()}
 
 
 def world_env(seed: int):
-    from mcar.data.crafter_gen import make_env
+    from mcar.crafter.gen import make_env
 
     return make_env(seed, WORLD_SIZE, WORLD_VIEW, daylight=1.0)
 
@@ -116,7 +116,7 @@ def world_env(seed: int):
 def world_scene(seed: int, want):
     """Crafter from `seed`, walked by the explorer policy until `want(free, blocked)` holds -> (the env there, its
     frame, {"free": moves the env carries out, "blocked": moves it refuses}). Branch with copy.deepcopy(env)."""
-    from mcar.data.crafter_gen import ExplorerPolicy
+    from mcar.crafter.gen import ExplorerPolicy
 
     env, frame = world_env(seed)
     policy = ExplorerPolicy(np.random.default_rng(seed))
@@ -129,7 +129,7 @@ def world_scene(seed: int, want):
 
 
 def neighbours(env, walkable_wanted: bool) -> list[int]:
-    from mcar.data.crafter_gen import MOVES, blocked_moves
+    from mcar.crafter.gen import MOVES, blocked_moves
 
     blocked = blocked_moves(env)
     return blocked if not walkable_wanted else [a for a in MOVES if a not in blocked]
@@ -184,7 +184,7 @@ def test_the_world_model_remembers_what_a_loop_hid(tmp_path):
     """One tile out and one back, greedy: the column (row) that left the view comes back as it was at the start when
     the start frame is still in the model's context, and is guessed without it (context=2: the last frame only).
     Loops are picked whose hidden edge is not all one tile (a memoryless model would guess all grass right)."""
-    from mcar.data.crafter_gen import BACK
+    from mcar.crafter.gen import BACK
 
     tokens, recall = world_tokens(), {None: [], 2: []}
 
@@ -215,7 +215,7 @@ def test_the_world_model_remembers_what_a_loop_hid(tmp_path):
 def walked_through(before: torch.Tensor, after: torch.Tensor, move: int) -> float:
     """Agreement of `after` with `before` scrolled one tile by `move` (the map as a move that went through would
     leave it), over the tiles both show."""
-    from mcar.data.crafter_gen import MOVE_DELTA
+    from mcar.crafter.gen import MOVE_DELTA
 
     (dx, dy), (h, w) = MOVE_DELTA[move], before.shape
     r0, r1, c0, c1 = max(0, -dy), h - max(0, dy), max(0, -dx), w - max(0, dx)
@@ -229,7 +229,7 @@ def test_the_world_model_stops_at_what_the_player_placed(tmp_path, obstacle):
     walks into it; Crafter refuses the move and the model keeps the map where it was, not scrolled as a move through
     would. Under vq=tiles a furnace encoded as the path tile, so a model of those tokens walked through it. Starts
     are kept where scrolling would change the map (not a field of grass)."""
-    from mcar.eval.world_tests import Scene
+    from mcar.crafter.scenes import Scene
 
     tokens, stayed, through = world_tokens(), [], []
     for seed in range(210, 260):

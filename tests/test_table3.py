@@ -50,10 +50,10 @@ def test_shares_of_the_gap_come_with_intervals_over_seeds_and_clips_and_a_plain_
     indistinguishable."""
     from omegaconf import OmegaConf
 
-    from mcar.eval import metrics as M
+    from mcar.eval import stats as S
     from mcar.tools.table3 import gap_table, pooled_row
 
-    (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=400)
+    (one, three), clips = S.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=400)
     rows = {("pretrained", "ntp"): pooled_row([fake_eval(0.9, 40, 0)], (one, clips)) | {"draws": (one, clips)},
             ("pretrained", "diagd_k2"): pooled_row([fake_eval(0.7, 40, 1)], (one, clips)) | {"draws": (one, clips)}}
     for label, level in (("proxy", 0.8), ("causal", 0.72), ("same", 0.72)):
@@ -90,7 +90,7 @@ def test_a_run_from_scratch_gets_equal_total_steps_and_is_compared_with_its_fine
     (the dry run prints its command), evaluated with its samplers, and compared with the fine-tuning it names."""
     from omegaconf import OmegaConf
 
-    from mcar.eval import metrics as M
+    from mcar.eval import stats as S
     from mcar.tools.table3 import pooled_row, run_pipeline, scratch_table
 
     run_pipeline(["experiment=crafter_tiles_table3", f"paths.root_dir={tmp_path}"], dry_run=True)
@@ -101,7 +101,7 @@ def test_a_run_from_scratch_gets_equal_total_steps_and_is_compared_with_its_fine
     assert "seed=2 data.seed=2" in tuned  # the batch order follows data.seed
     assert "[table3] eval/scratch_diagd_proxy/diagd_k2:" in printed
 
-    (one, three), clips = M.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=300)
+    (one, three), clips = S.resample_seeds_and_clips([1, 3], 40, seed=0, resamples=300)
     rows = {("scratch_diagd_proxy", "diagd_k2"): {**fake_eval(0.7, 40, 0), "draws": (one, clips)},
             ("ft_diagd_proxy", "diagd_k2"): {"draws": (three, clips)}}
     rows[("ft_diagd_proxy", "diagd_k2")] |= pooled_row([fake_eval(0.8, 40, s) for s in (1, 2, 3)], (three, clips))

@@ -1,4 +1,4 @@
-"""The tile-exact VQ sees every tile: each texture Crafter can draw at 16 px a tile (mcar.data.crafter_textures,
+"""The tile-exact VQ sees every tile: each texture Crafter can draw at 16 px a tile (mcar.crafter.textures,
 drawn by Crafter's own renderer) has a code of its own in the committed vq_crafter_tiles_all (vq=tiles_all), decoding
 back to it. The first VQ, vq_crafter_tiles (k-means over training patches, the shipped models' until they are
 retrained), fails it: 209 of the 252 textures share 40 codes, the furnace the path's."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcar.data.crafter_textures import ASLEEP, EMPTY_SLOT, OUTSIDE, tile_textures
+from mcar.crafter.textures import ASLEEP, EMPTY_SLOT, OUTSIDE, tile_textures
 from mcar.tokenizer.vq_model import decode_tokens, encode_tokens, load_vq, to_uint8
 
 ASSET = Path(__file__).parents[1] / "mcar" / "assets" / "vq_crafter_tiles_all"
@@ -85,10 +85,10 @@ def test_real_frames_hold_only_listed_tiles(textures):
 
 
 def test_creature_codes_are_the_creatures_own(textures):
-    """The world tests count creatures by code (mcar.data.crafter_textures.creature_codes): the every-tile VQ gives each
+    """The world tests count creatures by code (mcar.crafter.textures.creature_codes): the every-tile VQ gives each
     creature texture a code of its own; the first VQ codes a zombie on a path as something else too, and the
     sleeping world's creatures (so they go uncounted, and are named)."""
-    from mcar.data.crafter_textures import CREATURES, creature_codes
+    from mcar.crafter.textures import CREATURES, creature_codes
 
     codes, hidden = creature_codes(load_vq(ASSET), textures)
     creatures = [n for n in textures if n.removeprefix(ASLEEP).split(" on ")[0] in CREATURES]

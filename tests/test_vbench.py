@@ -1,4 +1,5 @@
-"""VBench's dynamic degree (RAFT optical flow) and imaging quality (MUSIQ) in mcar evaluate (mcar/eval/metrics.py):
+"""VBench's dynamic degree (RAFT optical flow) and imaging quality (MUSIQ) in mcar evaluate (mcar/eval/metrics.py;
+the networks: mcar/eval/networks.py):
 VBench's rules on hand-made numbers, the columns on frames built to differ with stand-in nets, the weights-only
 loaders, and scoring's rows. torchvision's RAFT and pyiqa's MUSIQ themselves (the [vbench] extra, which needs a
 torchvision built for the installed torch) are tested where they import, with random weights: shapes and plumbing;
@@ -10,6 +11,7 @@ import torch
 
 from mcar.core.layout import Layout
 from mcar.eval import metrics as M
+from mcar.eval import networks as N
 
 
 # ---- stand-in nets ---------------------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def test_dynamic_degree_orders_still_slow_and_moving_frames():
     videos = torch.stack([panning(scene, 3, 0), panning(scene, 3, 1), panning(scene, 3, 4)])
     assert M.dynamic_degree_per_clip(HorizontalShift(), videos).tolist() == [0.0, 0.0, 1.0]
     one_frame = M.dynamic_degree_per_clip(HorizontalShift(), videos[:, :1])
-    assert isinstance(one_frame, M.Unavailable) and "needs >= 2 frames" in one_frame.reason
+    assert isinstance(one_frame, N.Unavailable) and "needs >= 2 frames" in one_frame.reason
 
 
 def test_raft_flow_pads_like_vbench_scales_to_raft_range_and_takes_the_last_update():
@@ -93,12 +95,12 @@ def test_raft_flow_pads_like_vbench_scales_to_raft_range_and_takes_the_last_upda
         return [torch.zeros(len(a), 2, *a.shape[-2:]), torch.ones(len(a), 2, *a.shape[-2:])]
 
     a = torch.rand(2, 3, 130, 149)
-    flow = M.RaftFlow(raft)(a, torch.zeros_like(a))
+    flow = N.RaftFlow(raft)(a, torch.zeros_like(a))
     assert flow.shape == (2, 2, 136, 152) and flow.min() == 1 and seen["updates"] == 20
     assert torch.equal(seen["a"][..., 3:133, 1:150], a * 2 - 1) and seen["b"].eq(-1).all()
     assert torch.equal(seen["a"][..., 0, 1:150], a[..., 0, :] * 2 - 1)  # replicated edge rows: 3 above, 3 below
     with pytest.raises(ValueError, match="at least 128 pixels a side, got 64x200"):
-        M.RaftFlow(raft)(torch.rand(1, 3, 64, 200), torch.rand(1, 3, 64, 200))
+        N.RaftFlow(raft)(torch.rand(1, 3, 64, 200), torch.rand(1, 3, 64, 200))
 
 
 # ---- imaging quality -------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_musiq_wrapper_resizes_only_a_longer_side_above_512():
         assert 0 <= x.min() and x.max() <= 1
         return x.flatten(1).mean(1, keepdim=True) * 100
 
-    wrapper = M.MusiqQuality(musiq)
+    wrapper = N.MusiqQuality(musiq)
     assert wrapper(torch.rand(2, 3, 100, 1024)).shape == (2,) and wrapper(torch.rand(3, 3, 144, 144)).shape == (3,)
     assert sizes == [(50, 512), (144, 144)]
 
@@ -131,8 +133,8 @@ class RunsCode:
         return print, ("unpickling ran code",)
 
 
-@pytest.mark.parametrize("load,key,what", [(M.load_raft, "vbench.raft", "RAFT"),
-                                           (M.load_musiq, "vbench.musiq", "MUSIQ")])
+@pytest.mark.parametrize("load,key,what", [(N.load_raft, "vbench.raft", "RAFT"),
+                                           (N.load_musiq, "vbench.musiq", "MUSIQ")])
 def test_loaders_name_the_key_to_set_and_read_weights_only(tmp_path, capfd, load, key, what):
     """No path or no file: the column is n/a, naming the key; a file that would run code, or holds more than a flat
     state dict, is refused naming it."""
@@ -158,7 +160,7 @@ def test_without_torchvision_the_columns_say_what_to_install(tmp_path):
         pass
     weights = tmp_path / "w.pth"
     torch.save({"w": torch.zeros(1)}, weights)
-    for load, key in ((M.load_raft, "vbench.raft"), (M.load_musiq, "vbench.musiq")):
+    for load, key in ((N.load_raft, "vbench.raft"), (N.load_musiq, "vbench.musiq")):
         reason = load(str(weights)).reason
         assert reason.startswith(f"{key} needs ") and reason.endswith("pip install torch==2.14.1 "
                                                                       "torchvision==0.29.1 'mcar[vbench]'")
@@ -186,9 +188,9 @@ def test_scoring_gives_both_columns_per_clip_with_intervals_or_says_why_not(monk
     assert row["imaging_quality_lo"] <= row["imaging_quality"] <= row["imaging_quality_hi"]
     row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets))
     assert row["dynamic_degree"] == 1.0  # random tokens: every frame changes
-    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"raft": M.load_raft(None),
-                                                                 "musiq": M.load_musiq(None)}))
-    assert isinstance(row["dynamic_degree"], M.Unavailable) and isinstance(row["imaging_quality"], M.Unavailable)
+    row, _, _ = score(gt, gt, scorer=Scorer(**base, nets=nets | {"raft": N.load_raft(None),
+                                                                 "musiq": N.load_musiq(None)}))
+    assert isinstance(row["dynamic_degree"], N.Unavailable) and isinstance(row["imaging_quality"], N.Unavailable)
     assert "dynamic_degree: no RAFT weights: set vbench.raft=" in row["notes"]
     assert "imaging_quality: no MUSIQ weights: set vbench.musiq=" in row["notes"]
 
@@ -203,8 +205,8 @@ def test_raft_loads_torchvision_weights_only_and_scores_every_pair(tmp_path):
     torch.save({f"module.{k}": v for k, v in small.state_dict().items()}, tmp_path / "raft_small.pth")  # DataParallel
     save_file(small.state_dict(), tmp_path / "raft_small.safetensors")
     for name in ("raft_small.pth", "raft_small.safetensors"):
-        net = M.load_raft(str(tmp_path / name))
-        assert isinstance(net, M.RaftFlow) and all(torch.equal(a, b) for a, b in
+        net = N.load_raft(str(tmp_path / name))
+        assert isinstance(net, N.RaftFlow) and all(torch.equal(a, b) for a, b in
                                                     zip(net.raft.state_dict().values(), small.state_dict().values()))
     videos = panning(texture(128, 130), 2, 4)[None]  # one clip, one pair; 130 is padded to 136
     flows = []
@@ -213,7 +215,7 @@ def test_raft_loads_torchvision_weights_only_and_scores_every_pair(tmp_path):
     assert dynamic.shape == (1,) and dynamic.item() == float(M.top_flow(flows[0]).item() > 6 * 128 / 256)
     torch.save(torch.nn.Linear(2, 2).state_dict(), tmp_path / "other.pth")
     with pytest.raises(ValueError, match=r"other.pth: not torchvision RAFT weights \(raft_large: .*: use raft_large_"):
-        M.load_raft(str(tmp_path / "other.pth"))
+        N.load_raft(str(tmp_path / "other.pth"))
 
 
 def test_musiq_loads_pyiqa_weights_only_and_scores_every_frame(tmp_path):
@@ -221,8 +223,8 @@ def test_musiq_loads_pyiqa_weights_only_and_scores_every_frame(tmp_path):
     torch.manual_seed(0)
     musiq = musiq_arch.MUSIQ(num_class=1, pretrained=False).eval()
     torch.save(musiq.state_dict(), tmp_path / "musiq.pth")
-    net = M.load_musiq(str(tmp_path / "musiq.pth"))
-    assert isinstance(net, M.MusiqQuality)
+    net = N.load_musiq(str(tmp_path / "musiq.pth"))
+    assert isinstance(net, N.MusiqQuality)
     frames = texture(64, 96)[None].expand(2, -1, -1, -1)
     with torch.no_grad():
         direct = torch.cat([musiq(f[None]).reshape(1) for f in frames])  # VBench: one frame at a time
@@ -231,7 +233,7 @@ def test_musiq_loads_pyiqa_weights_only_and_scores_every_frame(tmp_path):
     torch.save(musiq_arch.MUSIQ(num_class=10, pretrained=False).state_dict(), tmp_path / "ava.pth")  # AVA's head
     with pytest.raises(ValueError, match=r"ava.pth: not MUSIQ weights with SPAQ's single-score head \(2 keys missing "
                                          r"\(e.g. \['head.bias'\]\).*: use musiq_spaq_ckpt"):
-        M.load_musiq(str(tmp_path / "ava.pth"))
+        N.load_musiq(str(tmp_path / "ava.pth"))
 
 
 # ---- the real weights: which way each column moves --------------------------------------------------------------
@@ -243,16 +245,16 @@ def weights(variable: str) -> str:
 
 
 def test_real_raft_calls_a_still_scene_static_and_a_pan_dynamic():
-    net = M.load_raft(weights("MCAR_RAFT_WEIGHTS"))  # raft_large_C_T_V1-22a6c225.pth
-    assert isinstance(net, M.RaftFlow), net
+    net = N.load_raft(weights("MCAR_RAFT_WEIGHTS"))  # raft_large_C_T_V1-22a6c225.pth
+    assert isinstance(net, N.RaftFlow), net
     scene = texture(144, 144)
     videos = torch.stack([panning(scene, 4, 0), panning(scene, 4, 8)])  # 8 px a frame; threshold 3.4 px at 144
     assert M.dynamic_degree_per_clip(net, videos).tolist() == [0.0, 1.0]
 
 
 def test_real_musiq_scores_sharp_frames_above_blurred_ones():
-    net = M.load_musiq(weights("MCAR_MUSIQ_WEIGHTS"))  # musiq_spaq_ckpt-358bb6af.pth
-    assert isinstance(net, M.MusiqQuality), net
+    net = N.load_musiq(weights("MCAR_MUSIQ_WEIGHTS"))  # musiq_spaq_ckpt-358bb6af.pth
+    assert isinstance(net, N.MusiqQuality), net
     g = torch.Generator().manual_seed(0)
     sharp = torch.nn.functional.interpolate(torch.rand(2, 3, 36, 36, generator=g), size=(144, 144), mode="nearest")
     blurred = torch.nn.functional.avg_pool2d(sharp, 9, stride=1, padding=4, count_include_pad=False)

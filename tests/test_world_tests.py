@@ -1,29 +1,28 @@
-"""mcar worldtest (mcar/eval/world_tests.py): the loop, shape, collision, inventory and invented-tile scores on
-synthetic maps whose answers are known, and the command once on the shipped tile-exact model at the smallest
-sizes."""
+"""mcar worldtest (mcar/crafter/world_tests.py; its scenes, map geometry and report beside it): the loop, shape,
+collision, inventory and invented-tile scores on synthetic maps whose answers are known, and the command once on
+the shipped tile-exact model at the smallest sizes."""
 import json
 import re
 
 import pytest
 import torch
 
-from mcar.data.crafter_gen import MOVE_DELTA, PERPENDICULAR, path_offsets
-from mcar.eval.world_tests import (
+from mcar.crafter.gen import MOVE_DELTA, PERPENDICULAR, path_offsets
+from mcar.crafter.map_tokens import (
     MapGrid,
     creature_events,
     far_mask,
-    fitting_shapes,
     hidden_mask,
-    invented_share,
     loop_recall,
-    markdown,
     masked_recall,
-    parse_shape,
     rerevealed_mask,
     scroll_start,
     shifted,
     stay_or_move,
 )
+from mcar.crafter.scenes import fitting_shapes, parse_shape
+from mcar.crafter.world_report import markdown
+from mcar.eval.world_tests import invented_share
 
 from .conftest import REPO, run_in_process
 
@@ -192,7 +191,7 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
 
 
 def test_keep_alive_refills_the_players_needs_so_a_long_rollout_is_one_episode():
-    from mcar.eval.world_tests import KEPT_UP, Scene
+    from mcar.crafter.scenes import KEPT_UP, Scene
 
     for keep in (False, True):
         scene = Scene(100000, (144, 144), (9, 9), 1.0, keep_alive=keep)
@@ -282,12 +281,13 @@ def test_far_recall_counts_only_what_a_copy_from_two_frames_back_cannot_restore(
 
 
 def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_window():
-    """worldtest teacher_forced=true: one causal pass over the window's real frames; a model that reads the next slot
-    off its input returns the clip unchanged (the slots line up), and it sees exactly `context` frames."""
+    """worldtest teacher_forced=true (rows every world test shares, mcar/eval/world_tests.py): one causal pass over
+    the window's real frames; a model that reads the next slot off its input returns the clip unchanged (the slots
+    line up), and it sees exactly `context` frames."""
     from types import SimpleNamespace
 
     from mcar.core.layout import Layout
-    from mcar.eval.world_tests import WorldTests
+    from mcar.eval.world_tests import ModelRows
 
     layout, cb = Layout(3, 4, 1), 10
 
@@ -299,8 +299,8 @@ def test_teacher_forced_rows_guess_the_last_frame_from_the_real_ones_in_the_wind
             nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
             return torch.nn.functional.one_hot(nxt, cb + 5).float() - (torch.arange(cb + 5) >= cb).float()
 
-    tests = WorldTests.__new__(WorldTests)
-    tests.layout, tests.cb, tests.cfg = layout, cb, SimpleNamespace(batch_size=2)
+    tests = ModelRows.__new__(ModelRows)
+    tests.layout, tests.cb, tests.batch_size = layout, cb, 2
     tests.wm = SimpleNamespace(model=NextSlot(), device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     clips = torch.randint(0, cb, (3, 5 * layout.frame_len), generator=g)
@@ -395,7 +395,8 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
 
 def test_memory_gains_are_paired_against_the_2_frame_window():
     """Each loop's and shape's recall, longer window minus the 2-frame window's, start by start; in the markdown."""
-    from mcar.eval.world_tests import interval, window_gains
+    from mcar.eval.stats import interval
+    from mcar.eval.world_tests import window_gains
 
     g = torch.Generator().manual_seed(0)
     short = torch.rand(32, generator=g, dtype=torch.float64) * 0.5
@@ -428,7 +429,8 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
 
 def test_versus_compares_two_runs_start_by_start():
     """worldtest versus=<other run>: each model row minus the other run's, paired by start, with an interval."""
-    from mcar.eval.world_tests import interval, paired_versus, versus_markdown
+    from mcar.eval.stats import interval
+    from mcar.eval.world_tests import paired_versus, versus_markdown
 
     g = torch.Generator().manual_seed(0)
     base = torch.rand(32, generator=g, dtype=torch.float64)
@@ -471,8 +473,8 @@ def stand_in_tests():
     from omegaconf import OmegaConf
 
     from mcar.core.layout import Layout
-    from mcar.data.crafter_gen import map_rows
-    from mcar.eval.world_tests import WorldTests
+    from mcar.crafter.gen import map_rows
+    from mcar.crafter.world_tests import WorldTests
 
     wt = object.__new__(WorldTests)
     wt.cfg = OmegaConf.create({"seed": 0, "max_moves": 256})
@@ -485,7 +487,7 @@ def stand_in_tests():
 def placed_world():
     """One fresh world (the test's first seed): a wander that bumps often, then a table and a furnace placed and
     walked into."""
-    from mcar.eval.world_tests import Scene
+    from mcar.crafter.scenes import Scene
 
     scene = Scene(100000, SIZE, VIEW, 1.0)
     wander = scene.wander(48, p_bump=0.6)
@@ -494,7 +496,7 @@ def placed_world():
 
 
 def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_world):
-    from mcar.eval.world_tests import tile_kind
+    from mcar.crafter.gen import tile_kind
 
     scene, _, placed = placed_world
     grid, codes = MapGrid(5, VIEW[0]), TileCodes()
@@ -513,7 +515,7 @@ def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_worl
 
 
 def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type(placed_world):
-    from mcar.eval.world_tests import markdown
+    from mcar.crafter.world_report import markdown
 
     _, wander, placed = placed_world
     assert wander is not None
@@ -535,14 +537,3 @@ def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type
     assert len(rows) == len(by_type) and ns[:len(wandered)] == sorted(ns[:len(wandered)], reverse=True)
     assert rows[-2:] == [f"| {name} (placed) | 1 | 1 of 1 worlds | 1.000 (one start) | 1.000 (one start) | "
                          f"1.000 (one start) |" for name in ("furnace", "table")]  # after the wander's, by name
-
-
-def test_pooled_interval_draws_starts_not_moves():
-    from mcar.eval.world_tests import pooled_interval
-
-    v = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
-    one = pooled_interval(v, [7] * 6, 0)
-    assert one == {"mean": pytest.approx(4 / 6), "lo": None, "hi": None, "n": 6, "starts": 1}
-    two = pooled_interval(v, [0, 0, 0, 1, 1, 1], 0)  # start 0 kept all three, start 1 one of three
-    assert two["mean"] == pytest.approx(4 / 6) and two["starts"] == 2
-    assert two["lo"] == pytest.approx(1 / 3) and two["hi"] == 1.0  # a draw is both starts' moves, or one's twice

@@ -95,7 +95,8 @@ def check_arch_fits_weights(arch: dict, state_dict: dict, path: Path) -> None:
 
 
 def check_data_fits(layout: Layout, hp: dict, data: DictConfig) -> None:
-    own = Layout(**hp["layout"])
+    """The data config fits the loaded model: its `layout` (the grid and actions it samples) and its vocabulary."""
+    own = layout
     if (own.h, own.w, own.n_a) != (data.h, data.w, data.n_a) or hp["arch"]["vocab_size"] < data.vocab_size:
         raise ValueError(f"data={data.name} (h, w, n_a, vocab) = ({data.h}, {data.w}, {data.n_a}, {data.vocab_size}) "
                          f"does not fit the checkpoint's ({own.h}, {own.w}, {own.n_a}, {hp['arch']['vocab_size']}): "

@@ -1,1 +1,1 @@
-"""Data sources: synthetic (tests/debug), Crafter (the embedded default) and VPT."""
+"""Data sources: synthetic (tests/debug), VPT, and what every source shares (Crafter's: mcar/crafter)."""

@@ -6,7 +6,7 @@ generate the rest, compare with the ground truth. One results row per sampler se
     mcar evaluate ckpt=... fvd.i3d=/weights/i3d_torchscript.pt lpips=/weights/lpips_alex.pt idm=...
     mcar evaluate ckpt=... vbench.dino=/weights/dino-vitb16        # pip install 'mcar[vbench]'
     mcar evaluate ckpt=... vbench.raft=/weights/raft_large_C_T_V1-22a6c225.pth \
-        vbench.musiq=/weights/musiq_spaq_ckpt-358bb6af.pth          # torchvision + pyiqa: mcar/eval/metrics.py
+        vbench.musiq=/weights/musiq_spaq_ckpt-358bb6af.pth          # torchvision + pyiqa: mcar/eval/networks.py
 
 
 Columns (one entry each in mcar/eval/metric_registry.py): token_acc (the share of generated image tokens equal
@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from mcar.checkpoint.load import resolve_ckpt
 from mcar.core.devices import set_threads
-from mcar.eval import metrics as M
+from mcar.eval import networks as N
 from mcar.eval.idm import check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import (
     gather_sweep,
@@ -76,17 +76,17 @@ def evaluate(cfg: DictConfig) -> list[dict]:
              sampler.label, f", a rolling window of {sampler.context} frames" if sampler.rolls() else "")
 
     trusted = list(cfg.get("trust_code") or [])
-    nets = {"i3d": M.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
-            "lpips": M.load_torchscript(cfg.lpips, "LPIPS", "lpips", trusted),
-            "dino": M.load_dino(cfg.vbench.dino),
-            "raft": M.load_raft(cfg.vbench.raft),
-            "musiq": M.load_musiq(cfg.vbench.musiq),
+    nets = {"i3d": N.load_torchscript(cfg.fvd.i3d, "I3D", "fvd.i3d", trusted),
+            "lpips": N.load_torchscript(cfg.lpips, "LPIPS", "lpips", trusted),
+            "dino": N.load_dino(cfg.vbench.dino),
+            "raft": N.load_raft(cfg.vbench.raft),
+            "musiq": N.load_musiq(cfg.vbench.musiq),
             "idm": check_idm_fits(load_idm(resolve_idm(cfg.idm, cfg.paths.checkpoint_root, cfg.data.name)), dm, cb,
                                    layout.n_a, cfg.data.action_vocab_size)}
     try:
         vq = wm.vq
     except FileNotFoundError as e:
-        vq = M.Unavailable(str(e))
+        vq = N.Unavailable(str(e))
     names = action_names(cfg.data, cfg.data.action_vocab_size)
     model_name = cfg.name or resolve_ckpt(cfg.ckpt).parent.name
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcar.eval.metrics import Unavailable
+from mcar.eval.networks import Unavailable
 from mcar.idm.model import InverseDynamics, StaleIDM, read_idm, tokens_name
 
 

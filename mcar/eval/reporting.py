@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from mcar.data.files import write_atomic, writing_into
 from mcar.eval import metric_registry as R
-from mcar.eval import metrics as M
+from mcar.eval import networks as N
 from mcar.hydra_app import hydra_job
 from mcar.tokenizer.pictures import comparison_frames, data_action_space, write_video
 from mcar.wandb_run import log_media, log_table, open_run
@@ -73,7 +73,7 @@ def terminal_table(rows: list[dict]) -> str:
 
 
 def _csv_cell(v):
-    if v is None or isinstance(v, M.Unavailable):
+    if v is None or isinstance(v, N.Unavailable):
         return ""
     return v
 
@@ -98,7 +98,7 @@ def write_results_json(out: Path, rows: list[dict], curves: dict, clip_ids: list
     ordered = [{**{k: r.get(k) for k in keys if k in r}, **{k: v for k, v in r.items() if k not in keys}}
                for r in rows]
     write_atomic(out / "results.json", json.dumps(
-        {"rows": [{k: (str(v) if isinstance(v, M.Unavailable) else v) for k, v in r.items()} for r in ordered],
+        {"rows": [{k: (str(v) if isinstance(v, N.Unavailable) else v) for k, v in r.items()} for r in ordered],
          "per_frame": curves, "clip_ids": clip_ids, "speed": speed, "extra": extras,
          "intervals": {"method": "percentile bootstrap over clips", "level": R.CI_LEVEL,
                        "resamples": R.CI_RESAMPLES}},
@@ -125,7 +125,7 @@ def write_per_frame(curves: dict[str, dict], P: int, out: Path) -> list[list]:
 
 # ------------------------------------------------------------------------------------------------ W&B
 def _finite(v):
-    return None if v is None or isinstance(v, M.Unavailable) or (isinstance(v, float) and not math.isfinite(v)) else v
+    return None if v is None or isinstance(v, N.Unavailable) or (isinstance(v, float) and not math.isfinite(v)) else v
 
 
 def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: dict) -> None:
@@ -148,7 +148,7 @@ def log_wandb(cfg: DictConfig, rows: list[dict], per_frame: list[list], media: d
 # ------------------------------------------------------------------------------------------------ media
 def write_videos(cfg, gt, outputs, layout, cb, vq, out: Path) -> dict:
     """mp4 + gif of ground truth | each row's frames for the first `videos` clips -> {W&B key: path}."""
-    if isinstance(vq, M.Unavailable) or cfg.videos <= 0:
+    if isinstance(vq, N.Unavailable) or cfg.videos <= 0:
         return {}
     media = {}
     space = data_action_space(cfg.data)

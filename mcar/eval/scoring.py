@@ -15,6 +15,8 @@ from mcar.core.agreement import nothing_moves
 from mcar.core.layout import Layout
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
+from mcar.eval import networks as N
+from mcar.eval import stats as S
 from mcar.idm.scores import action_pr, action_scores, frame_pairs, pr_keys
 from mcar.tokenizer.clips import split_clip
 from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
@@ -23,7 +25,7 @@ from mcar.tokenizer.pictures import decode_frames, invalid_image_tokens
 @dataclass(frozen=True)
 class Scorer:
     """What scoring needs besides the clips: the layout, the codebook size, P prompt frames (not scored), the VQ
-    (or M.Unavailable), the nets {i3d, lpips, dino, raft, musiq, idm} (each a net or M.Unavailable) and the IDM's
+    (or N.Unavailable), the nets {i3d, lpips, dino, raft, musiq, idm} (each a net or N.Unavailable) and the IDM's
     action names."""
 
     layout: Layout
@@ -37,14 +39,14 @@ class Scorer:
 
 
 def _pixels(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor):
-    """Both clips decoded, (n, T, 3, H, W) each, or one M.Unavailable for both."""
-    if isinstance(scorer.vq, M.Unavailable):
+    """Both clips decoded, (n, T, 3, H, W) each, or one N.Unavailable for both."""
+    if isinstance(scorer.vq, N.Unavailable):
         return scorer.vq, scorer.vq
     try:
         return tuple(decode_frames(scorer.vq, split_clip(x.cpu(), scorer.layout, scorer.codebook_size)[0])
                      for x in (gen, gt))
     except ValueError as e:
-        return (M.Unavailable(str(e)),) * 2
+        return (N.Unavailable(str(e)),) * 2
 
 
 def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict, dict, dict]:
@@ -58,7 +60,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     row, curves, extra = {}, {}, {}
     per_clip = {c.key: c.tokens(gen.cpu(), gt.cpu(), layout, cb, P) for c in R.COLUMNS if c.tokens is not None}
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
-    if isinstance(pix_gen, M.Unavailable):
+    if isinstance(pix_gen, N.Unavailable):
         for k in ("psnr", "ssim", "lpips", "fvd", "subject_consistency", "dynamic_degree", "imaging_quality"):
             row[k] = pix_gen
     else:
@@ -67,7 +69,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         curves["psnr"], curves["ssim"] = M.psnr_pooled(g, t, dim=0).tolist(), M.mean_over_clips(ssim)
         per_clip["psnr"], per_clip["ssim"] = M.mse_per_clip(g, t), ssim.double().mean(1)
         lp = M.lpips_per_frame(nets["lpips"], g, t)
-        if isinstance(lp, M.Unavailable):
+        if isinstance(lp, N.Unavailable):
             row["lpips"] = lp
         else:
             per_clip["lpips"], curves["lpips"] = lp.double().mean(1), M.mean_over_clips(lp)
@@ -78,9 +80,9 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
                   "dynamic_degree": M.dynamic_degree_per_clip(nets["raft"], pix_gen[:, P - 1:]),
                   "imaging_quality": M.imaging_quality_per_clip(nets["musiq"], g)}
         for key, values in vbench.items():
-            (row if isinstance(values, M.Unavailable) else per_clip)[key] = values
+            (row if isinstance(values, N.Unavailable) else per_clip)[key] = values
     idm = nets["idm"]
-    if isinstance(idm, M.Unavailable):
+    if isinstance(idm, N.Unavailable):
         row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
         row.update(dict.fromkeys(pr_keys(scorer.moves)))  # n/a; the reason is noted once, under action_f1
     else:
@@ -98,10 +100,10 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     for key, values in per_clip.items():
         pool = R.column(key).pool
         row[key] = float(pool(values.double().cpu()))
-        row[f"{key}_lo"], row[f"{key}_hi"] = M.bootstrap_ci(values, pool, scorer.seed, R.CI_RESAMPLES, R.CI_LEVEL)
+        row[f"{key}_lo"], row[f"{key}_hi"] = S.bootstrap_ci(values, pool, scorer.seed, R.CI_RESAMPLES, R.CI_LEVEL)
     by_reason: dict[str, list[str]] = {}
     for k, v in row.items():
-        if isinstance(v, M.Unavailable):
+        if isinstance(v, N.Unavailable):
             by_reason.setdefault(v.reason, []).append(k)
     row["notes"] = "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items())
     return row, curves, extra

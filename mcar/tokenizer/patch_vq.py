@@ -2,7 +2,7 @@
 
 The codebook is k-means over training patches (`fit_patch_vq`, a minute on a CPU), or (fixed=) a listed set of patches
 that each get an exact code, k-means fitting the rest: the committed vq_crafter_tiles holds every tile Crafter can
-draw (mcar.data.crafter_textures). A token depends on its own patch only, so a scene shifted by whole patches gives
+draw (mcar.crafter.textures). A token depends on its own patch only, so a scene shifted by whole patches gives
 a token grid shifted exactly: Crafter rendered with one 16 x 16 tile per token (`data=crafter_tiles`:
 data.view=[24,14] at 384x224) turns a move into a one-token shift, which a conv VQ (whose every token sees its
 neighbours) does not guarantee.
@@ -164,7 +164,7 @@ def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters:
     patches farthest from their code, so every code ends up in use when there are enough distinct patches.
 
     fixed: (F, p, p, 3) uint8 patches, all different, that each get a code of their own holding exactly their pixels
-    (every tile a game can draw: mcar.data.crafter_textures), whether or not the frames show them; k-means then
+    (every tile a game can draw: mcar.crafter.textures), whether or not the frames show them; k-means then
     fits the codes left over on the patches of `frames` that are none of them (none, when `fixed` is every tile the
     frames can hold). keep: a previous codebook (K0, C p p): a fixed patch that is one of its codes keeps that
     code's id, so tokens made with it stay valid; its other codes are not kept. Codes left over repeat the first

@@ -1,6 +1,6 @@
 """`mcar crafter_gen out=... size=[H,W] [episodes=24 frames=128 ...]` (conf/crafter_gen.yaml): play Crafter
-episodes into <name>.mp4 + <name>.jsonl (mcar/data/crafter_gen.py)."""
-from mcar.data.crafter_gen import generate
+episodes into <name>.mp4 + <name>.jsonl (mcar/crafter/gen.py)."""
+from mcar.crafter.gen import generate
 from mcar.hydra_app import compose_tool
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from mcar.data.common import build_datamodule
 from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
-from mcar.eval import metrics as M
+from mcar.eval import stats as S
 from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
 
 SHARED_PREFIXES = ("data.", "vq.", "vq=", "paths.", "logger", "seed=")  # forwarded to every stage
@@ -219,7 +219,7 @@ def pool_of(key: str):
 
 def pooled_row(rows: list[dict], draws: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """One fine-tuning's evaluations over seeds -> one row: each metric with per-clip values pooled over every
-    seed's clips, its interval from `draws` (seeds and clips resampled: M.resample_seeds_and_clips); any other
+    seed's clips, its interval from `draws` (seeds and clips resampled: S.resample_seeds_and_clips); any other
     number the mean over seeds; `per_clip` the (seeds, clips) values."""
     seeds, clips = draws
     out = {k: v for k, v in rows[0].items() if k != "per_clip"} | {"seeds": len(rows)}
@@ -232,7 +232,7 @@ def pooled_row(rows: list[dict], draws: tuple[torch.Tensor, torch.Tensor]) -> di
     out["per_clip"] = {k: torch.tensor([r["per_clip"][k] for r in rows], dtype=torch.float64) for k in common}
     for key, values in out["per_clip"].items():
         out[key] = float(pool_of(key)(values.flatten()))
-        out[f"{key}_lo"], out[f"{key}_hi"] = M.central(M.pooled_draws(values, seeds, clips, pool_of(key)))
+        out[f"{key}_lo"], out[f"{key}_hi"] = S.central(S.pooled_draws(values, seeds, clips, pool_of(key)))
     return out
 
 
@@ -254,7 +254,7 @@ def metric_draws(row: dict, draws, key: str) -> torch.Tensor | None:
         return None
     seeds, clips = draws
     values = torch.as_tensor(row["per_clip"][key], dtype=torch.float64)
-    return M.pooled_draws(values.view(-1, values.shape[-1]), seeds, clips, pool_of(key))
+    return S.pooled_draws(values.view(-1, values.shape[-1]), seeds, clips, pool_of(key))
 
 
 def gap_draws(pre_ntp: dict, pre_diagd: dict, tuned: dict, key: str) -> torch.Tensor | None:
@@ -340,7 +340,7 @@ def model_rows(cfg: DictConfig, out: Path) -> list[dict]:
     n_seeds = len(seeds_of(t))
     first = read_row(out, "pretrained", t.gap.ntp)
     n_clips = len(next(iter(first["per_clip"].values()), [])) or 1
-    (one, tuned), clips = M.resample_seeds_and_clips([1, n_seeds], n_clips, int(cfg.seed), R.CI_RESAMPLES)
+    (one, tuned), clips = S.resample_seeds_and_clips([1, n_seeds], n_clips, int(cfg.seed), R.CI_RESAMPLES)
     rows = []
     for sampler in t.samplers:
         rows.append({"setting": "pre-trained, no fine-tuning", "key": ("pretrained", sampler), "draws": (one, clips),
@@ -378,7 +378,7 @@ def gap_table(t: DictConfig, by_key: dict) -> tuple[dict, dict, dict, list[str]]
         shares[label] = {}
         for m in GAP_METRICS:
             d = gap_draws(pre_ntp, pre_diagd, tuned, m) if point[m] is not None else None
-            shares[label][m] = {"share": point[m], "interval": M.central(d) if d is not None else None}
+            shares[label][m] = {"share": point[m], "interval": S.central(d) if d is not None else None}
     control = t.gap.get("control")
     versus = {label: {m: difference(tuned, diagd_rows[control], m) for m in GAP_METRICS}
               for label, tuned in diagd_rows.items() if control in diagd_rows and label != control}
@@ -427,7 +427,7 @@ def difference(row: dict, other: dict, key: str) -> dict | None:
         return None
     da, db = metric_draws(row, row["draws"], key), metric_draws(other, other["draws"], key)
     return {"difference": better_sign(key) * (a - b),
-            "interval": M.central(better_sign(key) * (da - db)) if da is not None and db is not None else None}
+            "interval": S.central(better_sign(key) * (da - db)) if da is not None and db is not None else None}
 
 
 def scratch_table(t: DictConfig, by_key: dict) -> tuple[dict, list[str]]:

@@ -4,7 +4,7 @@
         textures=crafter keep=mcar/assets/vq_crafter_tiles
 
 (conf/vq_patches.yaml.) textures=crafter gives every tile Crafter can draw at the patch size a code of its own
-(mcar.data.crafter_textures: 252 tiles; k-means fits the codes left over on the frames' patches that are none of
+(mcar.crafter.textures: 252 tiles; k-means fits the codes left over on the frames' patches that are none of
 them); keep= keeps the ids of a previous VQ's codes that are such tiles.
 
 The committed `vq_crafter_tiles` (conf/vq/tiles.yaml) was made with this command on the training episodes of
@@ -27,7 +27,7 @@ from mcar.tokenizer.patch_vq import fit_patch_vq
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import decode_tokens, encode_tokens, load_vq, to_uint8
 
-TEXTURES = ("crafter",)  # textures=: the games whose every drawable tile can be listed (mcar.data.crafter_textures)
+TEXTURES = ("crafter",)  # textures=: the games whose every drawable tile can be listed (mcar.crafter.textures)
 
 
 def read_frames(paths: list[Path]) -> torch.Tensor:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     fixed = keep = None
     if c.textures == "crafter":
-        from mcar.data.crafter_textures import tile_textures
+        from mcar.crafter.textures import tile_textures
 
         tiles = tile_textures(c.patch)
         fixed = torch.from_numpy(np.stack(list(tiles.values())))

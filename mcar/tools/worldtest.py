@@ -1,7 +1,7 @@
-"""`mcar worldtest [hydra overrides]` (conf/worldtest.yaml): the command line of mcar.eval.world_tests."""
+"""`mcar worldtest [hydra overrides]` (conf/worldtest.yaml): the command line of mcar.crafter.world_tests."""
 from omegaconf import DictConfig
 
-from mcar.eval.world_tests import world_tests
+from mcar.crafter.world_tests import world_tests
 from mcar.hydra_app import hydra_tool
 from mcar.wandb_run import finishing
 

@@ -1,6 +1,6 @@
 """Post-training on the model's own rollouts: GRPO with verifiable rewards (`mcar posttrain`, conf/posttrain.yaml).
 
-Each step takes `starts` fresh Crafter worlds (mcar.data.crafter_starts: the simulator's true clips), draws
+Each step takes `starts` fresh Crafter worlds (mcar.crafter.starts: the simulator's true clips), draws
 `group` rollouts from each one's prompt frames under its true actions with the run's sampler (DiagD or NTP, on the
 rolling cache, so a rollout may be longer than the trained clip), scores them (mcar.train.rewards), normalises
 each reward within its group, and takes a clipped policy-gradient step with a KL anchor to the starting model

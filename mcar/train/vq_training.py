@@ -17,6 +17,7 @@ import functools
 import time
 from pathlib import Path
 
+import hydra
 import lightning as L
 import numpy as np
 import torch
@@ -230,12 +231,9 @@ def make_data(cfg: DictConfig):
     folder = Path(cfg.episodes)
     size = check_frame_size(cfg.vq.arch, cfg.frame_size, "frame_size")
     files = episode_files(folder)
-    if not files and cfg.generate.episodes:
-        from mcar.data.crafter_gen import generate
-
+    if not files and cfg.generate.episodes:  # the configured simulator's episodes (conf/vq_train.yaml `generate`)
         view = cfg.generate.get("view")
-        generate(folder, cfg.generate.episodes, cfg.generate.frames, cfg.generate.seed, workers=cfg.generate.workers,
-                 size=size, view=tuple(view) if view else None)
+        hydra.utils.instantiate(cfg.generate, folder, size=size, view=tuple(view) if view else None)
         files = episode_files(folder)
     if len(files) <= cfg.val_episodes:
         raise ValueError(f"{folder}: {len(files)} episodes, need more than val_episodes={cfg.val_episodes}")

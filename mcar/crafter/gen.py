@@ -45,6 +45,33 @@ def walkable(env, x: int, y: int) -> bool:
     return material in WALKABLE and obj is None
 
 
+def player_pos(env) -> tuple[int, int]:
+    """The player's world (x, y) now."""
+    return tuple(int(v) for v in env._player.pos)
+
+
+def tile_kind(env, x: int, y: int) -> str:
+    """What tile (x, y) holds, by Crafter's names: its object's kind when there is one (cow, zombie, skeleton,
+    plant, arrow, ...), else its material (grass, sand, path, tree, water, stone, coal, iron, diamond, table,
+    furnace, lava); `edge` outside the world."""
+    material, obj = env._world[(x, y)]
+    if obj is not None:
+        return type(obj).__name__.lower()
+    return "edge" if material is None else str(material)
+
+
+def material(env, x: int, y: int) -> str | None:
+    """Tile (x, y)'s material (None outside the world), whatever object stands on it."""
+    return env._world[(x, y)][0]
+
+
+def stock_up(env, amounts: dict[str, int]) -> None:
+    """The player holds at least `amounts` of each item or need (Crafter's inventory, set directly)."""
+    inventory = env._player.inventory
+    for item, amount in amounts.items():
+        inventory[item] = max(inventory[item], int(amount))
+
+
 def blocked_moves(env) -> list[int]:
     """The moves Crafter would refuse now (their tile not walkable), in action-id order."""
     x, y = (int(v) for v in env._player.pos)
@@ -397,11 +424,17 @@ def make_env(env_seed: int, size: tuple[int, int], view: tuple[int, int] | None 
     import crafter  # imported here: worker processes
 
     env = crafter.Env(size=(int(size[1]), int(size[0])), view=tuple(int(v) for v in (view or (9, 9))), seed=env_seed)
-    if daylight is not None:  # Crafter sets world.daylight from the step count in _update_time; pin it instead
-        env._update_time = lambda: setattr(env._world, "daylight", float(daylight))
+    pin_daylight(env, daylight)
     obs = env.reset()
     deterministic_chunks(env._world)
     return env, obs
+
+
+def pin_daylight(env, daylight: float | None) -> None:
+    """Crafter sets world.daylight from the step count in _update_time; a fixed `daylight` pins it instead (None:
+    the day-night cycle). Set again on a copied env: the pin names the env it was set on."""
+    if daylight is not None:
+        env._update_time = lambda: setattr(env._world, "daylight", float(daylight))
 
 
 def map_rows(view) -> int:

@@ -3,7 +3,7 @@
 prepare_data() runs three cached stages under `root` (each skipped when its output is there, each with progress):
     1. the VQ                  the committed small VQ, `vq.path`, or one trained under root/vq (vq_train=true: a
                                training job lends the module its `vq_trainer`; a sampling tool never trains one)
-    2. <setting>/episodes/     generated Crafter episodes (mp4 + jsonl)   mcar.data.crafter_gen
+    2. <setting>/episodes/     generated Crafter episodes (mp4 + jsonl)   mcar.crafter.gen
     3. <setting>/tokens_<vq>/  token shards + index                       mcar.data.tokenize
 Frames are rendered at the token grid (data.h, data.w) times the VQ's downsampling (x16: 224x384).
 <setting> names the generator seed, frames per episode and policy mix (seed0_128f_explorer75_random25), so
@@ -35,7 +35,7 @@ class CrafterDataModule(TokenDataModule):
         code by a training job (mcar.train.task), never by a config. view: Crafter's grid in tiles (W, H), None
         for its default 9x9. daylight: a fixed light level in (0, 1] (1: always noon), None for Crafter's cycle.
         lossless: episodes as bit-exact RGB video (default: yuv444p at crf 12). recall: the explorer's and the
-        wanderer's recall plans (mcar.data.crafter_gen.RECALL_DEFAULTS' keys; {}: those), None: none. placing: the
+        wanderer's recall plans (mcar.crafter.gen.RECALL_DEFAULTS' keys; {}: those), None: none. placing: the
         wanderer's placed obstacles (PLACING_DEFAULTS' keys; {}: those), None: none."""
         super().__init__(**kw)
         self.root, self.n_episodes, self.frames_per_episode = Path(root), episodes, frames_per_episode
@@ -53,7 +53,7 @@ class CrafterDataModule(TokenDataModule):
         self.lossless = bool(lossless)
         from omegaconf import DictConfig, OmegaConf
 
-        from mcar.data.crafter_gen import placing_settings, recall_settings
+        from mcar.crafter.gen import placing_settings, recall_settings
 
         def plain(x):
             return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
@@ -82,7 +82,7 @@ class CrafterDataModule(TokenDataModule):
         return self.set_dir / "episodes"
 
     def episode_names(self) -> list[str]:
-        from mcar.data.crafter_gen import episode_name
+        from mcar.crafter.gen import episode_name
 
         return [episode_name(self.gen_seed, i) for i in range(self.n_episodes)]
 
@@ -102,7 +102,7 @@ class CrafterDataModule(TokenDataModule):
         return self.set_dir / f"tokens_{vq_id(self.resolved_vq_path()).replace('@', '_')}"
 
     def prepare_data(self) -> None:
-        from mcar.data.crafter_gen import generate
+        from mcar.crafter.gen import generate
         from mcar.data.index import stale_index
         from mcar.data.tokenize import tokenize_dir
         from mcar.tokenizer.vq_model import frame_size, load_vq, vq_id
