@@ -19,6 +19,7 @@ TOOLS = {
     "generate": "generate a clip from a checkpoint: mp4 + gif next to the ground truth",
     "evaluate": "score samplers on held-out clips: FVD, PSNR, SSIM, LPIPS, action F1, speed",
     "worldtest": "memory, collisions and long rollouts on fresh Crafter worlds (tile-exact data)",
+    "gametest": "long rollouts on fresh games of any Gymnasium env, per policy, against nothing moves",
     "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
     "bench": "speed and memory: bench sampler|train|memory|gpu",
     "idm": "train the inverse dynamics model that evaluate's action F1 uses",

@@ -71,20 +71,30 @@ def test_a_folders_schema_error_is_one_line_naming_file_and_field(tmp_path, text
     assert field in str(e.value) and "\n" not in str(e.value)
 
 
-def test_train_on_a_fresh_recordings_folder_with_no_other_key_then_sample_it(tmp_path):
-    """train.py data=recordings data.root=DIR: the grid is read off the frames (48 x 64 px -> 3 x 4 tokens), the
-    actions off actions.yaml, a patch VQ is fitted and cached; the checkpoint carries the schema, so the plain
-    Python API samples it given only where the recordings are (a checkpoint never says where data is read)."""
-    from mcar import WorldModel
+@pytest.fixture(scope="module")
+def recordings_run(tmp_path_factory):
+    """A 2-step train.py run on a fresh recordings folder with no data key but its root -> (tmp, folder, the
+    warnings it gave)."""
     from mcar.tools.train import main as train
 
+    tmp_path = tmp_path_factory.mktemp("recordings_run")
     folder = write_recordings(tmp_path / "rec")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         run_in_process(train, "data=recordings", f"data.root={folder}", f"paths.data_dir={tmp_path}/data",
                        *job_overrides(tmp_path), "logger=none", "trainer.max_steps=2", "val_dashboard.n_clips=0",
                        "data.clip_frames=3", "data.batch_size=2", "data.val_clips=1")
-    named = [str(w.message) for w in seen if "cannot encode" in str(w.message)]
+    return tmp_path, folder, [str(w.message) for w in seen]
+
+
+def test_train_on_a_fresh_recordings_folder_with_no_other_key_then_sample_it(recordings_run):
+    """train.py data=recordings data.root=DIR: the grid is read off the frames (48 x 64 px -> 3 x 4 tokens), the
+    actions off actions.yaml, a patch VQ is fitted and cached; the checkpoint carries the schema, so the plain
+    Python API samples it given only where the recordings are (a checkpoint never says where data is read)."""
+    from mcar import WorldModel
+
+    tmp_path, folder, said = recordings_run
+    named = [m for m in said if "cannot encode" in m]
     assert len(named) == 1 and "ep0.mp4" in named[0]  # the bad record: once, with its episode
     ckpt = tmp_path / "ckpt" / "train-tiny-recordings-causal" / "last.ckpt"
     hp = torch.load(ckpt, weights_only=False)["hyper_parameters"]
@@ -100,6 +110,49 @@ def test_train_on_a_fresh_recordings_folder_with_no_other_key_then_sample_it(tmp
     tokens, _ = wm.generate(wm.held_out_clips(frames=3), wm.sampler(frames=3))
     assert tokens.shape == (1, wm.layout.n_slots(3))
     assert wm.save_gif(tokens[0], tmp_path / "clip.gif").stat().st_size > 0
+
+
+def test_record_train_then_gametest_each_policy_on_fresh_games(tmp_path):
+    """Pong recorded by `mcar record`, one training step on it (data.record: recorded on first use), then mcar
+    gametest: every policy named, each row scored with intervals over fresh games, the model's margin over
+    copy_last paired game by game; a model of another game's actions is refused."""
+    pytest.importorskip("ale_py", reason="pip install gymnasium ale-py")
+    from mcar.tools.gametest import main as gametest
+    from mcar.tools.train import main as train
+
+    folder = tmp_path / "pong"
+    run_in_process(train, "data=recordings", f"data.root={folder}", f"paths.data_dir={tmp_path}/data",
+                   "data.record={env: ALE/Pong-v5, episodes: 3, frames: 8}", "data.max_frame_tokens=20",
+                   *job_overrides(tmp_path), "logger=none", "trainer.max_steps=1", "val_dashboard.n_clips=0",
+                   "data.clip_frames=3", "data.batch_size=2", "data.val_clips=1", "data.fit.frames=12")
+    ckpt = tmp_path / "ckpt" / "train-tiny-recordings-causal"
+    run_in_process(gametest, "env=ALE/Pong-v5", f"ckpt={ckpt}", f"data.root={folder}", "starts=3",
+                   "rollout_frames=3", f"hydra.run.dir={tmp_path / 'gt'}")
+    res = json.loads((tmp_path / "gt" / "game_tests.json").read_text())
+    assert [p["policy"] for p in res["policies"]] == ["sticky", "random"] and res["seed_base"] == 2_000_000
+    for p in res["policies"]:
+        assert set(p["rows"]) == {"model context=3", "model context=2", "copy_last"}
+        assert all(v["mean"]["n"] == 3 for v in p["rows"].values())
+        assert {(m["row"], m["baseline"]) for m in p["margins"]} == {("model context=3", "copy_last"),
+                                                                    ("model context=2", "copy_last")}
+    assert "| sticky | copy_last |" in (tmp_path / "gt" / "game_tests.md").read_text()
+    with pytest.raises(ValueError, match="not the one ckpt="):
+        run_in_process(gametest, "env=ALE/Breakout-v5", f"ckpt={ckpt}", f"data.root={folder}", "starts=1",
+                       f"hydra.run.dir={tmp_path / 'gt2'}")
+
+
+def test_a_game_test_seed_is_never_a_seed_of_the_training_recordings():
+    from omegaconf import OmegaConf
+
+    from mcar.eval.game_tests import check_seeds
+
+    trained = {"record": {"env": "ALE/Pong-v5", "episodes": 32, "seed": 100}}
+    cfg = lambda base, starts=4: OmegaConf.create({"seed_base": base, "starts": starts, "data": trained})
+    assert check_seeds(cfg(132)) == range(132, 132 + 100)  # the first seed past the recordings'
+    for base in (0, 50, 131, 100, 120):  # any overlap, however small, is refused naming the seeds
+        with pytest.raises(ValueError, match="seeds of the checkpoint's recordings"):
+            check_seeds(cfg(base))
+    assert len(check_seeds(OmegaConf.create({"seed_base": 0, "starts": 4, "data": {"record": None}}))) == 100
 
 
 def test_fps_keeps_every_kth_frame_with_its_action(tmp_path):

@@ -89,16 +89,17 @@ def action_record(space, action, prefix: str = "", names=None) -> dict:
 
 
 class GymGame:
-    """A Gymnasium env id played through the environment protocol, frames from `render()`."""
+    """A Gymnasium env id played through the environment protocol (mcar.data.environment), frames from `render()`,
+    resized to `size` = (H, W) when given (the data's frame size: as the recordings' frames are read)."""
 
-    def __init__(self, env_id: str, **make_kwargs):
+    def __init__(self, env_id: str, size: tuple[int, int] | None = None, **make_kwargs):
         gym = require_gymnasium()
         try:
             self.env = gym.make(env_id, render_mode="rgb_array", **make_kwargs)
         except gym.error.Error as e:
             raise ValueError(f"env={env_id}: {str(e).splitlines()[0]} (ALE games: pip install ale-py; ids like "
                              f"ALE/Pong-v5)") from None
-        self.env_id, self.space = env_id, self.env.action_space
+        self.env_id, self.space, self.size = env_id, self.env.action_space, size
         meanings = getattr(self.env.unwrapped, "get_action_meanings", None)
         self.names = list(meanings()) if meanings is not None and hasattr(self.space, "n") else None
 
@@ -123,22 +124,32 @@ class GymGame:
         return self.frame()
 
     def step(self, action) -> tuple[np.ndarray, dict]:
+        """A Discrete game takes its data action id (the choice's index) as its own action."""
+        if hasattr(self.space, "n") and isinstance(action, (int, np.integer)):
+            action = int(action) + int(self.space.start)
         _, reward, terminated, truncated, info = self.env.step(action)
         return self.frame(), {**info, "reward": float(reward), "done": bool(terminated or truncated)}
 
     def frame(self) -> np.ndarray:
-        return np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+        frame = np.ascontiguousarray(self.env.render(), dtype=np.uint8)
+        if self.size is None or frame.shape[:2] == tuple(self.size):
+            return frame
+        import av  # the resize the recordings' frames get when read (mcar.tokenizer.video.FrameStream)
+
+        return av.VideoFrame.from_ndarray(frame, format="rgb24").to_ndarray(
+            format="rgb24", width=int(self.size[1]), height=int(self.size[0]))
 
     def save_state(self):
         """The simulator's state (ALE: cloneState), or None where the game has none to give."""
         ale = getattr(self.env.unwrapped, "ale", None)
         return ale.cloneState() if ale is not None else None
 
-    def restore_state(self, state) -> None:
+    def restore_state(self, state) -> np.ndarray:
         ale = getattr(self.env.unwrapped, "ale", None)
         if ale is None or state is None:
             raise ValueError(f"{self.env_id} cannot restore a state: only games with cloneState/restoreState")
         ale.restoreState(state)
+        return self.frame()
 
     def close(self) -> None:
         self.env.close()

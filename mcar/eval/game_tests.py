@@ -1,0 +1,104 @@
+"""`mcar gametest env=<Gymnasium id> ckpt=...`: the world test any Gymnasium game takes (conf/gametest.yaml).
+
+Fresh games (seeds from `seed_base`, disjoint from the seeds the checkpoint's recordings were made with: checked)
+are played by each of `policies` (mcar.data.gym_env's random and sticky, or `package.module:factory`), each named
+in the output; from a game's first frame and every action the model generates the rest of the rollout on each of
+its windows, scored against the real frames beside "nothing moves" (copy_last), with 95% bootstrap intervals over
+games and the model's margin over copy_last paired game by game (mcar.eval.world_tests.rollout_test).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from mcar.core.devices import set_threads
+from mcar.data.files import write_json
+from mcar.data.gym_env import GymGame, make_policy
+from mcar.eval.world_tests import ModelRows, Tokens, baseline_margins, ci_cell, rollout_test, write_curves
+from mcar.sampling.world_model import WorldModel
+from mcar.tokenizer.vq_model import frame_size
+
+log = logging.getLogger("mcar.gametest")
+
+
+def recorded_seeds(data: DictConfig) -> range:
+    """The game seeds a checkpoint's recordings were made with (data.record: seed .. seed + episodes - 1)."""
+    rec = data.get("record") or {}
+    first = int(rec.get("seed", 0))
+    return range(first, first + int(rec.get("episodes", 0)))
+
+
+def check_seeds(cfg: DictConfig) -> range:
+    """The seeds a run may use (20 per start and 20 more: worlds that end early are skipped) -> that range; a
+    ValueError when one is a seed of the training recordings."""
+    used = range(int(cfg.seed_base), int(cfg.seed_base) + 20 * int(cfg.starts) + 20)
+    trained = recorded_seeds(cfg.data)
+    overlap = range(max(used.start, trained.start), min(used.stop, trained.stop))
+    if len(overlap):
+        raise ValueError(f"seed_base={cfg.seed_base}: games {overlap.start}..{overlap.stop - 1} are seeds of the "
+                         f"checkpoint's recordings (data.record seeds {trained.start}..{trained.stop - 1}); "
+                         f"a test plays games no training saw: a seed_base past {trained.stop - 1}")
+    return used
+
+
+def check_same_actions(game: GymGame, wm: WorldModel, env: str) -> None:
+    """The game's action schema is the one the checkpoint was trained on, or a ValueError saying so."""
+    from mcar.tokenizer.action_schema import plain
+
+    own = (plain(wm.cfg.data.get("actions")) or {}) if hasattr(wm.cfg.data.get("actions"), "keys") else {}
+    if own.get("actions") != game.schema()["actions"]:
+        raise ValueError(f"env={env}: its action schema is not the one ckpt={wm.cfg.ckpt} was trained on (data."
+                         f"actions): test a checkpoint on the game (and make=) its recordings were made with")
+
+
+def policy_report(name: str, scores: dict, seed: int) -> dict:
+    margins = baseline_margins(scores, seed, keys=("mean", "last"))
+    return {"policy": name, "rows": {row: {k: v[k] for k in ("mean", "last", "invented_mean")}
+                                     for row, v in scores.items()}, "margins": margins}
+
+
+def markdown(env: str, reports: list[dict], frames: int) -> str:
+    lines = [f"{env}: {frames}-frame rollouts from one real frame, token agreement with the real frames (95% "
+             f"bootstrap intervals over games)", "",
+             "| policy | row | mean | last step | minus copy_last (mean) | minus copy_last (last) |",
+             "|---|---|---|---|---|---|"]
+    for r in reports:
+        margin = {m["row"]: m for m in r["margins"] if m["baseline"] == "copy_last"}
+        for row, v in r["rows"].items():
+            m = margin.get(row, {})
+            lines.append(f"| {r['policy']} | {row} | {ci_cell(v['mean'])} | {ci_cell(v['last'])} | "
+                         f"{ci_cell(m.get('mean'))} | {ci_cell(m.get('last'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def game_tests(cfg: DictConfig) -> dict:
+    set_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    check_seeds(cfg)
+    wm = WorldModel.from_config(cfg)
+    size = frame_size(wm.vq, wm.layout.h, wm.layout.w)
+    game = GymGame(str(cfg.env), size=size, **dict(cfg.get("make") or {}))
+    check_same_actions(game, wm, str(cfg.env))
+    rows, tokens = ModelRows(wm, cfg.get("windows")), Tokens(wm.vq, wm.layout, wm.codebook_size)
+    out = Path(cfg.paths.output_dir)
+    reports, curves = [], {}
+    for name in cfg.policies:
+        policy = make_policy(str(name), game.space, np.random.default_rng(int(cfg.seed)), float(cfg.hold))
+        scores, per_step = rollout_test(rows, tokens, game, policy, int(cfg.starts), int(cfg.rollout_frames),
+                                        int(cfg.seed_base), int(cfg.seed))
+        reports.append(policy_report(str(name), scores, int(cfg.seed)))
+        curves.update({f"{name} {row}": c for row, c in per_step.items()})
+    game.close()
+    res = {"env": str(cfg.env), "ckpt": str(cfg.ckpt), "starts": int(cfg.starts), "seed_base": int(cfg.seed_base),
+           "rollout_frames": int(cfg.rollout_frames), "policies": reports}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "game_tests.json", res)
+    write_curves(curves, out / "rollout_agreement.csv")
+    md = markdown(str(cfg.env), reports, int(cfg.rollout_frames))
+    (out / "game_tests.md").write_text(md)
+    log.info("%s\nwritten to %s (game_tests.json, rollout_agreement.csv)", md, out)
+    return res
