@@ -149,7 +149,7 @@ def test_a_game_test_seed_is_never_a_seed_of_the_training_recordings():
     trained = {"record": {"env": "ALE/Pong-v5", "episodes": 32, "seed": 100}}
     cfg = lambda base, starts=4: OmegaConf.create({"seed_base": base, "starts": starts, "data": trained})
     assert check_seeds(cfg(132)) == range(132, 132 + 100)  # the first seed past the recordings'
-    for base in (0, 50, 131, 100, 120):  # any overlap, however small, is refused naming the seeds
+    for base in (1, 50, 131, 100, 120):  # any overlap, however small, is refused naming the seeds
         with pytest.raises(ValueError, match="seeds of the checkpoint's recordings"):
             check_seeds(cfg(base))
     assert len(check_seeds(OmegaConf.create({"seed_base": 0, "starts": 4, "data": {"record": None}}))) == 100
