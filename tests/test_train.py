@@ -73,7 +73,7 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
     assert ckpt.is_file()
     # the checkpoint's own model config is kept (a model= that differs is refused: tests/test_ownership.py);
-    # init_from defaults to the newest last.ckpt
+    # init_from defaults to the most trained last.ckpt
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path, "ft"), "logger=csv", "steps=3",
                    "trainer.val_check_interval=3", "log_every_n_steps=1")
     assert f"[mcar][INFO] - fine-tuning {ckpt} (model tiny)\n" in p.stderr + p.stdout

@@ -1,7 +1,7 @@
 """`mcar posttrain init_from=<ckpt> [steps=100 sampler=ntp posttrain.rewards.action=...]` (= `python posttrain.py`):
 GRPO on the model's own rollouts from fresh Crafter worlds, rewarded against the simulator (mcar/train/posttrain.py).
 
-Starts from the weights of `init_from` (default: the newest pre-training run of this data and model), keeps its
+Starts from the weights of `init_from` (default: the most trained pre-training run of this data and model), keeps its
 model and data config, and trains `steps` steps into its own run dir; `ckpt_path=last` resumes.
 """
 from omegaconf import DictConfig, open_dict

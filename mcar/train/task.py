@@ -27,6 +27,7 @@ from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule
 from mcar.hydra_app import to_dict
+from mcar.stopping import on_stop_say
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
 from mcar.train.jobs import (
@@ -34,6 +35,7 @@ from mcar.train.jobs import (
     checkpoint_dir,
     finalize_run_name,
     resolve_ckpt_path,
+    stop_note,
     take_free_run_name,
     write_hydra_record,
 )
@@ -85,7 +87,8 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     post-training passes its simulator starts)."""
     check_run_name(cfg.run_name)
     finalize_run_name(cfg)
-    return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks, datamodule)
+    with on_stop_say(lambda: stop_note(cfg, init_from)):  # the stop's line names the checkpoint and the resume
+        return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks, datamodule)
 
 
 def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks,
