@@ -177,8 +177,7 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
         OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    log.info("done: %s; checkpoints in %s", metrics, checkpoint_dir(cfg))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # the summary's loss line says them
     checkpoint = checkpoint_dir(cfg) / "last.ckpt" if cfg.checkpoint.every_n_steps is not None else None
     print_summary(trainer, cfg, output_dir, checkpoint, time.perf_counter() - start)
     return metrics
