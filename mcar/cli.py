@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None):
     name, rest = args[0], args[1:]
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
-    from mcar.hydra_app import plain_errors, readable_progress
+    from mcar.hydra_app import CONF_DIR, plain_errors, readable_progress, usage_exit
     from mcar.stopping import stop_signals_end
+
+    if any(a in ("-h", "--help") for a in rest) and (CONF_DIR / f"{name}.yaml").is_file():
+        usage_exit(name)  # the tool's keys from its conf file, before the tool (and torch) is imported
 
     # the tools that compose their config themselves get these here (hydra_tool's get them inside Hydra too)
     with readable_progress(), plain_errors(), stop_signals_end(name):

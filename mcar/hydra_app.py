@@ -21,7 +21,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mcar.core.precision import trainer_precision
 from mcar.stopping import stop_signals_end
 
 CONFIG_PATH = "pkg://mcar.conf"
@@ -52,6 +51,13 @@ def relocated_asset(value):
         return value
 
 
+def trainer_precision(*args):
+    """conf's `${mcar_precision:}` (mcar.core.precision; torch imported on first use: `--help` needs no torch)."""
+    from mcar.core.precision import trainer_precision as precision
+
+    return precision(*args)
+
+
 def register_resolvers() -> None:
     """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
     for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
@@ -70,10 +76,69 @@ def to_dict(cfg: DictConfig | dict | None) -> dict:
     return dict(cfg)
 
 
+HELP_WORDS = ("-h", "--help")
+
+
 def usage_exit(config_name: str) -> None:
-    """`mcar <tool> --help` for the tools that compose their config themselves: where the keys are; exits 0."""
-    print(f"usage: mcar {config_name} key=value ... (the keys and their defaults: {CONF_DIR / config_name}.yaml)")
+    """`mcar <tool> --help`: the tool's keys with their comments (tool_help); exits 0."""
+    print(tool_help(config_name))
     raise SystemExit(0)
+
+
+def split_config_text(text: str) -> tuple[list[str], list[str]]:
+    """A conf file's lines -> (its `defaults:` entries, its own lines: keys with their comments, less the defaults
+    list and the `hydra:` block, which are Hydra's)."""
+    defaults, own, block = [], [], None
+    for line in text.splitlines():
+        top = line[:1] not in ("", " ", "#")
+        if top:
+            block = line.split(":", 1)[0]
+        if block == "defaults" and not top:
+            if line.strip().startswith("- "):
+                defaults.append(line.strip()[2:])
+            continue
+        if block not in ("defaults", "hydra"):
+            own.append(line)
+    while own and not own[-1].strip():
+        own.pop()
+    return defaults, own
+
+
+def tool_help(config_name: str) -> str:
+    """What `mcar <tool> --help` prints, read from the conf files as written (their comments explain each key), no
+    composition (it answers at once): the tool's own keys first, then the configs it builds on (their keys), then
+    its groups with their options. The composed config: `mcar <tool> --cfg job`."""
+    seen, sections, groups = set(), [], []
+
+    def read(name: str, heading: str) -> None:
+        path = CONF_DIR / f"{name}.yaml"
+        if name in seen or not path.is_file():
+            return
+        seen.add(name)
+        defaults, own = split_config_text(path.read_text())
+        if any(line.strip() for line in own):
+            sections.append(f"\n{heading} (conf/{name}.yaml):\n" + "\n".join("  " + line if line else ""
+                                                                           for line in own))
+        for entry in defaults:
+            choice, _, comment = entry.partition("#")
+            if ":" in choice and not choice.startswith(("override ", "_")):
+                group, option = (x.strip() for x in choice.split(":", 1))
+                groups.append((group.lstrip("/"), option, comment.strip()))
+            elif choice.strip() and not choice.strip().startswith("_"):
+                read(choice.strip(), f"keys from {choice.strip()}")
+
+    read(config_name, f"mcar {config_name}'s own keys")
+    lines = [f"usage: mcar {config_name} key=value ... group=option ...  (Hydra overrides)", *sections]
+    if groups:
+        lines += ["", "groups (group=option; a group's keys as group.key=value, its files in conf/<group>/):"]
+        for group, option, comment in dict.fromkeys(groups):
+            folder = CONF_DIR / group.split("@")[0]
+            options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+            said = f"  # {comment}" if comment else ""
+            lines.append(f"  {group}={option}  (options: {', '.join(options) or '-'}){said}")
+    lines += ["", f"the composed config, every value resolved: mcar {config_name} --cfg job   "
+                  f"(Hydra's own flags: --hydra-help)"]
+    return "\n".join(lines)
 
 
 def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
@@ -81,7 +146,7 @@ def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
     from hydra import compose, initialize_config_module
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in args):
+    if any(a in HELP_WORDS for a in args):
         usage_exit(config_name)
     register_resolvers()
     try:
@@ -213,6 +278,8 @@ def hydra_tool(config_name: str, words=None):
         @functools.wraps(job)
         def main(argv: list[str] | None = None):
             args = sys.argv[1:] if argv is None else list(argv)
+            if any(a in HELP_WORDS for a in args):  # the conf files as written, in seconds (not Hydra's dump)
+                usage_exit(config_name)
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
