@@ -30,3 +30,10 @@ def test_summary_keys_and_empty():
     assert math.isnan(latency_summary([])["p95_s"])
     with pytest.raises(ValueError, match="rate"):
         deadline_attainment([0.1], 0)
+
+
+def test_the_test_runs_progress_line():
+    from tests.progress_line import progress_line
+
+    assert progress_line(120, 855, 84.0, failed=1) == "-- 120/855 tests (14%), 1 failed, in 1.4 min, ~8.6 min left"
+    assert progress_line(855, 855, 600.0) == "-- 855/855 tests (100%), in 10.0 min"
