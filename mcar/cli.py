@@ -20,7 +20,7 @@ TOOLS = {
     "evaluate": "score samplers on held-out clips: FVD, PSNR, SSIM, LPIPS, action F1, speed",
     "worldtest": "memory, collisions and long rollouts on fresh Crafter worlds (tile-exact data)",
     "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
-    "bench": "speed and memory: bench sampler|train|memory|gpu",
+    "bench": "speed and memory: bench sampler|train|memory|gpu|play|serve",
     "idm": "train the inverse dynamics model that evaluate's action F1 uses",
     "table3": "the paper's table 3 pipeline: pre-train, fine-tune, evaluate, write RESULTS.md",
     "convert": "convert a public checkpoint (MineWorld) into an mcar checkpoint",

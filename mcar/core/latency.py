@@ -52,3 +52,18 @@ def latency_summary(latencies: Sequence[float], rate: float | None = None, ndigi
 def frames_per_second(frames: int, seconds: float) -> float:
     """Frames over the wall-clock seconds they took (inf-safe: 0 s counts as 1e-9 s)."""
     return frames / max(float(seconds), 1e-9)
+
+
+def seconds_since_process_start() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat against the boot time); None elsewhere."""
+    import os
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+    return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
