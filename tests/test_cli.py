@@ -156,7 +156,7 @@ def test_a_tools_help_is_its_conf_files_keys_with_their_comments_at_once():
     own, base, groups = (out.index(s) for s in ("mcar play's own keys (conf/play.yaml)", "keys from sampling",
                                                 "groups (group=option"))
     assert own < base < groups
-    assert "prompt: 0  # the start frame(s)" in out[own:base] and "ckpt: null  # required" in out[base:groups]
+    assert "prompt: 6  # the start frame(s)" in out[own:base] and "ckpt: null  # required" in out[base:groups]
     assert "data=crafter  (options: " in out[groups:] and "adopted from it" in out[groups:]
     assert "hydra:" not in out and "defaults:" not in out
 
