@@ -225,12 +225,21 @@ CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-HJK]")  # tqdm's nested bars move th
 class LineProgress:
     """stdout / stderr going to a pipe or a file: each in-place redraw of a progress bar (a carriage return) becomes
     a line of its own and cursor moves are dropped, so `mcar generate ... > generate.log` reads top to bottom
-    instead of as one 30 kB line."""
+    instead of as one 30 kB line; a log line written while a bar's line is open (on this stream or a peer's: stdout
+    and stderr into one file) starts on a line of its own."""
 
-    def __init__(self, stream):
-        self._stream, self._line_start = stream, True
+    def __init__(self, stream, peers: list | None = None):
+        self._stream, self._line_start, self._bar_open = stream, True, False
+        self._peers = peers if peers is not None else []  # the streams sharing a terminal or a log file
+        self._peers.append(self)
 
     def write(self, text: str) -> int:
+        if text and not text.startswith(("\r", "\n")):  # a log line: a bar's open line (any stream's) ends first
+            for peer in self._peers:
+                if peer._bar_open:
+                    peer._stream.write("\n")
+                    peer._stream.flush()
+                    peer._line_start, peer._bar_open = True, False
         out = []
         for i, piece in enumerate(CURSOR_MOVES.sub("", text).split("\r")):
             if i and not self._line_start:
@@ -239,6 +248,7 @@ class LineProgress:
             if piece:
                 out.append(piece)
                 self._line_start = piece.endswith("\n")
+        self._bar_open = "\r" in text and not self._line_start
         self._stream.write("".join(out))
         return len(text)
 
@@ -253,9 +263,9 @@ def readable_progress():
     TQDM_MININTERVAL, unless set; the training bar redraws every log_every_n_steps)."""
     names = [n for n in ("stdout", "stderr") if not getattr(sys, n).isatty()
              and not isinstance(getattr(sys, n), LineProgress)]
-    saved = {n: getattr(sys, n) for n in names}
+    saved, peers = {n: getattr(sys, n) for n in names}, []
     for n in names:
-        setattr(sys, n, LineProgress(saved[n]))
+        setattr(sys, n, LineProgress(saved[n], peers))
     if names:
         os.environ.setdefault("TQDM_MININTERVAL", "5")
     try:

@@ -36,6 +36,14 @@ def test_line_progress_turns_redraws_into_lines():
     for text in ["\rbar 1/3", "\rbar 2/3", "\rbar 3/3", "\n", "log line\n", "\r\x1b[Anested 1/2", "\rnested 2/2\n"]:
         s.write(text)
     assert sink.getvalue() == "bar 1/3\nbar 2/3\nbar 3/3\nlog line\nnested 1/2\nnested 2/2\n"
+    # a log line on stdout while the bar's line on stderr is open (both into one file): it starts a line of its own
+    one_file, peers = io.StringIO(), []
+    bar, logs = LineProgress(one_file, peers), LineProgress(one_file, peers)
+    bar.write("\rEpoch 0: 10/150")
+    logs.write("[mcar][INFO] - training: step 15/150\n")
+    bar.write("\rEpoch 0: 20/150")
+    bar.write("\n")
+    assert one_file.getvalue() == "Epoch 0: 10/150\n[mcar][INFO] - training: step 15/150\nEpoch 0: 20/150\n"
 
 
 def test_the_library_internals_quiet_reaches_are_still_there(tmp_path):
