@@ -21,7 +21,7 @@ TOOLS = {
     "worldtest": "memory, collisions and long rollouts on fresh Crafter worlds (tile-exact data)",
     "gametest": "long rollouts on fresh games of any Gymnasium env, per policy, against nothing moves",
     "play": "play a checkpoint in the browser, keys as actions (needs gradio)",
-    "bench": "speed and memory: bench sampler|train|memory|gpu",
+    "bench": "speed and memory: bench sampler|train|memory|gpu|play|serve",
     "idm": "train the inverse dynamics model that evaluate's action F1 uses",
     "table3": "the paper's table 3 pipeline: pre-train, fine-tune, evaluate, write the table",
     "convert": "convert a public checkpoint (MineWorld) into an mcar checkpoint",
@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = args[0], args[1:]
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
-    from mcar.hydra_app import plain_errors, readable_progress
+    from mcar.hydra_app import CONF_DIR, plain_errors, readable_progress, usage_exit
     from mcar.stopping import stop_signals_end
+
+    if any(a in ("-h", "--help") for a in rest) and (CONF_DIR / f"{name}.yaml").is_file():
+        usage_exit(name)  # the tool's keys from its conf file, before the tool (and torch) is imported
 
     # the tools that compose their config themselves get these here (hydra_tool's get them inside Hydra too)
     with readable_progress(), plain_errors(), stop_signals_end(name):

@@ -21,7 +21,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mcar.core.precision import trainer_precision
 from mcar.stopping import stop_signals_end
 
 CONFIG_PATH = "pkg://mcar.conf"
@@ -52,6 +51,13 @@ def relocated_asset(value):
         return value
 
 
+def trainer_precision(*args):
+    """conf's `${mcar_precision:}` (mcar.core.precision; torch imported on first use: `--help` needs no torch)."""
+    from mcar.core.precision import trainer_precision as precision
+
+    return precision(*args)
+
+
 def register_resolvers() -> None:
     """The `${mcar_...:}` resolvers of conf/: every entry point calls this before Hydra composes (idempotent)."""
     for name, fn in {"mcar_sum": lambda *xs: sum(int(x) for x in xs),
@@ -70,10 +76,69 @@ def to_dict(cfg: DictConfig | dict | None) -> dict:
     return dict(cfg)
 
 
+HELP_WORDS = ("-h", "--help")
+
+
 def usage_exit(config_name: str) -> None:
-    """`mcar <tool> --help` for the tools that compose their config themselves: where the keys are; exits 0."""
-    print(f"usage: mcar {config_name} key=value ... (the keys and their defaults: {CONF_DIR / config_name}.yaml)")
+    """`mcar <tool> --help`: the tool's keys with their comments (tool_help); exits 0."""
+    print(tool_help(config_name))
     raise SystemExit(0)
+
+
+def split_config_text(text: str) -> tuple[list[str], list[str]]:
+    """A conf file's lines -> (its `defaults:` entries, its own lines: keys with their comments, less the defaults
+    list and the `hydra:` block, which are Hydra's)."""
+    defaults, own, block = [], [], None
+    for line in text.splitlines():
+        top = line[:1] not in ("", " ", "#")
+        if top:
+            block = line.split(":", 1)[0]
+        if block == "defaults" and not top:
+            if line.strip().startswith("- "):
+                defaults.append(line.strip()[2:])
+            continue
+        if block not in ("defaults", "hydra"):
+            own.append(line)
+    while own and not own[-1].strip():
+        own.pop()
+    return defaults, own
+
+
+def tool_help(config_name: str) -> str:
+    """What `mcar <tool> --help` prints, read from the conf files as written (their comments explain each key), no
+    composition (it answers at once): the tool's own keys first, then the configs it builds on (their keys), then
+    its groups with their options. The composed config: `mcar <tool> --cfg job`."""
+    seen, sections, groups = set(), [], []
+
+    def read(name: str, heading: str) -> None:
+        path = CONF_DIR / f"{name}.yaml"
+        if name in seen or not path.is_file():
+            return
+        seen.add(name)
+        defaults, own = split_config_text(path.read_text())
+        if any(line.strip() for line in own):
+            sections.append(f"\n{heading} (conf/{name}.yaml):\n" + "\n".join("  " + line if line else ""
+                                                                           for line in own))
+        for entry in defaults:
+            choice, _, comment = entry.partition("#")
+            if ":" in choice and not choice.startswith(("override ", "_")):
+                group, option = (x.strip() for x in choice.split(":", 1))
+                groups.append((group.lstrip("/"), option, comment.strip()))
+            elif choice.strip() and not choice.strip().startswith("_"):
+                read(choice.strip(), f"keys from {choice.strip()}")
+
+    read(config_name, f"mcar {config_name}'s own keys")
+    lines = [f"usage: mcar {config_name} key=value ... group=option ...  (Hydra overrides)", *sections]
+    if groups:
+        lines += ["", "groups (group=option; a group's keys as group.key=value, its files in conf/<group>/):"]
+        for group, option, comment in dict.fromkeys(groups):
+            folder = CONF_DIR / group.split("@")[0]
+            options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+            said = f"  # {comment}" if comment else ""
+            lines.append(f"  {group}={option}  (options: {', '.join(options) or '-'}){said}")
+    lines += ["", f"the composed config, every value resolved: mcar {config_name} --cfg job   "
+                  f"(Hydra's own flags: --hydra-help)"]
+    return "\n".join(lines)
 
 
 def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
@@ -81,7 +146,7 @@ def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
     from hydra import compose, initialize_config_module
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in args):
+    if any(a in HELP_WORDS for a in args):
         usage_exit(config_name)
     register_resolvers()
     try:
@@ -160,12 +225,21 @@ CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-HJK]")  # tqdm's nested bars move th
 class LineProgress:
     """stdout / stderr going to a pipe or a file: each in-place redraw of a progress bar (a carriage return) becomes
     a line of its own and cursor moves are dropped, so `mcar generate ... > generate.log` reads top to bottom
-    instead of as one 30 kB line."""
+    instead of as one 30 kB line; a log line written while a bar's line is open (on this stream or a peer's: stdout
+    and stderr into one file) starts on a line of its own."""
 
-    def __init__(self, stream):
-        self._stream, self._line_start = stream, True
+    def __init__(self, stream, peers: list | None = None):
+        self._stream, self._line_start, self._bar_open = stream, True, False
+        self._peers = peers if peers is not None else []  # the streams sharing a terminal or a log file
+        self._peers.append(self)
 
     def write(self, text: str) -> int:
+        if text and not text.startswith(("\r", "\n")):  # a log line: a bar's open line (any stream's) ends first
+            for peer in self._peers:
+                if peer._bar_open:
+                    peer._stream.write("\n")
+                    peer._stream.flush()
+                    peer._line_start, peer._bar_open = True, False
         out = []
         for i, piece in enumerate(CURSOR_MOVES.sub("", text).split("\r")):
             if i and not self._line_start:
@@ -174,6 +248,7 @@ class LineProgress:
             if piece:
                 out.append(piece)
                 self._line_start = piece.endswith("\n")
+        self._bar_open = "\r" in text and not self._line_start
         self._stream.write("".join(out))
         return len(text)
 
@@ -188,9 +263,9 @@ def readable_progress():
     TQDM_MININTERVAL, unless set; the training bar redraws every log_every_n_steps)."""
     names = [n for n in ("stdout", "stderr") if not getattr(sys, n).isatty()
              and not isinstance(getattr(sys, n), LineProgress)]
-    saved = {n: getattr(sys, n) for n in names}
+    saved, peers = {n: getattr(sys, n) for n in names}, []
     for n in names:
-        setattr(sys, n, LineProgress(saved[n]))
+        setattr(sys, n, LineProgress(saved[n], peers))
     if names:
         os.environ.setdefault("TQDM_MININTERVAL", "5")
     try:
@@ -213,6 +288,8 @@ def hydra_tool(config_name: str, words=None):
         @functools.wraps(job)
         def main(argv: list[str] | None = None):
             args = sys.argv[1:] if argv is None else list(argv)
+            if any(a in HELP_WORDS for a in args):  # the conf files as written, in seconds (not Hydra's dump)
+                usage_exit(config_name)
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()

@@ -17,10 +17,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Stopped(BaseException):
-    """A stop signal arrived (a BaseException: no `except Exception` on the way swallows it)."""
+    """A stop signal arrived (a BaseException: no `except Exception` on the way swallows it). `kept`: what the job
+    that stopped says it leaves behind and how to go on (set on the way out by `on_stop_say`)."""
 
     def __init__(self, signum: int):
         self.signum = int(signum)
+        self.kept: str | None = None
         super().__init__(f"stopped by {signal.Signals(self.signum).name}")
 
     @property
@@ -58,14 +60,29 @@ def stopping_on_signals():
 
 
 @contextlib.contextmanager
+def on_stop_say(kept):
+    """Within: a stop's line says `kept` (a string, or a function called at the stop that returns one: what the job
+    leaves, e.g. its checkpoint and the command that resumes it). The innermost job's word wins."""
+    try:
+        yield
+    except Stopped as e:
+        if e.kept is None:
+            try:
+                e.kept = kept() if callable(kept) else str(kept)
+            except Exception as err:  # noqa: BLE001  the stop must not fail on its message
+                e.kept = f"finished work kept ({type(err).__name__} while naming it)"
+        raise
+
+
+@contextlib.contextmanager
 def stop_signals_end(tool: str):
-    """A tool's run: a stop signal raises Stopped inside, and out here becomes one line and the exit status."""
+    """A tool's run: a stop signal raises Stopped inside, and out here becomes one line (what the job said it
+    keeps, `on_stop_say`) and the exit status."""
     import sys
 
     try:
         with stopping_on_signals():
             yield
     except Stopped as e:
-        print(f"mcar {tool}: {e}: finished work kept (a training run resumes with ckpt_path=last)", file=sys.stderr,
-              flush=True)
+        print(f"mcar {tool}: {e}: {e.kept or 'finished work kept'}", file=sys.stderr, flush=True)
         raise SystemExit(e.exit_code) from None

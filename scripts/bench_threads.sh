@@ -8,9 +8,9 @@ S=checkpoints/shipped/crafter_tiles_diagd
 OUT=$(mktemp -d)
 label=${1:-here}
 for t in 1 2; do
-  play=$(mcar bench play ckpt=$S bench.play.steps=10 bench.repeats=2 'bench.play.ks=[2]' bench.threads=$t \
-         hydra.run.dir=$OUT/play 2>/dev/null \
-         | tail -1 | python -c "import sys, json; print(json.loads(sys.stdin.read())['steps']['ks']['2']['frames_per_s'])")
+  mcar bench play ckpt=$S bench.play.steps=10 bench.repeats=2 'bench.play.ks=[2]' bench.threads=$t \
+       bench.play.player_steps=0 bench.play.sessions=null hydra.run.dir=$OUT/play > /dev/null 2>&1
+  play=$(python -c "import json; print(json.load(open('$OUT/play/bench_play.json'))['steps']['ks']['2']['frames_per_s'])")
   gen=$(mcar generate ckpt=$S prompt=3 threads=$t hydra.run.dir=$OUT/gen 2>&1 | grep -o "passes, [0-9.]*s" | tail -1)
   mcar evaluate ckpt=$S logger=csv n_clips=8 videos=0 threads=$t hydra.run.dir=$OUT/eval > /dev/null 2>&1
   fps=$(python -c "import json; print(round(json.load(open('$OUT/eval/results.json'))['rows'][0]['fps'], 2))")

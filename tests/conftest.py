@@ -15,6 +15,14 @@ SMALL_DATA = ["data=synthetic", "data.h=3", "data.w=4", "data.n_a=2", "data.clip
               "data.codebook_size=32", "data.action_vocab_size=8", "data.train_clips=32", "data.val_clips=2"]
 
 
+def pytest_configure(config):
+    """Under xdist (CI's -n 2) a progress line every 10% of the tests: count, elapsed, time left."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from tests.progress_line import ProgressLine
+
+        config.pluginmanager.register(ProgressLine(config), "mcar-progress-line")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

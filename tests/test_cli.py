@@ -142,3 +142,30 @@ def test_runs_started_in_the_same_second_get_their_own_default_folders():
             if pattern and "${now:" in pattern:
                 fmt = re.search(r"\$\{now:([^}]*)\}", pattern).group(1)
                 assert a.strftime(fmt) != b.strftime(fmt), f"{path.name}: hydra.{kind}.dir={pattern}"
+
+
+def test_a_tools_help_is_its_conf_files_keys_with_their_comments_at_once():
+    """`mcar play --help`: play's own keys first (with the comments that explain them), then the sampling keys it
+    builds on, then its groups and their options; read from the files, before torch is imported."""
+    code = ("import sys\nfrom mcar import cli\ntry:\n    cli.main(['play', '--help'])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], env=script_env(), capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    out = p.stdout
+    assert out.rstrip().endswith("exit 0 False"), out + p.stderr
+    own, base, groups = (out.index(s) for s in ("mcar play's own keys (conf/play.yaml)", "keys from sampling",
+                                                "groups (group=option"))
+    assert own < base < groups
+    assert "prompt: 6  # the start frame(s)" in out[own:base] and "ckpt: null  # required" in out[base:groups]
+    assert "data=crafter  (options: " in out[groups:] and "adopted from it" in out[groups:]
+    assert "hydra:" not in out and "defaults:" not in out
+
+
+def test_a_hydra_tools_help_is_the_same_from_its_script(capsys):
+    from mcar.tools import finetune
+
+    with pytest.raises(SystemExit) as e:
+        finetune.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "mcar finetune's own keys (conf/finetune.yaml)" in out and "init_from: null  #" in out
+    assert "keys from train (conf/train.yaml)" in out and "model=tiny  (options: " in out

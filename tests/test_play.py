@@ -202,7 +202,7 @@ def test_bench_sessions_reports_each_games_and_all_games_frames_per_s(crafter_fi
     cfg = compose("bench", ["bench.mode=play", "data=crafter", f"ckpt={crafter_files}/tiny.ckpt",
                             f"prompt_image={crafter_files}/start.png",
                             "bench.play.steps=0", "bench.play.sessions=[2]", "bench.play.session_steps=1",
-                            "bench.repeats=1"])
+                            "bench.repeats=1", "bench.play.player_steps=0"])
     res = run_play(cfg)
     out = res["sessions"]
     assert list(out["sessions"]) == ["2"] and out["sessions"]["2"]["frames_per_s"] > 0 and "steps" not in res
@@ -281,7 +281,8 @@ def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
         assert row["frames_per_s"] == sorted(row["rounds"])[1]
     cfg = compose("bench", ["bench.mode=play", "data=crafter", f"ckpt={crafter_files}/tiny.ckpt",
                             f"prompt_image={crafter_files}/start.png",
-                            "bench.play.steps=1", "bench.repeats=1", "bench.play.ks=[3]"])
+                            "bench.play.steps=1", "bench.repeats=1", "bench.play.ks=[3]", "bench.play.player_steps=0",
+                            "bench.play.sessions=null"])
     written = run_play(cfg)
     assert list(written["steps"]["ks"]) == ["3"] and written["steps"]["ks"]["3"]["passes"] == (H - 1) * 3 + W
     assert written["temperature"] == 0.0 and written["context"] == 3  # the page's start temperature

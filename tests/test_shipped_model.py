@@ -268,3 +268,23 @@ def test_the_world_model_remembers_what_a_wait_hid(tmp_path):
     gain = [a - b for a, b in zip(rows["model context=6 teacher-forced"]["recall"]["per_start"],
                                   rows["model context=2 teacher-forced"]["recall"]["per_start"])]
     assert np.mean(gain) > 0.06 and min(gain) >= -0.25, np.round(gain, 3)
+
+
+@pytest.mark.skipif(not (WORLD / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
+def test_plays_default_start_shows_a_collision_and_a_moving_map():
+    """`mcar play` as it starts (its default prompt) on the play default: a start with landmarks, where the first
+    key shows what the model keeps: → runs into the water beside the player (the map stays), ← moves the map."""
+    from mcar.sampling.play import open_game
+
+    session = open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_all_world", "threads=1"]))
+    w = WORLD_VIEW[0]
+    start = session.history[-1, :WORLD_MAP_ROWS * w].clone()
+    assert len(set(start.tolist())) >= 6, "the start is a bare field: a move would show nothing but the facing"
+    changed = {}
+    for move in ("move_right", "move_left"):
+        session.reset()
+        session.step(move)
+        after = session.history[-1, :WORLD_MAP_ROWS * w]
+        changed[move] = int(off_player((after != start).reshape(WORLD_MAP_ROWS, w)).sum())
+    # the skeleton and its arrow move on their own (a tile or two); the map itself stays on the refused move
+    assert changed["move_right"] <= 2 and changed["move_left"] > 10, changed

@@ -93,9 +93,40 @@ def test_a_stop_signal_ends_the_run_within_seconds(tmp_path, phase):
     assert not list((tmp_path / "ckpt" / "stop").glob("*.tmp")), "a checkpoint write left its temp file"
     for ckpt in ckpts:  # whole, never half-written
         assert "state_dict" in torch.load(ckpt, map_location="cpu", weights_only=True)
-    if phase == "training steps":  # finished work resumes
+    if phase == "training steps":  # the stop's line names the checkpoint and the command; finished work resumes
+        assert f"kept {tmp_path / 'ckpt' / 'stop' / 'last.ckpt'}; resume with: mcar train" in out, out[-3000:]
+        assert "run_name=stop ckpt_path=last" in out, out[-3000:]
         again = [o for o in overrides if not o.startswith("trainer.max_steps")]
         resumed = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, *job_overrides(tmp_path, "again"),
                                   *again, "trainer.max_steps=6", "ckpt_path=last"], cwd=tmp_path,
                                  env=script_env(), capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def test_the_stop_line_says_what_the_job_keeps(tmp_path, capsys):
+    """A stop inside a job that says what it keeps (on_stop_say) prints that, the innermost job's word first; a
+    training run names its last checkpoint and the resume command (or that none is written yet)."""
+    from omegaconf import OmegaConf
+
+    from mcar.stopping import Stopped, on_stop_say, stop_signals_end
+    from mcar.train.jobs import stop_note
+
+    with pytest.raises(SystemExit) as e, stop_signals_end("train"), on_stop_say("outer"), on_stop_say(lambda: "inner"):
+        raise Stopped(signal.SIGINT)
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "mcar train: stopped by SIGINT: inner"
+    cfg = OmegaConf.create({"task": "finetune", "run_name": "ft-2", "checkpoint": {"every_n_steps": 5, "dir": None},
+                            "paths": {"checkpoint_root": str(tmp_path)}})
+    assert stop_note(cfg).startswith(f"no checkpoint yet in {tmp_path / 'ft-2'} (the first at step 5)")
+    (tmp_path / "ft-2").mkdir()
+    (tmp_path / "ft-2" / "last.ckpt").write_bytes(b"")
+    assert stop_note(cfg, "pre/last.ckpt") == (f"kept {tmp_path / 'ft-2' / 'last.ckpt'}; resume with: mcar finetune "
+                                               f"init_from=pre/last.ckpt run_name=ft-2 ckpt_path=last")
+
+
+def test_plays_stop_line_is_its_own():
+    from omegaconf import OmegaConf
+
+    from mcar.tools.play import stop_note
+
+    note = stop_note(OmegaConf.create({"host": "127.0.0.1"}))
+    assert "games are not saved" in note and "mcar play" in note and "ckpt_path" not in note

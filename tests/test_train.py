@@ -5,6 +5,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from hydra.errors import HydraException
@@ -73,7 +74,7 @@ def test_train_then_finetune_keeps_the_checkpoint_model(tmp_path):
     ckpt = tmp_path / "ckpt" / "train-tiny-synthetic-causal" / "last.ckpt"
     assert ckpt.is_file()
     # the checkpoint's own model config is kept (a model= that differs is refused: tests/test_ownership.py);
-    # init_from defaults to the newest last.ckpt
+    # init_from defaults to the most trained last.ckpt
     p = run_script("finetune.py", *SMALL_DATA, *job_overrides(tmp_path, "ft"), "logger=csv", "steps=3",
                    "trainer.val_check_interval=3", "log_every_n_steps=1")
     assert f"[mcar][INFO] - fine-tuning {ckpt} (model tiny)\n" in p.stderr + p.stdout
@@ -132,6 +133,15 @@ def test_finetune_with_the_diagd_mask_reports_causal_and_diagd_losses(tmp_path, 
     s_spa = (3 - 1) * 4 + 4
     assert [float(r["val_speed/diagd_passes"]) for r in val] == [(3 - 1 - 1) * s_spa + s_spa] * 2
     assert [float(r["val_speed/ntp_passes"]) for r in val] == [2 * 3 * 4] * 2
+    # the offline loss curves beside the videos hold what the CSV logger holds, and loss.png draws them
+    curves = list(csv.DictReader(open(tmp_path / "ft" / "dashboard" / "metrics.csv")))
+    train = {int(r["step"]): float(r["train/loss"]) for r in curves if r["train/loss"]}
+    assert train == pytest.approx(losses(tmp_path / "ft"), rel=1e-6) and len(train) >= 2
+    assert {int(r["step"]): float(r["val/loss"]) for r in curves if r["val/loss"]} == pytest.approx(
+        {int(r["step"]): float(r["val/loss"]) for r in val}, rel=1e-6)
+    from PIL import Image
+    chart = np.asarray(Image.open(tmp_path / "ft" / "dashboard" / "loss.png").convert("RGB"))
+    assert (chart == (31, 119, 180)).all(-1).sum() > 100 and (chart == (214, 39, 40)).all(-1).sum() > 10
     saved = torch.load(tmp_path / "ft" / "val_generations" / "step0000020.pt")
     assert sorted(saved["generated"]) == ["diagd k=4", "ntp"]
     gt = saved["ground_truth"]

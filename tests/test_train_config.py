@@ -196,23 +196,26 @@ def test_trainer_precision_follows_the_precision_policy(monkeypatch):
     assert compose("train", SMALL_DATA).trainer.precision == "bf16-mixed"
 
 
-def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float, stage: str = "train"):
-    """A <run>/last.ckpt holding only the hyperparameters finetune's default init_from reads, written at `when`."""
+def fake_pretrained(root, run: str, data: str, model: str, dim: int, when: float, stage: str = "train",
+                    step: int = 100):
+    """A <run>/last.ckpt holding only the hyperparameters and step finetune's default init_from reads, written at
+    `when`."""
     import os
 
     path = root / run / "last.ckpt"
     path.parent.mkdir(parents=True)
-    torch.save({"hyper_parameters": {"data": {"name": data}, "model_name": model, "stage": stage,
+    torch.save({"global_step": step, "hyper_parameters": {"data": {"name": data}, "model_name": model, "stage": stage,
                                      "arch": {"vocab_size": 40, "dim": dim, "n_layers": 4, "n_heads": 4,
                                               "n_kv_heads": None, "mlp_dim": 512}}}, path)
     os.utime(path, (when, when))
     return path
 
 
-def test_finetune_without_init_from_takes_the_newest_checkpoint_of_its_data_and_model(tmp_path):
+def test_finetune_without_init_from_takes_the_most_trained_checkpoint_of_its_data_and_model(tmp_path, caplog):
+    import logging
     import time
 
-    from mcar.train.finetune import newest_pretrained, pretrained_checkpoints
+    from mcar.train.finetune import pick_pretrained, pretrained_checkpoints
 
     root = tmp_path / "ckpt"
     cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}"])  # synthetic, tiny (dim 128)
@@ -229,17 +232,27 @@ def test_finetune_without_init_from_takes_the_newest_checkpoint_of_its_data_and_
     outside = fake_pretrained(tmp_path / "elsewhere", "run", "synthetic", "tiny", 128, 5000)
     (root / "linked").mkdir()
     (root / "linked" / "last.ckpt").symlink_to(outside)  # a link out of the checkpoint root is never followed
-    assert newest_pretrained(cfg) == newest
+    assert pick_pretrained(cfg) == newest
+    # a short sweep job written after the main run: the main run (more steps) is still the start, and the log
+    # names its step and the job passed over
+    fake_pretrained(root, "sweep-j0", "synthetic", "tiny", 128, 2500, step=50)
+    with caplog.at_level(logging.INFO, logger="mcar"):
+        assert pick_pretrained(cfg) == newest
+    said = caplog.text
+    assert f"init_from: {newest} (step 100), the most trained" in said
+    assert "passed over" in said and "sweep-j0/last.ckpt  step 50" in said and "old/last.ckpt  step 100" in said
     for run in ("mytune", "tomorrow", "broken", "linked"):
         assert any(c.path.parent.name == run and c.skip for c in pretrained_checkpoints(root)), run
     # the same second: ambiguous, refused with the candidates, one per line with data, model and time
     fake_pretrained(root, "twin", "synthetic", "tiny", 128, 2000)
-    with pytest.raises(ValueError, match="both the newest pre-trained checkpoint of data=synthetic model=tiny") as e:
-        newest_pretrained(cfg)
+    with pytest.raises(ValueError, match=r"both the most trained \(step 100\) and newest pre-trained checkpoint of "
+                                         r"data=synthetic model=tiny") as e:
+        pick_pretrained(cfg)
     lines = str(e.value).splitlines()[1:]
-    assert len(lines) == 11 and all(" data=" in line and " model=" in line for line in lines)
-    assert any("other-model/last.ckpt  data=synthetic model=small (dim 128, 4 layers)" in line for line in lines)
+    assert len(lines) == 12 and all(" data=" in line and " model=" in line for line in lines)
+    assert any("other-model/last.ckpt  step 100  data=synthetic model=small (dim 128, 4 layers)" in line
+               for line in lines)
     # none of this data and model: refused, listing what there is
     cfg = compose("finetune", [*SMALL_DATA, f"paths.checkpoint_root={root}", "model=small"])
     with pytest.raises(FileNotFoundError, match="no pre-trained checkpoint of data=synthetic model=small"):
-        newest_pretrained(cfg)
+        pick_pretrained(cfg)

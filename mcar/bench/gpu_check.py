@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mcar.bench.speed import peak_bandwidth, run_sampler, setup
 from mcar.core.devices import resolve_device, sync
 from mcar.core.flops import mfu, peak_flops, play_floor
+from mcar.core.latency import latency_summary
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
@@ -268,6 +269,7 @@ def play_check(cfg: DictConfig, more: bool = False) -> dict:
     sampler = build_sampler(to_dict(cfg.sampler) | {"context": context}, layout, context + 1, cb, to_dict(cfg.schedule))
     plan = sampler.rolling_schedule(device)
     peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
+    rate = OmegaConf.select(cfg, "bench.play.deadline_fps", default=None)
 
     def tick_times(s, n: int) -> torch.Tensor:
         prompt = torch.randint(0, cb, (n, plan.prompt_frames * layout.frame_len), device=device)
@@ -293,10 +295,12 @@ def play_check(cfg: DictConfig, more: bool = False) -> dict:
         floor = play_floor(model.cfg, layout, context, n, peak, sampler.config.k, sampler.config.d,
                            next(model.parameters()).element_size()) if peak else None
         fps = n / float(t.mean())
+        # a frame's action-to-frame time: in_flight ticks (docs/speed.md; the model's part: no VQ decode, no PNG)
+        latency = latency_summary([plan.in_flight * float(x) for x in t], rate, ndigits=6)
         rows[str(n)] = {"sessions": n, "ms_per_tick": round(1000 * float(t.mean()), 3),
                         "fps_per_session": round(1 / float(t.mean()), 3), "fps_total": round(fps, 3),
-                        "p50_ms": round(1000 * plan.in_flight * float(t.quantile(0.5)), 3),
-                        "p95_ms": round(1000 * plan.in_flight * float(t.quantile(0.95)), 3),
+                        **{f"p{q}_ms": round(1000 * latency[f"p{q}_s"], 3) for q in (50, 95, 99)},
+                        "deadline_attainment": latency.get("deadline_attainment"),
                         "floor_fps_total": round(floor["fps_total"], 3) if floor else None,
                         "of_floor": round(fps / floor["fps_total"], 3) if floor else None,
                         "kv_splits": sampler.kv_splits_for(n, model.cfg.n_kv_heads, device),

@@ -1,42 +1,96 @@
-"""Play's speed and steadiness without the page (`mcar bench play ckpt=...`): the steps of one game per k, many
-games stepping together, and rollouts of held-out clips scored against the real frames."""
+"""Play's speed and steadiness without the page (`mcar bench play ckpt=...`): what a player sees (cold start, the
+first action's frame, action-to-frame latency percentiles and deadline attainment: docs/speed.md), the steps of one
+game per k, many games stepping together, and rollouts of held-out clips scored against the real frames. Every
+frame timed here is what the page sends: sampled, decoded by the VQ and encoded as the page's PNG."""
 from __future__ import annotations
 
+import io
 import statistics
 import time
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, open_dict
 
 from mcar.core.agreement import frame_agreement, nothing_moves
+from mcar.core.latency import frames_per_second, latency_summary, seconds_since_process_start
 from mcar.sampling.held_out import held_out_data, pick_clips
 from mcar.sampling.play import PlaySession, open_game
 
 
-def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int) -> dict:
+def encode_png(frame: np.ndarray) -> bytes:
+    """The page's image encoding of a frame (gradio's Image with format="png" saves it with PIL as PNG)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="png")
+    return buffer.getvalue()
+
+
+def timed_step(session: PlaySession, action) -> float:
+    """One action to its frame as the page sends it (sampling, VQ decode, PNG encode) -> seconds."""
+    t0 = time.perf_counter()
+    frame, _ = session.step(action)
+    encode_png(frame)
+    return time.perf_counter() - t0
+
+
+def timed_tick(session: PlaySession, games: list[PlaySession], actions: list) -> list[float]:
+    """One tick of `games` stepping together, each frame then encoded in turn (one server) -> each game's seconds
+    from the tick's start to its encoded frame."""
+    t0 = time.perf_counter()
+    frames = session.server.step_together(list(zip(games, actions)))
+    out = []
+    for frame, _ in frames:
+        encode_png(frame)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def player_view(session: PlaySession, actions, steps: int, rate: float) -> dict:
+    """One player, as docs/speed.md defines it: `first_action_s`, a fresh game's first action to its frame
+    (nothing warmed: samplers built, compiled when sampler.compile=true); then, after the warm-up, `steps` actions
+    one after another -> their latency percentiles, deadline attainment at `rate` and frames/s."""
+    actions = list(actions) if session.actions else [[0] * session.layout.n_a]
+    game = session.fork()
+    first = timed_step(game, actions[0])
+    first_frame_at = time.perf_counter()
+    game.warm_up(actions[0])
+    latencies = [timed_step(game, actions[i % len(actions)]) for i in range(steps)]
+    session.server.leave(game)
+    return {"first_action_s": round(first, 4), "first_frame_at": first_frame_at, "k": session.k,
+            **latency_summary(latencies, rate),
+            "frames_per_s": round(frames_per_second(len(latencies), sum(latencies)), 2)}
+
+
+def bench_session(session: PlaySession, ks, actions, steps: int, repeats: int, rate: float | None = None) -> dict:
     """The page's speed without the page: for each k, `repeats` rounds of `steps` steps (the actions in turn), each
-    round from a reset after an untimed warm-up -> {"ks": {k: {"frames_per_s": median of the rounds' steps /
-    seconds, "rounds": [...], "passes": per frame}}, "context", "threads", "steps"}. Rounds replay the same frames."""
+    round from a reset after an untimed warm-up, each step timed to its encoded frame -> {"ks": {k: {"frames_per_s":
+    median of the rounds' steps / seconds, "rounds": [...], "passes": per frame, "latency": every step's
+    latency_summary (deadline at `rate`)}}, "context", "threads", "steps"}. Rounds replay the same frames."""
     _check(steps, repeats)
     actions = list(actions) if session.actions else [[0] * session.layout.n_a]  # no action names: local id 0
-    out = {}
+    out, start_k = {}, session.k
     for k in ks:
         session.set_k(k)
-        rounds = []
+        rounds, latencies = [], []
         for _ in range(repeats):
             session.warm_up(actions[0])  # untimed, ends with a reset
-            t0 = time.perf_counter()
-            for i in range(steps):
-                _, info = session.step(actions[i % len(actions)])
-            rounds.append(round(steps / (time.perf_counter() - t0), 2))
-        out[str(k)] = {"frames_per_s": statistics.median(rounds), "rounds": rounds, "passes": info["passes"]}
+            took = [timed_step(session, actions[i % len(actions)]) for i in range(steps)]
+            latencies += took
+            rounds.append(round(frames_per_second(steps, sum(took)), 2))
+        out[str(k)] = {"frames_per_s": statistics.median(rounds), "rounds": rounds,
+                       "passes": session.info["passes"], "latency": latency_summary(latencies, rate)}
+    session.set_k(start_k)  # what is measured next runs at the page's k again
     return {"ks": out, "context": session.context, "threads": torch.get_num_threads(), "steps": steps}
 
 
-def bench_sessions(session: PlaySession, counts, actions, steps: int, repeats: int) -> dict:
+def bench_sessions(session: PlaySession, counts, actions, steps: int, repeats: int, rate: float | None = None
+                   ) -> dict:
     """Many players: for each n of `counts`, n games (forks of `session`, seeds seed + i) step together `steps`
-    ticks, `repeats` rounds from a reset after one untimed tick -> {"sessions": {n: {"per_session_frames_per_s":
-    each game's frames/s (median round), "frames_per_s": all games' together, "rounds": [...]}}, "k", "context",
+    ticks, `repeats` rounds from a reset after one untimed tick, each frame timed to its PNG (timed_tick) ->
+    {"sessions": {n: {"per_session_frames_per_s": each game's frames/s (median round), "frames_per_s": all games'
+    together, "rounds": [...], "latency": every frame's latency_summary (deadline at `rate`)}}, "k", "context",
     "threads", "steps"}."""
     _check(steps, repeats)
     if not counts or any(int(n) < 1 for n in counts):
@@ -45,19 +99,20 @@ def bench_sessions(session: PlaySession, counts, actions, steps: int, repeats: i
     out = {}
     for n in counts:
         games = [session.fork(seed=session.seed + i) for i in range(int(n))]
-        rounds = []
+        rounds, latencies = [], []
         for _ in range(repeats):
             for g in games:
                 g.reset()
             session.server.step_together([(g, actions[0]) for g in games])  # untimed: builds the batch's rollout
             t0 = time.perf_counter()
             for i in range(steps):
-                session.server.step_together([(g, actions[(i + j) % len(actions)]) for j, g in enumerate(games)])
-            rounds.append(round(steps / (time.perf_counter() - t0), 3))
+                latencies += timed_tick(session, games, [actions[(i + j) % len(actions)] for j in range(len(games))])
+            rounds.append(round(frames_per_second(steps, time.perf_counter() - t0), 3))
         for g in games:
             session.server.leave(g)
         per = statistics.median(rounds)
-        out[str(n)] = {"per_session_frames_per_s": per, "frames_per_s": round(per * int(n), 2), "rounds": rounds}
+        out[str(n)] = {"per_session_frames_per_s": per, "frames_per_s": round(per * int(n), 2), "rounds": rounds,
+                       "latency": latency_summary(latencies, rate)}
     return {"sessions": out, "k": session.k, "context": session.context, "threads": torch.get_num_threads(),
             "steps": steps}
 
@@ -102,15 +157,27 @@ def run_play(cfg: DictConfig) -> dict:
         play_cfg.device, play_cfg.dtype = cfg.bench.device, cfg.bench.dtype
         play_cfg.threads = 1 if cfg.bench.threads is None else cfg.bench.threads  # play's own default (play.yaml)
         play_cfg.sampler.temperature = float(b.temperature)
+    t0 = time.perf_counter()
     session = open_game(play_cfg)
+    load = time.perf_counter() - t0
+    rate = float(b.deadline_fps) if b.get("deadline_fps") else None
     out = {"ckpt": str(cfg.ckpt), "sampler": cfg.sampler.name, "device": str(session.server.device),
-           "temperature": session.temperature, "context": session.context, "threads": torch.get_num_threads()}
+           "temperature": session.temperature, "context": session.context, "threads": torch.get_num_threads(),
+           "model_load_s": round(load, 3)}
     actions = list(b.actions)
+    if b.get("player_steps"):  # first: the cold start is this process's first frame
+        player = player_view(session, actions, int(b.player_steps), rate)
+        age = seconds_since_process_start()
+        first_at = player.pop("first_frame_at")
+        # process start to the first frame, less the model's load (compile included: nothing was warmed before)
+        cold = None if age is None else age - (time.perf_counter() - first_at) - load
+        out["player"] = {"cold_start_s": None if cold is None else round(cold, 3), **player}
     if b.steps:
-        out["steps"] = bench_session(session, list(b.ks), actions, int(b.steps), int(cfg.bench.repeats))
+        out["steps"] = bench_session(session, list(b.ks), actions, int(b.steps), int(cfg.bench.repeats), rate)
     if b.sessions:
         counts = [int(b.sessions)] if isinstance(b.sessions, int) else [int(n) for n in b.sessions]
-        out["sessions"] = bench_sessions(session, counts, actions, int(b.session_steps), int(cfg.bench.repeats))
+        out["sessions"] = bench_sessions(session, counts, actions, int(b.session_steps), int(cfg.bench.repeats),
+                                         rate)
     if b.soak_ticks:
         out["soak"] = soak_games(session, int(b.soak_ticks), int(b.soak_players), int(cfg.seed))
     if b.rollouts:
@@ -173,3 +240,54 @@ def soak_games(session: PlaySession, ticks: int, max_players: int, seed: int = 0
     return {"games": len(done), "frames": frames, "mismatched": mismatched, "ticks": ticks,
             "restarts": server.restarts - restarts, "splits": server.splits - splits,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _ms(summary: dict) -> list[str]:
+    return [f"{1000 * summary[f'p{q}_s']:.0f}" for q in (50, 95, 99)]
+
+
+def _within(summary: dict) -> str:
+    share = summary.get("deadline_attainment")
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
+def play_table(out: dict) -> str:
+    """`mcar bench play`'s result as a table for the terminal (the JSON holds the same and more)."""
+    rows = [f"mcar bench play {out['ckpt']}: {out['device']}, {out['threads']} thread(s), context {out['context']}, "
+            f"temperature {out['temperature']:g} (terms: docs/speed.md)"]
+    deadline = next((s["deadline_rate"] for s in _summaries(out) if "deadline_rate" in s), None)
+    within = f"<= {1000 / deadline:.0f} ms" if deadline else "deadline"
+    p = out.get("player")
+    if p:
+        cold = "-" if p["cold_start_s"] is None else f"{p['cold_start_s']:.2f} s"
+        rows += [f"model load {out['model_load_s']:.2f} s; cold start {cold} (process start to the first frame, "
+                 f"less the model load); first action to its frame {1000 * p['first_action_s']:.0f} ms"]
+    table = [["", "p50 ms", "p95 ms", "p99 ms", "frames/s", "all frames/s", within]]
+    if p:
+        table.append([f"one player, k={p['k']}", *_ms(p), f"{p['frames_per_s']:.1f}", "", _within(p)])
+    for k, row in out.get("steps", {}).get("ks", {}).items():
+        table.append([f"one player, k={k}", *_ms(row["latency"]), f"{row['frames_per_s']:.1f}", "",
+                      _within(row["latency"])])
+    sessions = out.get("sessions", {})
+    for n, row in sessions.get("sessions", {}).items():
+        table.append([f"{n} player(s) at once, k={sessions['k']}", *_ms(row["latency"]),
+                      f"{row['per_session_frames_per_s']:.1f}", f"{row['frames_per_s']:.1f}", _within(row["latency"])])
+    if len(table) > 1:
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        rows += ["", *("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                       .rstrip() for r in table)]
+    if "rollouts" in out:
+        r = out["rollouts"]
+        rows += ["", f"held-out rollouts ({r['clips']} clips, {r['steps']} steps, k={r['k']}): token agreement "
+                     f"{r['final']:.3f} at the last step (nothing moves: {r['copy_first'][-1]:.3f}), mean "
+                     f"{r['mean']:.3f}"]
+    if "soak" in out:
+        s = out["soak"]
+        rows += ["", f"soak: {s['games']} games, {s['frames']} frames replayed alone, {s['mismatched']} mismatched"]
+    return "\n".join(rows)
+
+
+def _summaries(out: dict) -> list[dict]:
+    found = [out["player"]] if "player" in out else []
+    found += [row["latency"] for row in out.get("steps", {}).get("ks", {}).values()]
+    return found + [row["latency"] for row in out.get("sessions", {}).get("sessions", {}).values()]

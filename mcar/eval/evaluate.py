@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 
 from mcar.checkpoint.load import resolve_ckpt
 from mcar.core.devices import set_threads
+from mcar.core.latency import frames_per_second
 from mcar.eval import networks as N
 from mcar.eval.idm import check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import (
@@ -93,8 +94,9 @@ def evaluate(cfg: DictConfig) -> list[dict]:
     gen, stats = wm.generate(gt, sampler, cfg.batch_size, cfg.warmup, progress=True)
     generated_frames = len(gt) * (frames - P)
     loss_tf = wm.teacher_forced_loss(gt, sampler, cfg.batch_size)
-    speed = {"fps": generated_frames / stats.seconds, "tp": stats.tokens / stats.seconds, "step": stats.passes,
-             "seconds": stats.seconds, "loss_tf": float(loss_tf.mean())}
+    # FPS: batch generation's frames/s, tokens only (docs/speed.md)
+    speed = {"fps": frames_per_second(generated_frames, stats.seconds), "tp": stats.tokens / stats.seconds,
+             "step": stats.passes, "seconds": stats.seconds, "loss_tf": float(loss_tf.mean())}
     outputs = {sampler.label: (gen, speed)}
     for kind in cfg.references:
         outputs[kind] = (reference_clips(kind, gt, layout, P, cb, cfg.seed), {})

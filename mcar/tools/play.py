@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
 from mcar.sampling.play import GamesFull, PlaySession, open_game
+from mcar.stopping import on_stop_say
 from mcar.tokenizer.pictures import data_action_space
 
 log = logging.getLogger("mcar.play")
@@ -246,6 +247,17 @@ def play(cfg: DictConfig, block: bool = True):
     return demo, session
 
 
+def stop_note(cfg: DictConfig) -> str:
+    """Play's stop line: the page is gone and games are not saved; the command that serves it again."""
+    import shlex
+
+    from mcar.hydra_app import command_line_overrides
+
+    again = shlex.join(["mcar", "play", *command_line_overrides()])
+    return f"the page on {cfg.host} is closed (games are not saved); serve it again with: {again}"
+
+
 @hydra_tool("play")
 def main(cfg: DictConfig) -> None:
-    play(cfg)
+    with on_stop_say(lambda: stop_note(cfg)):
+        play(cfg)

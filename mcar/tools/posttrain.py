@@ -2,7 +2,7 @@
 GRPO on the model's own rollouts from fresh simulator worlds (`posttrain.data`, Crafter's by default), rewarded
 against the simulator (mcar/train/posttrain.py).
 
-Starts from the weights of `init_from` (default: the newest pre-training run of this data and model), keeps its
+Starts from the weights of `init_from` (default: the most trained pre-training run of this data and model), keeps its
 model and data config, and trains `steps` steps into its own run dir; `ckpt_path=last` resumes.
 """
 import hydra

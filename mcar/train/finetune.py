@@ -26,17 +26,18 @@ class Pretrained:
     arch: dict
     mtime: float
     skip: str | None = None
+    step: int = 0  # its training steps (global_step)
 
     def line(self) -> str:
         dims = f"dim {self.arch.get('dim')}, {self.arch.get('n_layers')} layers" if self.arch else "no model config"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.mtime))
-        return f"  {self.path}  data={self.data} model={self.model} ({dims})  {when}" + \
+        return f"  {self.path}  step {self.step}  data={self.data} model={self.model} ({dims})  {when}" + \
             (f"  [skipped: {self.skip}]" if self.skip else "")
 
 
 def pretrained_checkpoints(checkpoint_root: str | Path) -> list[Pretrained]:
-    """Every <run>/last.ckpt under checkpoint_root, newest first, each read for its hyperparameters only (the
-    weights stay memory-mapped on disk); those that cannot start a fine-tuning carry why (`skip`)."""
+    """Every <run>/last.ckpt under checkpoint_root, newest first, each read for its hyperparameters and step only
+    (the weights stay memory-mapped on disk); those that cannot start a fine-tuning carry why (`skip`)."""
     root, found, now = Path(checkpoint_root).resolve(), [], time.time()
     for path in Path(checkpoint_root).glob("*/last.ckpt"):
         mtime, skip = path.lstat().st_mtime, None
@@ -44,10 +45,11 @@ def pretrained_checkpoints(checkpoint_root: str | Path) -> list[Pretrained]:
             found.append(Pretrained(path, None, None, {}, mtime, f"a link out of {checkpoint_root}"))
             continue
         try:
-            hp = load_checkpoint(path).get("hyper_parameters") or {}
+            ckpt = load_checkpoint(path)
         except Exception as e:  # noqa: BLE001  truncated, not a checkpoint, refused: named, never picked
             found.append(Pretrained(path, None, None, {}, mtime, f"unreadable ({str(e).splitlines()[0][:120]})"))
             continue
+        hp = ckpt.get("hyper_parameters") or {}
         hp = hp if isinstance(hp, dict) else {}
         data = hp.get("data") if isinstance(hp.get("data"), dict) else {}
         if hp.get("stage") != "train":
@@ -55,15 +57,18 @@ def pretrained_checkpoints(checkpoint_root: str | Path) -> list[Pretrained]:
         elif mtime > now + 60:
             skip = "dated in the future"
         arch = hp.get("arch") if isinstance(hp.get("arch"), dict) else {}
-        found.append(Pretrained(path, data.get("name"), hp.get("model_name"), dict(arch), mtime, skip))
+        step = ckpt.get("global_step", 0)
+        found.append(Pretrained(path, data.get("name"), hp.get("model_name"), dict(arch), mtime, skip,
+                                int(step) if isinstance(step, int) else 0))
     return sorted(found, key=lambda c: c.mtime, reverse=True)
 
 
-def newest_pretrained(cfg: DictConfig) -> Path:
-    """init_from's default: the newest pre-training checkpoint (stage=train) under paths.checkpoint_root whose
-    stored config has this run's data (data.name) and model (model.name and every model.arch dimension). Refused,
-    with the candidates one per line (and why any is skipped), when none matches or the two newest matches were
-    written in the same second."""
+def pick_pretrained(cfg: DictConfig) -> Path:
+    """init_from's default: of the pre-training checkpoints (stage=train) under paths.checkpoint_root whose stored
+    config has this run's data (data.name) and model (model.name and every model.arch dimension), the most trained
+    one (most steps: a short sweep job after the main run does not take its place); of equal steps the newest.
+    Said in the log with its step and the matches passed over; refused, with the candidates one per line (and why
+    any is skipped), when none matches or the two best have the same steps and were written in the same second."""
     root = cfg.paths.checkpoint_root
     found = pretrained_checkpoints(root)
     if not found:
@@ -72,24 +77,29 @@ def newest_pretrained(cfg: DictConfig) -> Path:
     arch = to_dict(cfg.model.arch)
     match = [c for c in found if c.skip is None and c.data == cfg.data.name and c.model == cfg.model.name
              and all(c.arch.get(k) == v for k, v in arch.items())]
+    match.sort(key=lambda c: (c.step, c.mtime), reverse=True)  # most steps, then newest
     listed = "\n".join(c.line() for c in found)
     wanted = f"data={cfg.data.name} model={cfg.model.name} (dim {arch.get('dim')}, {arch.get('n_layers')} layers)"
     if not match:
         raise FileNotFoundError(f"init_from: no pre-trained checkpoint of {wanted} under {root}; pass "
                                 f"init_from=<one of these>, or the data= and model= it was trained with:\n{listed}")
-    if len(match) > 1 and int(match[0].mtime) == int(match[1].mtime):
-        raise ValueError(f"init_from: {match[0].path} and {match[1].path} are both the newest pre-trained "
-                         f"checkpoint of {wanted}; pass init_from=<one of these>:\n{listed}")
-    skipped = [c for c in found if c.skip]
-    if skipped:
-        log.info("init_from: skipped %d checkpoint(s) under %s:\n%s", len(skipped), root,
-                 "\n".join(c.line() for c in skipped))
+    if len(match) > 1 and match[0].step == match[1].step and int(match[0].mtime) == int(match[1].mtime):
+        raise ValueError(f"init_from: {match[0].path} and {match[1].path} are both the most trained (step "
+                         f"{match[0].step}) and newest pre-trained checkpoint of {wanted}; pass init_from=<one of "
+                         f"these>:\n{listed}")
+    log.info("init_from: %s (step %d), the most trained pre-training checkpoint of %s under %s%s", match[0].path,
+             match[0].step, wanted, root, "; passed over:\n" + "\n".join(c.line() for c in match[1:])
+             if len(match) > 1 else "")
+    others = [c for c in found if c not in match]
+    if others:
+        log.info("init_from: not of this data and model, or skipped: %d checkpoint(s):\n%s", len(others),
+                 "\n".join(c.line() for c in others))
     return match[0].path
 
 
 def prepare_finetune(cfg: DictConfig) -> str:
     """Resolve cfg.init_from and copy the checkpoint's model config and layout checks into cfg."""
-    path = Path(cfg.init_from) if cfg.get("init_from") else newest_pretrained(cfg)
+    path = Path(cfg.init_from) if cfg.get("init_from") else pick_pretrained(cfg)
     hp = load_checkpoint(path).get("hyper_parameters", {})
     if "arch" not in hp:
         raise ValueError(f"init_from: {path} is not an mcar training checkpoint (no model config inside)")

@@ -100,3 +100,30 @@ def write_hydra_record(cfg: DictConfig, output_dir: str | Path) -> None:
     OmegaConf.save(cfg, record / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": hc}), record / "hydra.yaml")
     OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), record / "overrides.yaml")
+
+
+def resume_command(cfg: DictConfig, init_from: str | None = None) -> str:
+    """The command line that resumes this run from its checkpoints: the tool, this job's overrides, its final
+    run_name (a multirun job's -j<N>, a taken name's -2) and ckpt_path=last (a fine-tuning run keeps its init_from)."""
+    import shlex
+
+    from mcar.hydra_app import command_line_overrides
+
+    keep = [o for o in command_line_overrides()
+            if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_name", "init_from")]
+    extra = [f"init_from={init_from}"] if init_from else []
+    return shlex.join(["mcar", str(cfg.task), *keep, *extra, f"run_name={cfg.run_name}", "ckpt_path=last"])
+
+
+def stop_note(cfg: DictConfig, init_from: str | None = None) -> str:
+    """What a stopped training run leaves and how to go on: its last checkpoint and the resume command, or (no
+    checkpoint written yet) that it starts again from scratch."""
+    if cfg.checkpoint.every_n_steps is None:
+        return "no checkpoints in this run (checkpoint.every_n_steps=null): nothing to resume"
+    folder = checkpoint_dir(cfg)
+    last = folder / "last.ckpt"
+    kept = last if last.exists() else newest_step_checkpoint(folder) if folder.is_dir() else None
+    if kept is None:
+        return (f"no checkpoint yet in {folder} (the first at step {cfg.checkpoint.every_n_steps}); the same "
+                f"command starts it again")
+    return f"kept {kept}; resume with: {resume_command(cfg, init_from)}"

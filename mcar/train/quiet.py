@@ -38,8 +38,11 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 
-def wandb_logger(**kwargs) -> WandbLogger:
-    """Lightning's WandbLogger without the `anonymous` key it always passes to wandb.init (conf/logger/wandb.yaml)."""
+def wandb_logger(quiet: bool = True, **kwargs) -> WandbLogger:
+    """Lightning's WandbLogger without the `anonymous` key it always passes to wandb.init (conf/logger/wandb.yaml);
+    quiet: W&B's own banners and closing history/summary panel left out (the run's summary names the W&B run)."""
     logger = WandbLogger(**kwargs)
     logger._wandb_init.pop("anonymous", None)
+    if quiet:
+        logger._wandb_init["settings"] = {**dict(logger._wandb_init.get("settings") or {}), "quiet": True}
     return logger

@@ -109,6 +109,18 @@ def shown(path) -> str:
         return str(path)
 
 
+def last_losses(metrics_csv: Path) -> str:
+    """' (train/loss 1.234, val/loss 1.456 at the end)' from a run's dashboard/metrics.csv, '' when it has none."""
+    import csv
+
+    last: dict[str, str] = {}
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            last.update({k: v for k, v in row.items() if v and "loss" in k})
+    said = ", ".join(f"{k} {float(v):.3f}" for k, v in sorted(last.items(), key=lambda kv: kv[0] != "train/loss"))
+    return f" ({said} at the end)" if said else ""
+
+
 def summary_lines(agreement: Agreement | None, steps: int, minutes: float, checkpoint: Path | None,
                   output_dir: Path, wandb_dir: Path | None, task: str, skipped: str | None = None) -> list[str]:
     lines = [f"== {task} done: {steps} steps in {minutes:.1f} min (data build included)"]
@@ -129,6 +141,9 @@ def summary_lines(agreement: Agreement | None, steps: int, minutes: float, check
                          f"train longer (trainer.max_steps) or on more data (data.episodes)")
     if any((output_dir / "dashboard").glob("val_step*")):  # videos were made (not before val_dashboard.min_steps)
         lines.append(f"videos (real | NTP | DiagD at each validation): {shown(output_dir / 'dashboard')}/")
+    if (output_dir / "dashboard" / "metrics.csv").is_file():
+        lines.append(f"loss curves{last_losses(output_dir / 'dashboard' / 'metrics.csv')}: "
+                     f"{shown(output_dir / 'dashboard')}/loss.png, metrics.csv")
     if wandb_dir is not None:
         lines.append(f"W&B run: {shown(wandb_dir)}  (an offline run uploads with: wandb sync {shown(wandb_dir)})")
     if checkpoint is None:

@@ -27,6 +27,7 @@ from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule, complete_data_config
 from mcar.hydra_app import to_dict
+from mcar.stopping import on_stop_say
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
 from mcar.train.jobs import (
@@ -34,6 +35,7 @@ from mcar.train.jobs import (
     checkpoint_dir,
     finalize_run_name,
     resolve_ckpt_path,
+    stop_note,
     take_free_run_name,
     write_hydra_record,
 )
@@ -85,7 +87,8 @@ def run(cfg: DictConfig, init_from: str | None = None, callbacks: list[Callback]
     post-training passes its simulator starts)."""
     check_run_name(cfg.run_name)
     finalize_run_name(cfg)
-    return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks, datamodule)
+    with on_stop_say(lambda: stop_note(cfg, init_from)):  # the stop's line names the checkpoint and the resume
+        return _fit(cfg, cfg.paths.output_dir, resolve_ckpt_path(cfg), init_from, callbacks, datamodule)
 
 
 def _fit(cfg: DictConfig, output_dir: str, ckpt_path: str | None, init_from: str | None, callbacks,
@@ -175,8 +178,7 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
         OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    log.info("done: %s; checkpoints in %s", metrics, checkpoint_dir(cfg))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # the summary's loss line says them
     checkpoint = checkpoint_dir(cfg) / "last.ckpt" if cfg.checkpoint.every_n_steps is not None else None
     print_summary(trainer, cfg, output_dir, checkpoint, time.perf_counter() - start)
     return metrics
