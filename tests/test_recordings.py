@@ -203,3 +203,24 @@ def test_gymnasium_spaces_become_schemas_whose_records_encode():
         assert not encoded.clamped and len(encoded.ids) == schema.n_a == 1 + 2 + 2 + 2
     with pytest.raises(ValueError, match="unbounded Box"):
         space_parts(gym.spaces.Box(-np.inf, np.inf, (1,)), "")
+
+
+def test_gym_starts_give_a_games_true_clips_for_post_training(tmp_path):
+    """Post-training's source for a Gymnasium game: the same seed gives the same clips, each in the data layout
+    with the frame's real tokens and the action ids taken; zero positions."""
+    pytest.importorskip("ale_py", reason="pip install gymnasium ale-py")
+    from mcar.core.layout import Layout
+    from mcar.data.gym_env import GymStarts
+    from mcar.tokenizer.patch_vq import fit_patch_vq
+
+    vq, _ = fit_patch_vq(torch.randint(0, 255, (2, 208, 160, 3), dtype=torch.uint8), 16, 8, 2)
+    vq.save_pretrained(tmp_path / "vq")
+    layout = Layout(13, 10, 1)
+    starts = GymStarts("ALE/Pong-v5", layout, 8, frames=3, vq_path=str(tmp_path / "vq"), warmup=4,
+                       clips_per_world=2)
+    clips = starts(7)
+    assert len(clips) == 2 and all(c.shape == (layout.n_slots(3),) and p.shape == (3, 2) for c, p in clips)
+    again = starts(7)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(clips, again))
+    actions = clips[0][0].view(3, layout.frame_len)[:, -1] - 8  # the action slot after the image codes
+    assert ((actions >= 0) & (actions < 6)).all() and (clips[0][0].view(3, -1)[:, :-1] < 8).all()

@@ -115,6 +115,10 @@ class GymGame:
             schema["fps"] = float(fps) / skip if isinstance(skip, int) and skip > 0 else float(fps)
         return schema
 
+    def data_id(self, action) -> int:
+        """A Discrete game's own action -> its data action id (the choice's index), what `step` takes."""
+        return int(action) - int(self.space.start)
+
     def record(self, action) -> dict:
         return action_record(self.space, action, "", self.names)
 
@@ -125,7 +129,7 @@ class GymGame:
 
     def step(self, action) -> tuple[np.ndarray, dict]:
         """A Discrete game takes its data action id (the choice's index) as its own action."""
-        if hasattr(self.space, "n") and isinstance(action, (int, np.integer)):
+        if hasattr(self.space, "n"):
             action = int(action) + int(self.space.start)
         _, reward, terminated, truncated, info = self.env.step(action)
         return self.frame(), {**info, "reward": float(reward), "done": bool(terminated or truncated)}
@@ -208,7 +212,7 @@ def play_episode(game: GymGame, policy, seed: int, frames: int) -> tuple[list[np
         action = policy(frame)
         shown.append(frame)
         records.append(game.record(action))
-        frame, info = game.step(action)
+        frame, info = game.step(game.data_id(action) if hasattr(game.space, "n") else action)
         if info["done"]:
             break
     return shown, records
@@ -245,3 +249,49 @@ def record_folder(env: str, out, episodes: int, frames: int, policy: str = "stic
     print(f"{env}: {episodes - kept} episodes ({written} frames) in {seconds:.1f} s -> {out}"
           f"{f' ({kept} kept from before)' if kept else ''}; train: python train.py data=recordings data.root={out}")
     return summary
+
+
+# ------------------------------------------------------------------------------------------------ post-training
+class GymStarts:
+    """Post-training's source (mcar.data.starts.StartsDataModule) for a Gymnasium game: game seed -> its true clips
+    under a policy (the simulator's real next frames from the same state, which rollouts are scored against),
+    tokenised by the data's VQ, each with (frames, 2) zero positions (a game tells no player position). A random
+    warm-up of up to `warmup` steps, then `clips_per_world` x `frames` frames; a game that ends first is skipped and
+    counted (`dead`)."""
+
+    def __init__(self, env: str, layout, codebook_size: int, frames: int, vq_path: str | None,
+                 policy: str = "sticky", hold: float = 6.0, warmup: int = 16, clips_per_world: int = 1,
+                 make: dict | None = None):
+        from mcar.tokenizer.vq_model import frame_size, load_vq
+
+        if clips_per_world < 1 or warmup < 0:
+            raise ValueError(f"clips_per_world={clips_per_world}, warmup={warmup}: at least 1 clip, warm-up >= 0")
+        self.layout, self.codebook_size, self.frames, self.warmup = layout, codebook_size, frames, warmup
+        self.clips_per_world, self.policy, self.hold = clips_per_world, policy, hold
+        self.vq = load_vq(vq_path)
+        self.game = GymGame(env, size=frame_size(self.vq, layout.h, layout.w), **(make or {}))
+        self.dead = 0
+
+    def __call__(self, seed: int) -> list:
+        import torch
+
+        from mcar.tokenizer.clips import join_clip
+        from mcar.tokenizer.vq_model import encode_tokens
+
+        rng = np.random.default_rng(seed)
+        policy = make_policy(self.policy, self.game.space, rng, self.hold)
+        n = self.frames * self.clips_per_world
+        frame, shown, actions = self.game.reset(seed), [], []
+        for _ in range(int(rng.integers(0, self.warmup + 1)) + n):
+            action = policy(frame)
+            shown.append(frame)
+            actions.append(self.game.data_id(action))
+            frame, info = self.game.step(actions[-1])
+            if info["done"]:
+                self.dead += 1
+                return []
+        with torch.no_grad():
+            images = encode_tokens(self.vq, torch.from_numpy(np.stack(shown[-n:])))
+        clip = join_clip(images, torch.tensor(actions[-n:])[:, None], self.codebook_size)
+        zeros = torch.zeros(self.clips_per_world, self.frames, 2, dtype=torch.long)
+        return list(zip(clip.view(self.clips_per_world, -1), zeros))

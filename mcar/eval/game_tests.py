@@ -82,12 +82,16 @@ def game_tests(cfg: DictConfig) -> dict:
     wm = WorldModel.from_config(cfg)
     size = frame_size(wm.vq, wm.layout.h, wm.layout.w)
     game = GymGame(str(cfg.env), size=size, **dict(cfg.get("make") or {}))
+    if not hasattr(game.space, "n"):
+        raise ValueError(f"env={cfg.env}: gametest plays games of one Discrete action (its action space is "
+                         f"{type(game.space).__name__})")
     check_same_actions(game, wm, str(cfg.env))
     rows, tokens = ModelRows(wm, cfg.get("windows")), Tokens(wm.vq, wm.layout, wm.codebook_size)
     out = Path(cfg.paths.output_dir)
     reports, curves = [], {}
     for name in cfg.policies:
-        policy = make_policy(str(name), game.space, np.random.default_rng(int(cfg.seed)), float(cfg.hold))
+        chosen = make_policy(str(name), game.space, np.random.default_rng(int(cfg.seed)), float(cfg.hold))
+        policy = lambda frame, chosen=chosen: game.data_id(chosen(frame))  # the protocol takes data action ids
         scores, per_step = rollout_test(rows, tokens, game, policy, int(cfg.starts), int(cfg.rollout_frames),
                                         int(cfg.seed_base), int(cfg.seed))
         reports.append(policy_report(str(name), scores, int(cfg.seed)))
