@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from mcar.core.devices import set_threads
 from mcar.core.lr_schedule import warmup_cosine
-from mcar.data.common import build_datamodule
+from mcar.data.common import build_datamodule, complete_data_config
 from mcar.data.files import write_json
 from mcar.idm.model import InverseDynamics, random_codebook, save_idm, tokens_name, vq_codebook
 from mcar.idm.scores import action_names, action_scores, data_moves, source_pairs
@@ -89,6 +89,7 @@ def train_idm(cfg: DictConfig) -> dict:
         cfg.data.clip_frames = 2
         if "clip_stride" in cfg.data:
             cfg.data.clip_stride = 1
+    complete_data_config(cfg)  # data=recordings: its grid and actions, read from its folder
     dm = build_datamodule(cfg.data)
     dm.prepare_data()
     dm.setup("fit")
