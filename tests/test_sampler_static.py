@@ -1,6 +1,7 @@
 """The static (GPU) sampler path: bucketed shapes that fit the work, the eager path's tokens for the same seed,
 and compile=auto. Tiny random float32 models on CPU; the compiled path is traced with a counting backend, and once
 (slow) really compiled by inductor on CPU."""
+import functools
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ import mcar.core.compiling as compiling
 import mcar.core.keyed_rng as keyed_rng
 import mcar.core.sampler as sampler_mod
 from mcar.checkpoint.config import packaged_group_config
-from mcar.core.buckets import pass_widths
+from mcar.core.buckets import no_lone_ones, pass_widths
 from mcar.core.keyed_rng import keyed_exponential
 from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
@@ -73,8 +74,9 @@ def test_bucketed_shapes_fit_the_paper_geometry():
         for b in st.buckets:
             assert b.mask.shape[-1] - b.mask.shape[-2] <= N  # a prefix view of the cache, never the scratch slot
     ntp = expect["ntp"][0].static_plan(expect["ntp"][0].schedule(), "cpu")
-    assert sorted({b.src.shape[1] for b in ntp.buckets}) == [1, 12]  # token passes run 1 row, not 12
-    assert ntp.rows_per_pass == pytest.approx(ntp.real_rows)
+    # token passes run 2 rows, not 12: 1 padded, as a size 1 would be a compiled graph of its own (no_lone_ones)
+    assert sorted({b.src.shape[1] for b in ntp.buckets}) == [2, 12]
+    assert ntp.rows_per_pass == pytest.approx(ntp.real_rows + 1, abs=0.01)
     diag = expect["diagd k=2"][0].static_plan(expect["diagd k=2"][0].schedule(), "cpu")
     assert diag.rows_per_pass < 9 < 13  # 7.2 real rows a pass, padded to 13 before
 
@@ -84,6 +86,7 @@ def test_pass_widths_pad_the_fewest_rows():
     assert pass_widths([1, 2, 3, 4], 1) == [4]
     assert pass_widths([1] * 30 + [2] * 60 + [12] * 89 + [13] * 30, 3) == [2, 12, 13]
     assert pass_widths([5, 5], 3) == [5]
+    assert no_lone_ones([1, 12]) == [2, 12] and no_lone_ones([1, 1]) == [1, 1]  # all 1: nothing to specialise away
 
 
 def test_keyed_draws_are_a_fair_sample():
@@ -141,8 +144,9 @@ def test_generate_reuses_a_fitting_cache(model):
 
 def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     """The compiled path (here dynamo with a counting backend, no inductor) gives the eager tokens without graph
-    breaks, compiles a few times per sampler for all its buckets (not once per bucket), and samplers of other
-    rules in one process do not share dynamo's limit of 8 recompiles (fullgraph: hitting it raises)."""
+    breaks, compiles once per sampler for all its buckets (split-KV on or off: one trace, no guard failing from one
+    bucket to the next), and samplers of other rules in one process do not share dynamo's limit of 8 recompiles
+    (fullgraph: hitting it raises)."""
     from torch._dynamo.testing import CompileCounter
 
     assert compiling.COMPILE_OPTIONS == dict(mode="reduce-overhead", dynamic=True)
@@ -153,14 +157,14 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
     layout = Layout(3, 4, 2)
     clip = clip_for(layout)
     runs = [(ScheduleSampler, dict(k=2, d=3, top_k=8, top_p=0.9), clip), (ScheduleSampler.ntp, {}, clip),
-            (ScheduleSampler, dict(k=1, temperature=0), clip[:1])]
+            (ScheduleSampler, dict(k=1, temperature=0, kv_splits=3), clip[:1])]
     for cls, kw, c in runs:
         before = counter.frame_count
         compiled = cls(layout, T, seed=2, compile=True, **kw)
         tokens = compiled.generate(model, c)[0]
         assert torch.equal(tokens, cls(layout, T, seed=2, **kw).generate(model, c)[0])
         assert len(compiled.static_plan(compiled.schedule(), "cpu").buckets) >= 6
-        assert counter.frame_count - before <= 4
+        assert counter.frame_count - before == 1, (kw, counter.frame_count - before)
         step = compiled._compiled[sampler_mod._sample_pass]
 
         def no_floats(*args, step=step):  # a Python float would become a CPU graph input: CUDA graphs off
@@ -172,6 +176,29 @@ def test_compiled_step_traces_whole_and_a_few_times(model, monkeypatch):
         compiled._compiled[sampler_mod._sample_pass] = no_floats
         assert torch.equal(compiled.generate(model, c, setup_cache=False)[0], tokens)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["ntp", "diagd"])
+def test_one_compiled_graph_serves_every_pass_of_a_rollout(model, monkeypatch, name):
+    """A rollout over several advances with split-KV on (play's one-player path), NTP and DiagD: the compiled step
+    is one dynamo graph (fullgraph: a graph break raises), no guard failing from one pass to the next, with the eager
+    tokens. Split-KV's slices are a whole multiple of 16 key columns (the remainder of a width was guarded: a
+    recompile when the next pass's differed, and its cache offset read under trace broke the graph); a dimension 1
+    in one bucket and larger in another is padded to 2 (dynamo specialises a size 1: NTP's 1-row passes were a graph
+    of their own); sizes equal by chance at the first trace get symbols of their own (`one_trace_per_step`)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    monkeypatch.setattr(compiling, "CPU_COMPILE_OPTIONS", dict(backend=counter, fullgraph=True, dynamic=True))
+    layout, frames = Layout(3, 4, 2), 6
+    clip = clip_for(layout, frames, batch=1)
+    make = ScheduleSampler.ntp if name == "ntp" else functools.partial(ScheduleSampler, k=2)
+    kw = dict(seed=2, kv_splits=3, context=3)  # a ring of 3 frames: 4 steady advances
+    tokens = make(layout, frames, 1, compile=True, **kw).generate(model, clip)[0]
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert torch.equal(tokens, make(layout, frames, 1, **kw).generate(model, clip)[0])
 
 
 def test_compiled_step_reads_every_input_at_a_fixed_address(model, monkeypatch):

@@ -58,6 +58,13 @@ def pass_widths(rows: list[int], most: int) -> list[int]:
     return widths[::-1]
 
 
+def no_lone_ones(sizes: list[int]) -> list[int]:
+    """Sizes of one dimension across the buckets, 1 raised to 2 where another bucket's is larger: compiled with
+    dynamic shapes, a size 1 is specialised (a graph of its own), so a step whose first pass had 1 row or output
+    would compile again at the first larger one. Padding is free here (a padded row or output is masked)."""
+    return sizes if max(sizes, default=1) == 1 else [max(x, 2) for x in sizes]
+
+
 @dataclass
 class Bucket:
     """Passes padded to one shape: P passes, W input rows, O sampled outputs, a cache prefix of n slots."""
@@ -127,16 +134,16 @@ def bucket_plans(plans: list[PassPlan], n_slots: int, widths: int, vis_step: int
     columns masked) so that its mask rows, n + W, are a whole number of `align` columns, as far as the cache
     reaches (N + 1 slots): `BIAS_ALIGN` for a bias the CUDA kernel reads without padding it."""
     N = n_slots
-    allowed = pass_widths([len(p.src) for p in plans], widths)
+    allowed = no_lone_ones(pass_widths([len(p.src) for p in plans], widths))
     groups: dict[tuple[int, int], list[int]] = {}
     for s, p in enumerate(plans):
         width = next(w for w in allowed if w >= len(p.src))
         groups.setdefault((width, -(-p.n_vis // vis_step)), []).append(s)
+    outs = no_lone_ones([max(max(plans[s].n_out for s in members), 1) for members in groups.values()])
     where = [None] * len(plans)
     buckets = []
-    for (W, _), members in groups.items():
+    for ((W, _), members), O in zip(groups.items(), outs):
         n = min(-(-(max(plans[s].n_vis for s in members) + W) // align) * align - W, N + 1)
-        O = max(max(plans[s].n_out for s in members), 1)
         P = len(members)
         b = Bucket(
             src=torch.zeros(P, W, dtype=torch.long, device=dev),

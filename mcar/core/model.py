@@ -104,19 +104,29 @@ def _flex(q, k, v, block_mask):
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
 
 
+# Split-KV's slices are all one width, the pass's width over their number rounded up to a multiple of this many key
+# columns (they end past the pass's keys, masked, rather than the last one narrower): each slice's bias rows are then
+# aligned for the CUDA memory-efficient kernel (it pads, i.e. copies, a bias whose rows are not), and nothing depends
+# on a width's remainder, so a compiled step traced once holds for every width (no guard failing from pass to pass).
+SPLIT_ALIGN = 16
+MAX_KV_SPLITS = 8  # what ScheduleSampler.kv_splits_for picks at most; more still works, copying the keys per layer
+SPLIT_TAIL = SPLIT_ALIGN * MAX_KV_SPLITS  # KVCache rows after the slots: room for the slices' rounded-up ends
+
+
 class KVCache(nn.Module):
     """Static per-layer cache, written by slot index: `k`, `v` (B, n_kv_heads, n_slots, head_dim).
 
     Both are views into one buffer whose first `staging` rows take each pass's own keys/values, right before
     slot 0: [this pass's inputs | cache prefix] is then one contiguous view, so attention reads the visible
-    cache in place (no per-pass concatenation, which would copy the whole visible cache in every layer).
+    cache in place (no per-pass concatenation, which would copy the whole visible cache in every layer). After
+    the slots, `SPLIT_TAIL` rows never written (zeros): split-KV reads its slices' rounded-up ends there.
     """
 
     def __init__(self, batch: int, n_kv_heads: int, n_slots: int, head_dim: int, dtype, device,
                  staging: int = 128):
         super().__init__()
-        self.staging = staging
-        shape = (batch, n_kv_heads, staging + n_slots, head_dim)
+        self.staging, self.n_slots = staging, n_slots
+        shape = (batch, n_kv_heads, staging + n_slots + SPLIT_TAIL, head_dim)
         self.register_buffer("k_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_buf", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -129,22 +139,25 @@ class KVCache(nn.Module):
             return into
         out = KVCache.__new__(KVCache)
         nn.Module.__init__(out)
-        out.staging = self.staging
+        out.staging, out.n_slots = self.staging, self.n_slots
         out.register_buffer("k_buf", self.k_buf[rows].clone(), persistent=False)
         out.register_buffer("v_buf", self.v_buf[rows].clone(), persistent=False)
         return out
 
     @property
     def k(self) -> torch.Tensor:
-        return self.k_buf[:, :, self.staging:]
+        return self.k_buf[:, :, self.staging:self.staging + self.n_slots]
 
     @property
     def v(self) -> torch.Tensor:
-        return self.v_buf[:, :, self.staging:]
+        return self.v_buf[:, :, self.staging:self.staging + self.n_slots]
 
-    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int,
+              span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a pass's keys/values k, v (B, n_kv, S, D) at their slots `pos` (S,) and return what its queries
-        attend to: [k | slots 0..n-1] and [v | slots 0..n-1], (B, n_kv, S + n, D).
+        attend to: [k | slots 0..n-1] and [v | slots 0..n-1], (B, n_kv, S + n, D); `span` (>= S + n, split-KV's)
+        columns instead: what follows slot n-1 (later slots, the tail; zeros past the slots where copied), which
+        the caller masks.
 
         Every write comes before any read, and each lands in the buffer itself (the staging rows right before
         slot 0, then the slots): compiled, inductor then writes the buffer in place. A write through a second
@@ -152,13 +165,15 @@ class KVCache(nn.Module):
         as long as no slot the queries see among 0..n-1 is one this pass writes (slots are written once; the
         scratch slot is never seen)."""
         S, st = k.shape[2], self.staging
+        span = S + n if span is None else span
         k, v = k.to(self.k_buf.dtype), v.to(self.v_buf.dtype)
-        if n == 0 or S > st:  # the prefill (nothing cached to see), or a pass wider than the staging rows
+        if n == 0 or S > st or st - S + span > self.k_buf.shape[2]:  # the prefill (nothing cached to see), a pass
+            # wider than the staging rows, or slices reaching past the tail (more than MAX_KV_SPLITS): one copy
             self.k_buf[:, :, st + pos] = k
             self.v_buf[:, :, st + pos] = v
-            if n == 0:
+            if n == 0 and span == S:
                 return k, v
-            return torch.cat([k, self.k[:, :, :n]], 2), torch.cat([v, self.v[:, :, :n]], 2)  # one copy, exact
+            return _padded_keys(k, self.k[:, :, :n], span), _padded_keys(v, self.v[:, :, :n], span)
         if torch.compiler.is_compiling():  # one indexed write per buffer: what inductor writes in place
             rows = torch.cat([torch.arange(st - S, st, device=pos.device), st + pos])  # staging rows, then slots
             self.k_buf[:, :, rows] = torch.cat([k, k], 2)
@@ -166,7 +181,15 @@ class KVCache(nn.Module):
         else:  # eager: the same values in the same places, in two writes per buffer (fewer small ops on CPU)
             self.k_buf[:, :, st + pos], self.k_buf[:, :, st - S:st] = k, k
             self.v_buf[:, :, st + pos], self.v_buf[:, :, st - S:st] = v, v
-        return self.k_buf[:, :, st - S:st + n], self.v_buf[:, :, st - S:st + n]
+        return self.k_buf[:, :, st - S:st - S + span], self.v_buf[:, :, st - S:st - S + span]
+
+
+def _padded_keys(own: torch.Tensor, cached: torch.Tensor, span: int) -> torch.Tensor:
+    """[own | cached] along the keys, then zeros up to `span` columns: one fresh tensor."""
+    parts = [own, cached]
+    if span > own.shape[2] + cached.shape[2]:
+        parts.append(own.new_zeros(*own.shape[:2], span - own.shape[2] - cached.shape[2], own.shape[3]))
+    return torch.cat(parts, 2)
 
 
 def cached_attention_bias(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
@@ -195,30 +218,29 @@ class SplitKV(NamedTuple):
     """A cached pass's attention bias cut along the keys into `chunks` slices that one attention call takes as its
     heads (flash-decoding): a pass of a few query rows then keeps chunks x as many GPU blocks reading the cache, where
     one block per (row of the batch, KV head) leaves most of an H100's 132 SMs idle. Chunk c reads key columns
-    [c * step, c * step + Wc) of the pass's [own inputs | cache prefix]; the columns two chunks share (fewer than
-    `chunks`) count in the first only, the second shows them masked."""
+    [c * step, (c + 1) * step) of the pass's [own inputs | cache prefix | what follows], step = the width divided by
+    the chunks, rounded up to SPLIT_ALIGN; the columns past the width are masked."""
 
-    bias: torch.Tensor  # (B|1, chunks, rows, Wc): each chunk's columns of the additive bias
+    bias: torch.Tensor  # (B|1, chunks, rows, step): each chunk's columns of the additive bias
     live: torch.Tensor  # (B|1, chunks, rows) bool: the chunk shows the row at least one key
-    step: int  # key columns from one chunk's start to the next's
-    width: int  # the bias's width (own inputs + cache prefix)
+    width: int  # the uncut bias's width (own inputs + cache prefix)
+
+    @property
+    def span(self) -> int:
+        """Key columns the chunks read: chunks x step (>= width)."""
+        return self.bias.shape[1] * self.bias.shape[-1]
 
 
 def split_bias(bias: torch.Tensor, chunks: int) -> SplitKV:
     """The forward's cached bias (B|1, 1, rows, width) -> its `chunks` slices (SplitKV), built once per forward for
-    every layer; each slice's rows are padded to 16 columns (the CUDA memory-efficient kernel copies a bias whose
-    rows are not)."""
+    every layer. One gather of clamped columns, the ones past the width then masked: no op here depends on the
+    width's value (a compiled step guards on none)."""
     width = bias.shape[-1]
-    step = width // chunks
-    wc = width - (chunks - 1) * step  # the last chunk ends at the bias's last column: no key read past the pass's
-    padded = -(-wc // 16) * 16
-    j = torch.arange(padded, device=bias.device)
-    c = torch.arange(chunks, device=bias.device)[:, None]
-    cols = (c * step + j).clamp(max=width - 1)  # (chunks, padded)
-    owned = ((j < step) | (c == chunks - 1)) & (j < wc)
-    sliced = bias[:, 0][..., cols].permute(0, 2, 1, 3)  # (B|1, chunks, rows, padded)
-    sliced = sliced.masked_fill(~owned[:, None], float("-inf"))[..., :wc]
-    return SplitKV(sliced, (sliced > float("-inf")).any(-1), step, width)
+    step = -(-width // (SPLIT_ALIGN * chunks)) * SPLIT_ALIGN
+    cols = torch.arange(chunks * step, device=bias.device)
+    sliced = bias[:, 0][..., cols.clamp(max=width - 1)].masked_fill(cols >= width, float("-inf"))
+    sliced = sliced.unflatten(-1, (chunks, step)).transpose(1, 2).contiguous()  # (B|1, chunks, rows, step)
+    return SplitKV(sliced, (sliced > float("-inf")).any(-1), width)
 
 
 def _attention_with_lse(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,24 +254,18 @@ def _attention_with_lse(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_kv_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split: SplitKV) -> torch.Tensor:
-    """Attention of q (B, Hkv, rows, D) over keys/values (B, Hkv, width, D) under `split`, equal to one SDPA call
-    under the uncut bias up to rounding: each chunk's output weighted by its share of the row's softmax mass
-    (exp of its log-sum-exp, 0 for a chunk that shows the row nothing). The chunks are strided views of the keys
-    (the cache is read in place, not copied); the queries are repeated per chunk (a few rows)."""
+    """Attention of q (B, Hkv, rows, D) over keys/values (B, Hkv, split.span, D) under `split`, equal to one SDPA
+    call under the uncut bias up to rounding: each chunk's output weighted by its share of the row's softmax mass
+    (exp of its log-sum-exp, 0 for a chunk that shows the row nothing). The chunks are views of the keys (the cache
+    is read in place, not copied: its batch and head dimensions merge, its key columns split into chunks); the
+    queries are repeated per chunk (a few rows)."""
     B, Hkv, R, D = q.shape
     bias, C = split.bias, split.bias.shape[1]
     wc = bias.shape[-1]
-
-    def chunked(x):  # (B, Hkv, width, D) with B's stride Hkv x Hkv's (a view of the cache, or a fresh tensor)
-        if B > 1 and x.stride(0) != Hkv * x.stride(1):
-            x = x.contiguous()
-        return x.as_strided((B * Hkv, C, wc, D), (x.stride(1), split.step * x.stride(2), x.stride(2), x.stride(3)),
-                            x.storage_offset())
-
     qc = q.reshape(B * Hkv, 1, R, D).expand(B * Hkv, C, R, D).contiguous()
     bias = bias[:, None].expand(bias.shape[0], Hkv, C, R, wc)
     bias = bias.expand(B, Hkv, C, R, wc).reshape(B * Hkv, C, R, wc)  # a view when the bias is shared (B|1 = 1)
-    out, lse = _attention_with_lse(qc, chunked(keys), chunked(values), bias)
+    out, lse = _attention_with_lse(qc, keys.view(B * Hkv, C, wc, D), values.view(B * Hkv, C, wc, D), bias)
     live = split.live[:, None].expand(B, Hkv, C, R).reshape(B * Hkv, C, R)
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (exactness tests)
     lse = lse.to(acc).masked_fill(~live, float("-inf"))
@@ -369,7 +385,7 @@ class Attention(nn.Module):
         B, H, S, D = q.shape
         dtype = self.cache.k_buf.dtype
         if isinstance(bias, SplitKV):
-            keys, values = self.cache.write(cache_pos, k, v, bias.width - S)
+            keys, values = self.cache.write(cache_pos, k, v, bias.width - S, bias.span)
             qg = q.to(dtype).reshape(B, self.n_kv, (H // self.n_kv) * S, D)
             return split_kv_attention(qg, keys, values, bias).reshape(B, H, S, D).type_as(q)
         if bias.dtype == torch.bool:  # called with the caller's mask, not the forward's prepared bias

@@ -33,7 +33,7 @@ from mcar.core.buckets import BIAS_ALIGN, MAX_PREFIX_CLASSES, StagedBucket, Stat
 from mcar.core.compiling import compiled
 from mcar.core.keyed_rng import SlotNoise, keyed_exponential, mix32, row_keys, seed_key, value_codes
 from mcar.core.layout import Layout, check_clip
-from mcar.core.model import KVCache
+from mcar.core.model import MAX_KV_SPLITS, KVCache
 from mcar.core.rolling import RollingPass, RollingSchedule
 from mcar.core.schedule import Schedule, ScheduleConfig
 
@@ -408,7 +408,7 @@ class ScheduleSampler:
         if device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(8, sms // (batch * n_kv_heads)))
+        return max(1, min(MAX_KV_SPLITS, sms // (batch * n_kv_heads)))
 
     def _open_cache(self, model, B: int, n_cache: int, setup_cache: bool, device) -> None:
         model.kv_splits = self.kv_splits_for(B, model.cfg.n_kv_heads, device)
