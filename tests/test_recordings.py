@@ -224,3 +224,23 @@ def test_gym_starts_give_a_games_true_clips_for_post_training(tmp_path):
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(clips, again))
     actions = clips[0][0].view(3, layout.frame_len)[:, -1] - 8  # the action slot after the image codes
     assert ((actions >= 0) & (actions < 6)).all() and (clips[0][0].view(3, -1)[:, :-1] < 8).all()
+
+
+def test_a_finetune_of_the_same_data_option_keeps_its_own_root_never_the_checkpoints(tmp_path):
+    """Adopting a recordings checkpoint's data: where data is read is this run's own (an experiment's data.root
+    when it names the same data option), never the checkpoint's; with another option composed, the install's."""
+    from omegaconf import OmegaConf
+
+    from mcar.checkpoint.config import adopt_checkpoint_config
+
+    from .conftest import compose
+
+    packaged = OmegaConf.to_container(compose("train", ["data=recordings"]).data, resolve=False)
+    theirs = {k: v for k, v in packaged.items() if not (isinstance(v, str) and "${" in v)} | \
+        {"root": "/their/machine", "h": 3, "w": 4}
+    mine = compose("finetune", ["data=recordings", f"data.root={tmp_path}"])
+    adopt_checkpoint_config(mine, {"data": theirs}, "ckpt", ("data",), overrides=[])
+    assert mine.data.root == str(tmp_path)
+    other = compose("finetune", [])
+    adopt_checkpoint_config(other, {"data": theirs}, "ckpt", ("data",), overrides=[])
+    assert other.data.root is None and other.data.name == "recordings"

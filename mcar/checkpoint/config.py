@@ -129,6 +129,14 @@ def checkpoint_group_config(group: str, node, source: str) -> dict:
 OWN_LOCATIONS = {"data": ("root", "vq_train_overrides", "workers", "num_workers")}  # processes: this machine's
 
 
+def own_settings(group: str, current, adopted: dict) -> dict:
+    """Where this run's own config (an experiment's data.root, say) names the same option of the group as the
+    checkpoint did, its OWN_LOCATIONS values: the user's, never the checkpoint's."""
+    if current is None or current.get("name") != adopted.get("name"):
+        return {}
+    return {key: current[key] for key in OWN_LOCATIONS.get(group, ()) if key in current}
+
+
 def own_locations(group: str, adopted: dict, packaged: dict | None) -> dict:
     """The adopted config with OWN_LOCATIONS taken from this install's config of the same name (left out where it
     has none: the command line then gives them, e.g. data.root=)."""
@@ -171,7 +179,7 @@ def adopt_checkpoint_config(cfg: DictConfig, hp: dict, source, groups=("data", "
     adopted = {group: checkpoint_group_config(group, hp[group], source) for group in taken}
     with open_dict(cfg):
         for group in taken:  # asset paths (the VQ) of the install that trained it point into this one's
-            cfg[group] = OmegaConf.create(adopted[group])
+            cfg[group] = OmegaConf.create(adopted[group] | own_settings(group, cfg.get(group), adopted[group]))
         # data.n_a=1 on the command line still applies, on top of the checkpoint's data (and is then checked)
         apply_overrides(cfg, [o for key, o in keys if key.split(".")[0] in taken and "." in key
                               and not o.startswith("~")])

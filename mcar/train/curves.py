@@ -177,5 +177,5 @@ def slow_step_hint(pace: float, steps_left: int, threads: int | None, model: str
                      "BENCHMARKS.md, threads)")
     if model not in (None, "tiny"):
         fixes.append("model=tiny (the smallest model)")
-    fixes.append("or a GPU")
+    fixes.append(("or " if fixes else "") + "a GPU")
     return f"slow steps: {pace:.1f} s each on CPU, {left}; faster: {', '.join(fixes)}"
