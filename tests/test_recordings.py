@@ -115,7 +115,8 @@ def test_train_on_a_fresh_recordings_folder_with_no_other_key_then_sample_it(rec
 def test_record_train_then_gametest_each_policy_on_fresh_games(tmp_path):
     """Pong recorded by `mcar record`, one training step on it (data.record: recorded on first use), then mcar
     gametest: every policy named, each row scored with intervals over fresh games, the model's margin over
-    copy_last paired game by game; a model of another game's actions is refused."""
+    copy_last paired game by game; a model of another game's actions is refused; then one post-training step on
+    fresh games of Pong (source=gym), rewarded against the game's real next frames."""
     pytest.importorskip("ale_py", reason="pip install gymnasium ale-py")
     from mcar.tools.gametest import main as gametest
     from mcar.tools.train import main as train
@@ -139,6 +140,15 @@ def test_record_train_then_gametest_each_policy_on_fresh_games(tmp_path):
     with pytest.raises(ValueError, match="not the one ckpt="):
         run_in_process(gametest, "env=ALE/Breakout-v5", f"ckpt={ckpt}", f"data.root={folder}", "starts=1",
                        f"hydra.run.dir={tmp_path / 'gt2'}")
+
+    from mcar.tools.posttrain import main as posttrain  # GRPO on the game itself: no Crafter code
+
+    run_in_process(posttrain, "source=gym", f"init_from={ckpt}/last.ckpt", f"data.root={folder}", "steps=1",
+                   "posttrain.group=2", "posttrain.starts=1", "posttrain.rollout_frames=3", "starts.warmup=2",
+                   "starts.clips_per_world=1", "logger=none", "posttrain.video_every_n_steps=0",
+                   *job_overrides(tmp_path, "post"))
+    state = torch.load(tmp_path / "ckpt" / "posttrain-tiny-recordings-diagd" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 1 and state["hyper_parameters"]["data"]["record"]["env"] == "ALE/Pong-v5"
 
 
 def test_a_game_test_seed_is_never_a_seed_of_the_training_recordings():

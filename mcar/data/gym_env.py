@@ -264,6 +264,9 @@ class GymStarts:
                  make: dict | None = None):
         from mcar.tokenizer.vq_model import frame_size, load_vq
 
+        if not env:
+            raise ValueError("posttrain.data.source.env is null: the Gymnasium id of the checkpoint's game (its "
+                             "data.record.env, when its recordings were made on first use)")
         if clips_per_world < 1 or warmup < 0:
             raise ValueError(f"clips_per_world={clips_per_world}, warmup={warmup}: at least 1 clip, warm-up >= 0")
         self.layout, self.codebook_size, self.frames, self.warmup = layout, codebook_size, frames, warmup
