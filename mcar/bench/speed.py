@@ -104,32 +104,50 @@ def bench_sampler(model, sampler, clip: torch.Tensor, prompt_frames: int, cfg, d
                           label=f"{sampler.name} bare forwards")[0] if bare == "timed" else None)
     costs = pass_costs(model, calls, device, b.repeats) if b.pass_costs else None
     B, frames, n = clip.shape[0], sampler.frames - prompt_frames, len(plans)
-    rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
-    run_rows, run_cols = sum(c[2] for c in calls), sum(c[3] for c in calls)
+    bytes_per_pass = _bytes_per_pass(model, sum(p.n_vis for p in plans), n, B)
+    peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
+    return dict(**_schedule_fields(sampler, sched, static, device, prompt_frames, plans, calls, stats.passes),
+                **_throughput_fields(B, frames, n, seconds, stats, bytes_per_pass, peak, bare_seconds),
+                bare_forward=bare, plan_seconds=round(plan_seconds, 3), pass_costs=costs)
+
+
+def _bytes_per_pass(model, cols: int, n: int, B: int) -> float:
+    """What a pass must read: the weights (less the embedding table, of which it reads a few rows) + K and V of its
+    visible cache slots (`cols` over `n` passes)."""
     m, item = model.cfg, next(model.parameters()).element_size()
     weight_bytes = (model.num_params() - model.tok_embeddings.weight.numel()) * item
     kv_bytes_per_slot = m.n_layers * 2 * m.n_kv_heads * m.head_dim * item * B
-    bytes_per_pass = weight_bytes + kv_bytes_per_slot * cols / n
-    peak = peak_bandwidth(device, OmegaConf.select(cfg, "bench.bandwidth", default=None))
-    s_per_pass = seconds / stats.passes
+    return weight_bytes + kv_bytes_per_slot * cols / n
+
+
+def _schedule_fields(sampler, sched, static, device, prompt_frames: int, plans: list, calls: list,
+                     passes: int) -> dict:
+    """What the schedule runs: its shape, its passes and their rows and cache columns (own and padded)."""
+    n = len(plans)
+    rows, cols = sum(len(p.src) for p in plans), sum(p.n_vis for p in plans)
+    run_rows, run_cols = sum(c[2] for c in calls), sum(c[3] for c in calls)
     return dict(sampler=sampler.name, k=sched.k, d=sched.d, proxy=sched.proxy,
                 static=sampler.is_static(device), compile=sampler.compiles(device),
                 buckets=len(static.buckets) if static is not None else None,
                 h=sampler.layout.h, w=sampler.layout.w, n_a=sampler.layout.n_a, clip_frames=sampler.frames,
-                prompt_frames=prompt_frames, frames_generated=frames, passes=stats.passes,
+                prompt_frames=prompt_frames, frames_generated=sampler.frames - prompt_frames, passes=passes,
                 schedule_passes=sched.passes, rows_per_pass=round(rows / n, 2),
                 padded_rows_per_pass=round(run_rows / n, 2), visible_cols_per_pass=round(cols / n, 1),
-                cache_cols_per_pass=round(run_cols / n, 1),
-                tokens_generated=stats.tokens, seconds=round(seconds, 6), fps=round(B * frames / seconds, 3),
+                cache_cols_per_pass=round(run_cols / n, 1))
+
+
+def _throughput_fields(B: int, frames: int, n: int, seconds: float, stats, bytes_per_pass: float, peak,
+                       bare_seconds) -> dict:
+    """Frames and tokens per second, time per pass against its bandwidth floor, overhead over the bare forwards."""
+    s_per_pass = seconds / stats.passes
+    return dict(tokens_generated=stats.tokens, seconds=round(seconds, 6), fps=round(B * frames / seconds, 3),
                 fps_total=round(B * frames / seconds, 3), fps_per_stream=round(frames / seconds, 3),
                 tokens_per_s=round(stats.tokens / seconds, 1), ms_per_pass=round(1000 * s_per_pass, 3),
                 bytes_per_pass=round(bytes_per_pass), bandwidth=peak,
                 floor_ms_per_pass=round(1000 * bytes_per_pass / peak, 4) if peak else None,
                 bandwidth_fraction=round(bytes_per_pass / s_per_pass / peak, 4) if peak else None,
                 bare_forward_ms_per_pass=round(1000 * bare_seconds / n, 3) if bare_seconds else None,
-                overhead=round(seconds / bare_seconds, 3) if bare_seconds else None, bare_forward=bare,
-                plan_seconds=round(plan_seconds, 3),
-                pass_costs=costs)
+                overhead=round(seconds / bare_seconds, 3) if bare_seconds else None)
 
 
 def bare_forward_timing(sampler, device, setting) -> str:

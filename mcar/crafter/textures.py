@@ -65,11 +65,22 @@ def tile_textures(unit: int = 16, view: tuple[int, int] = (24, 14)) -> dict[str,
 
     vw, vh = (int(v) for v in view)
     env = crafter.Env(size=(unit * vw, unit * vh), view=(vw, vh), seed=0)
-    world = env._world
     grid = np.array(env._local_view._grid)  # the map's (w, h) in tiles, the player drawn at grid // 2
     offset = grid // 2
-    centre = np.array([0, int(offset[1])])  # the player at world x = 0: the view's left part is outside the world
+    free = [(x, y) for y in range(int(grid[1])) for x in range(int(offset[0]), int(grid[0]))
+            if (x, y) != tuple(offset)]  # the view's cells inside the world, the player's own left out
+    out: dict[str, np.ndarray] = {}
+    for sleeping, cells in _map_cells(objects, constants):
+        if len(cells) > len(free):
+            raise ValueError(f"view={list(view)}: {len(cells)} map tiles to draw, room for {len(free)}")
+        player = _draw_map_tiles(env, objects, cells, free, sleeping, unit, out)
+    _draw_inventory_tiles(env, player, constants, unit, vw, int(grid[1]), out)
+    return out
 
+
+def _map_cells(objects, constants) -> list[tuple[bool, list]]:
+    """-> [(sleeping, [(material, creature kind or None, creature kwargs)])]: every material and every creature on
+    every ground it can stand on, for an awake player's map and again for an asleep one's (greyed)."""
     walkers = list(objects.Object.walkable.fget(None))  # grass, sand, path: cows, zombies, skeletons (Object.move)
     player_grounds = list(objects.Player.walkable.fget(None))  # + lava: the player steps on it and dies there
     arrow_grounds = list(objects.Arrow.walkable)  # + water, lava
@@ -81,45 +92,48 @@ def tile_textures(unit: int = 16, view: tuple[int, int] = (24, 14)) -> dict[str,
     others += [(g, "plant", {"ripe": r}) for r in (False, True) for g in plant_grounds]
     materials = [(m, None, {}) for m in constants.materials]
     sleepers = [(g, "player", {"facing": (0, 1), "sleeping": True}) for g in walkers]  # asleep means alive
-    free = [(x, y) for y in range(int(grid[1])) for x in range(int(offset[0]), int(grid[0]))
-            if (x, y) != tuple(offset)]  # the view's cells inside the world, the player's own left out
+    return [(False, materials + creatures + others), (True, materials + sleepers + others)]
 
-    out: dict[str, np.ndarray] = {}
-    for sleeping, cells in ((False, materials + creatures + others), (True, materials + sleepers + others)):
-        if len(cells) > len(free):
-            raise ValueError(f"view={list(view)}: {len(cells)} map tiles to draw, room for {len(free)}")
-        world.reset(seed=0)
-        world.daylight = 1.0  # data.daylight=1 (Env.render reads world.daylight; nothing steps the clock here)
-        world._mat_map[:] = world._mat_ids["grass"]
-        player = objects.Player(world, centre)
-        player.sleeping = sleeping  # Crafter greys the whole map while its player sleeps
-        world.add(player)
-        env._player = player
-        placed = []
-        for (cx, cy), (material, kind, kw) in zip(free, cells):
-            pos = centre + np.array([cx, cy]) - offset
-            world[pos] = material
-            obj = None if kind is None else _creature(objects, world, player, kind, pos, **kw)
-            if obj is not None:
-                world.add(obj)
-            placed.append(((cx, cy), material, obj))
-        frame = env.render()
-        prefix = ASLEEP if sleeping else ""
-        for (cx, cy), material, obj in placed:
-            out[prefix + (material if obj is None else f"{obj.texture} on {material}")] = _cut(frame, unit, cx, cy)
-        out[prefix + OUTSIDE] = _cut(frame, unit, 0, 0)
 
-    # the inventory, below the map and never tinted: every item at every amount Crafter allows (its max, 9), and
-    # the slot of an item at 0 (not drawn: black)
+def _draw_map_tiles(env, objects, cells: list, free: list, sleeping: bool, unit: int, out: dict):
+    """Places `cells` on the view's free cells of a fresh world, renders once and cuts each tile into `out`.
+    -> the player (its inventory is drawn next)."""
+    world = env._world
+    offset = np.array(env._local_view._grid) // 2
+    centre = np.array([0, int(offset[1])])  # the player at world x = 0: the view's left part is outside the world
+    world.reset(seed=0)
+    world.daylight = 1.0  # data.daylight=1 (Env.render reads world.daylight; nothing steps the clock here)
+    world._mat_map[:] = world._mat_ids["grass"]
+    player = objects.Player(world, centre)
+    player.sleeping = sleeping  # Crafter greys the whole map while its player sleeps
+    world.add(player)
+    env._player = player
+    placed = []
+    for (cx, cy), (material, kind, kw) in zip(free, cells):
+        pos = centre + np.array([cx, cy]) - offset
+        world[pos] = material
+        obj = None if kind is None else _creature(objects, world, player, kind, pos, **kw)
+        if obj is not None:
+            world.add(obj)
+        placed.append(((cx, cy), material, obj))
+    frame = env.render()
+    prefix = ASLEEP if sleeping else ""
+    for (cx, cy), material, obj in placed:
+        out[prefix + (material if obj is None else f"{obj.texture} on {material}")] = _cut(frame, unit, cx, cy)
+    out[prefix + OUTSIDE] = _cut(frame, unit, 0, 0)
+    return player
+
+
+def _draw_inventory_tiles(env, player, constants, unit: int, vw: int, top: int, out: dict) -> None:
+    """The inventory, below the map and never tinted: every item at every amount Crafter allows (its max, 9), and
+    the slot of an item at 0 (not drawn: black)."""
     items = list(constants.items)
-    top = int(grid[1])
     for amount in range(0, max(int(v["max"]) for v in constants.items.values()) + 1):
         player.inventory = {k: min(amount, int(constants.items[k]["max"])) for k in items}
         frame = env.render()
         for i, item in enumerate(items):
             tile = _cut(frame, unit, i % vw, top + i // vw)
             out[f"{item} {player.inventory[item]}" if amount else EMPTY_SLOT] = tile
-    return out
 
 
 CREATURES = ("cow", "zombie", "skeleton")  # Crafter's creatures (arrows are shots, the player is not counted)

@@ -29,22 +29,41 @@ def markdown(res: dict) -> str:
     for n, rows in res["loops"].items():
         lines += [f"| {n} | {name} | {_memory_cells(v)}" for name, v in rows.items()]
     if res.get("shapes"):
-        lines += ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | recall_far (hidden "
-                      "in both frames before the last: beyond a copy from 2 frames back) | loop_acc (map) | "
-                      "inventory | invented |", "|---|---|---|---|---|---|---|---|---|"]
-        for name, v in res["shapes"].items():
-            if "skipped" in v:
-                lines.append(f"| {name} | {v['frames']} | skipped: {v['skipped']} (shapes_beyond_context=true runs "
-                             f"it) | | | | | | |")
-                continue
-            mark = " (beyond context: a control)" if v.get("beyond_context") else ""
-            made = f"{v['made']} / {v['starts']}{mark}"
-            if not v.get("rows"):
-                lines.append(f"| {name} | {v['frames']} | {made} | | | | | | |")
-            lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r, far=True)}"
-                      for row, r in v.get("rows", {}).items()]
-    b = res["blocked"]
-    lines += ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
+        lines += _shape_lines(res["shapes"])
+    lines += _blocked_lines(res["blocked"])
+    lines += _rollout_lines(res["rollout"])
+    gains = window_gains(res, int(res.get("seed", 0)))
+    if gains:
+        lines += ["", "| memory: recall minus the 2-frame window's, start by start | row | difference |",
+                  "|---|---|---|"]
+        lines += [f"| {g['walk']} | {g['row']} | {g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] |" for g in gains]
+    lines += creature_markdown(res.get("creatures"))
+    lines += _margin_lines(baseline_margins(res.get("rollout", {}), int(res.get("seed", 0))))
+    return "\n".join(lines) + "\n"
+
+
+def _shape_lines(shapes: dict) -> list[str]:
+    """The walk-shape table: a row per shape and model row, or why a shape was skipped or never made."""
+    lines = ["", "| shape | frames | made / starts | row | recall (tiles the walk hid) | recall_far (hidden "
+                 "in both frames before the last: beyond a copy from 2 frames back) | loop_acc (map) | "
+                 "inventory | invented |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in shapes.items():
+        if "skipped" in v:
+            lines.append(f"| {name} | {v['frames']} | skipped: {v['skipped']} (shapes_beyond_context=true runs "
+                         f"it) | | | | | | |")
+            continue
+        mark = " (beyond context: a control)" if v.get("beyond_context") else ""
+        made = f"{v['made']} / {v['starts']}{mark}"
+        if not v.get("rows"):
+            lines.append(f"| {name} | {v['frames']} | {made} | | | | | | |")
+        lines += [f"| {name} | {v['frames']} | {made} | {row} | {_memory_cells(r, far=True)}"
+                  for row, r in v.get("rows", {}).items()]
+    return lines
+
+
+def _blocked_lines(b: dict | None) -> list[str]:
+    """The blocked / free moves table, then the refused moves by what refused them (when counted)."""
+    lines = ["", "| moves | n | model | real frames | map_acc |", "|---|---|---|---|---|"]
     for kind, key in (("blocked", "stayed"), ("free", "moved")) if b else ():
         v = b[kind]
         lines.append(f"| {kind} ({key}) | {v['n']} | {ci_cell(v.get(key, {}))} | {ci_cell(v.get('real_' + key, {}))} | "
@@ -57,27 +76,28 @@ def markdown(res: dict) -> str:
             starts = f"{v.get('starts', 0)} of {v['tried']} worlds" if v.get("placed") else v.get("starts", 0)
             lines.append(f"| {name} | {v['n']} | {starts} | {ci_cell(v.get('stayed'))} | "
                          f"{ci_cell(v.get('real_stayed'))} | {ci_cell(v.get('map_acc'))} |")
-    lines += ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
-                  "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {name} | {ci_cell(v['mean'])} | {ci_cell(v['last'])} | {ci_cell(v.get('map_mean'))} | "
-              f"{ci_cell(v.get('inventory_mean'))} | {ci_cell(v.get('invented_mean'))} | "
-              f"{ci_cell(v.get('invented_last'))} | {ci_cell(v['tv_mean'])} | {ci_cell(v['tv_last'])} |"
-              for name, v in res["rollout"].items()]
-    gains = window_gains(res, int(res.get("seed", 0)))
-    if gains:
-        lines += ["", "| memory: recall minus the 2-frame window's, start by start | row | difference |",
-                  "|---|---|---|"]
-        lines += [f"| {g['walk']} | {g['row']} | {g['mean']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] |" for g in gains]
-    lines += creature_markdown(res.get("creatures"))
-    margins = baseline_margins(res.get("rollout", {}), int(res.get("seed", 0)))
-    if margins:
-        lines += ["", "| rollout: model row minus baseline, start by start | token agreement, mean | map | "
-                      "inventory |", "|---|---|---|---|"]
-        lines += [f"| {m['row']} - {m['baseline']} | " + " | ".join(
-            f"{m[k]['mean']:+.3f} [{m[k]['lo']:+.3f}, {m[k]['hi']:+.3f}]" if m.get(k) else "" for k in
-            ("mean", "map_mean", "inventory_mean")) + " |" for m in margins]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _rollout_lines(rollout: dict) -> list[str]:
+    lines = ["", "| rollout row | token agreement, mean over steps | at the last step | map | inventory | "
+                 "invented, mean | at the last step | tile-mix distance (tv), mean | at the last step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    return lines + [f"| {name} | {ci_cell(v['mean'])} | {ci_cell(v['last'])} | {ci_cell(v.get('map_mean'))} | "
+                    f"{ci_cell(v.get('inventory_mean'))} | {ci_cell(v.get('invented_mean'))} | "
+                    f"{ci_cell(v.get('invented_last'))} | {ci_cell(v['tv_mean'])} | {ci_cell(v['tv_last'])} |"
+                    for name, v in rollout.items()]
+
+
+def _margin_lines(margins: list[dict]) -> list[str]:
+    """Model rows minus the baselines, start by start (none: no lines)."""
+    if not margins:
+        return []
+    lines = ["", "| rollout: model row minus baseline, start by start | token agreement, mean | map | "
+                 "inventory |", "|---|---|---|---|"]
+    return lines + [f"| {m['row']} - {m['baseline']} | " + " | ".join(
+        f"{m[k]['mean']:+.3f} [{m[k]['lo']:+.3f}, {m[k]['hi']:+.3f}]" if m.get(k) else "" for k in
+        ("mean", "map_mean", "inventory_mean")) + " |" for m in margins]
 
 
 def creature_markdown(creatures: dict | None) -> list[str]:

@@ -58,14 +58,26 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
     """-> (frame tokens (T, h, w) uint16 of the frames resized to size = (H, W) (None: as stored), action ids
     (T, n_a) uint16 in the action space `space` (a name or a schema; None: the source's), notes), every
     `every`-th recorded frame (a lower rate) with its action. Raises EpisodeError if unusable."""
-    from mcar.tokenizer.vq_model import encode_tokens
-
     ids, keep, notes = read_episode_actions(jsonl, source, drop_null, drop_gui, space)
     if len(ids) == 0:
         raise EpisodeError("jsonl has no records")
     keep &= np.arange(len(keep)) % every == 0
-    stream, buf, tokens, kept = FrameStream(mp4, size), [], [], []
+    stream = FrameStream(mp4, size)
+    tokens, kept = _encode_kept_frames(vq, stream, keep, batch)
+    if stream.error and stream.count == 0:
+        raise EpisodeError(f"unreadable mp4 ({stream.error})")
+    notes += _video_notes(stream, source, size, len(ids))
+    if not kept:
+        raise EpisodeError("no usable frames (all filtered or unreadable)")
+    return np.concatenate(tokens), ids[kept].astype(np.uint16), notes
 
+
+def _encode_kept_frames(vq, stream: FrameStream, keep: np.ndarray, batch: int) -> tuple[list, list[int]]:
+    """Encodes the kept frames `batch` at a time as they are decoded (an episode's frames need not fit in memory).
+    -> (uint16 token arrays, one a batch; the kept frames' indices)."""
+    from mcar.tokenizer.vq_model import encode_tokens
+
+    buf, tokens, kept = [], [], []
     device = next(vq.parameters()).device
 
     def flush():
@@ -81,20 +93,23 @@ def tokenize_episode(mp4: Path, jsonl: Path, source: str, vq, batch: int = 16, d
             if len(buf) == batch:
                 flush()
     flush()
-    if stream.error and stream.count == 0:
-        raise EpisodeError(f"unreadable mp4 ({stream.error})")
+    return tokens, kept
+
+
+def _video_notes(stream: FrameStream, source: str, size: tuple[int, int] | None, n_records: int) -> list[str]:
+    """What was trimmed or resized, once the stream is read: a decoding stop, a VPT video of another size, a frame
+    count that differs from the records'."""
+    notes = []
     if stream.error:
         notes.append(f"mp4 decoding stopped after {stream.count} frames ({stream.error}); trimmed")
     if source == "vpt" and stream.stored_size not in (None, VPT_SIZE):
         h, w = stream.stored_size
         notes.append(f"video is {w}x{h}, not VPT's {VPT_SIZE[1]}x{VPT_SIZE[0]}" +
                      (f": resized to {size[1]}x{size[0]}" if size else ""))
-    if stream.count != len(ids):
-        notes.append(f"frame/record count mismatch: {stream.count} frames, {len(ids)} records; "
-                     f"trimmed to {min(stream.count, len(ids))}")
-    if not kept:
-        raise EpisodeError("no usable frames (all filtered or unreadable)")
-    return np.concatenate(tokens), ids[kept].astype(np.uint16), notes
+    if stream.count != n_records:
+        notes.append(f"frame/record count mismatch: {stream.count} frames, {n_records} records; "
+                     f"trimmed to {min(stream.count, n_records)}")
+    return notes
 
 
 def part_path(out: Path, rank: int) -> Path:
@@ -163,22 +178,9 @@ def tokenize_dir(episodes: str | Path, out: str | Path, source: str, vq, vq_id: 
 
 def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, drop_null, drop_gui, rank, world,
                   size, space, stats: dict, every: int) -> dict:
-    encoder = action_space(space or source)
-    meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
-            "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
-    if space not in (None, source):  # only then: folders tokenised before this option keep their meta
-        meta["actions"] = space
-    if every != 1:
-        meta["every"] = every
+    meta = _folder_meta(source, vq, vq_id, drop_null, drop_gui, space, every)
     check_meta(out, meta)
-    found = list_episodes(episodes)
-    orphans = sorted({p.stem for p in Path(episodes).glob("*.jsonl")} - {name for name, _, _ in found})
-    if orphans and rank == 0:
-        warnings.warn(f"{episodes}: {len(orphans)} jsonl files without an mp4 ignored: {orphans[:5]}"
-                      f"{' ...' if len(orphans) > 5 else ''}")
-    if not found:
-        raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
-    todo = balanced_share(found, rank, world)
+    todo = balanced_share(_listed_episodes(episodes, rank), rank, world)
     skipped, written, done, encoded, t0 = {}, {}, 0, 0, time.perf_counter()
     progress = tqdm(todo, desc=f"tokenising {Path(episodes).name} (rank {rank} of {world})", unit="ep",
                     position=rank if world <= 8 else None)
@@ -201,21 +203,58 @@ def _tokenize_dir(episodes, out: Path, source, vq, vq_id, batch, min_frames, dro
             skipped[name] = f"{type(e).__name__}: {e}"
             warnings.warn(f"skipping episode {mp4}: unexpected {type(e).__name__}: {e}")
             continue
-        for note in notes:
-            warnings.warn(f"{mp4}: {note}")
-        _save_npy(out / f"{name}.actions.npy", actions)
-        _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
-        written[name] = describe_shard(out, name, frames, actions)  # from memory: nothing read back
+        written[name] = _write_episode(out, name, mp4, frames, actions, notes)
         done += 1
     seconds = time.perf_counter() - t0
     stats.update(frames=encoded, seconds=seconds, frames_per_s=encoded / seconds if seconds > 0 else 0.0)
     device = next(vq.parameters()).device
     print(f"rank {rank} of {world} on {device}: {encoded} frames encoded in {seconds:.1f} s: "
           f"{stats['frames_per_s']:.1f} frames/s")
-    part = {"meta": meta, "episodes": describe_share(out, [name for name, _, _ in todo], written, rank)}
+    part = _write_part(out, meta, [name for name, _, _ in todo], written, skipped, done, rank, world)
+    return merged_index(out, meta, episodes) if world == 1 else part
+
+
+def _folder_meta(source, vq, vq_id, drop_null, drop_gui, space, every) -> dict:
+    """What a tokens folder's shards were made with (meta.json): one folder never mixes two."""
+    encoder = action_space(space or source)
+    meta = {"source": source, "vq": vq_id, "codebook_size": int(vq.quantize.n_e), "n_a": encoder.n_a,
+            "action_vocab_size": encoder.vocab_size, "drop_null": drop_null, "drop_gui": drop_gui}
+    if space not in (None, source):  # only then: folders tokenised before this option keep their meta
+        meta["actions"] = space
+    if every != 1:
+        meta["every"] = every
+    return meta
+
+
+def _listed_episodes(episodes, rank: int) -> list[tuple]:
+    """The folder's episodes (name, mp4, jsonl); rank 0 warns of jsonl files without an mp4."""
+    found = list_episodes(episodes)
+    orphans = sorted({p.stem for p in Path(episodes).glob("*.jsonl")} - {name for name, _, _ in found})
+    if orphans and rank == 0:
+        warnings.warn(f"{episodes}: {len(orphans)} jsonl files without an mp4 ignored: {orphans[:5]}"
+                      f"{' ...' if len(orphans) > 5 else ''}")
+    if not found:
+        raise ValueError(f"no episodes (*.mp4 + *.jsonl) in {episodes}")
+    return found
+
+
+def _write_episode(out: Path, name: str, mp4: Path, frames: np.ndarray, actions: np.ndarray,
+                   notes: list[str]) -> dict:
+    """Warns each note and writes the episode's shards, frames last. -> its index entry (from memory)."""
+    for note in notes:
+        warnings.warn(f"{mp4}: {note}")
+    _save_npy(out / f"{name}.actions.npy", actions)
+    _save_npy(out / f"{name}.frames.npy", frames)  # last: its presence marks the episode finished
+    return describe_shard(out, name, frames, actions)  # from memory: nothing read back
+
+
+def _write_part(out: Path, meta: dict, names: list[str], written: dict, skipped: dict, done: int, rank: int,
+                world: int) -> dict:
+    """Writes this rank's part of the index and its skipped episodes, and says how the share went. -> the part."""
+    part = {"meta": meta, "episodes": describe_share(out, names, written, rank)}
     mine = part["episodes"]
     write_json(part_path(out, rank), part)
     write_json(out / f"skipped.rank{rank}.json", skipped)
-    print(f"rank {rank} of {world}: tokenised {done} of {len(todo)} episodes ({sum(e['frames'] for e in mine)} "
+    print(f"rank {rank} of {world}: tokenised {done} of {len(names)} episodes ({sum(e['frames'] for e in mine)} "
           f"frames in {out}); skipped {len(skipped)}" + (f": {skipped}" if skipped else ""))
-    return merged_index(out, meta, episodes) if world == 1 else part
+    return part

@@ -46,55 +46,74 @@ def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
     bad_hotbar, bad_camera, no_camera = {}, {}, []  # jsonl line -> value
     stuck_attack, last_hotbar = False, None
     for i, r in enumerate(records):
-        if _valid(r):
-            hotbar, mouse = r.get("hotbar"), r["mouse"]
-            if hotbar is not None and (isinstance(hotbar, bool) or not isinstance(hotbar, int)
-                                       or not 0 <= hotbar <= 8):
-                bad_hotbar[i + 1] = hotbar  # VPT's hotbar is a slot 0..8: anything else would become a wrong id
-            elif not all(np.isfinite(_number(mouse.get(k, 0))) for k in ("dx", "dy")):
-                bad_camera[i + 1] = (mouse.get("dy"), mouse.get("dx"))
-        if not _valid(r) or i + 1 in bad_hotbar or i + 1 in bad_camera:
+        problem = _bad_field(r) if _valid(r) else None
+        if problem is not None:
+            field, value = problem
+            (bad_hotbar if field == "hotbar" else bad_camera)[i + 1] = value
+        if not _valid(r) or problem is not None:
             invalid += r is not None and not _valid(r)  # malformed json lines are counted by the jsonl reader
             actions.append(None)
             keep.append(False)
             continue
-        mouse, keys = r["mouse"], r["keyboard"].get("keys", [])
+        mouse = r["mouse"]
         new_buttons = mouse.get("newButtons", [])
         if last_hotbar is None:  # the first valid record of the file
             stuck_attack = new_buttons == [0]
         elif stuck_attack and 0 in new_buttons:
             stuck_attack = False  # attack pressed for real
         buttons = [b for b in mouse.get("buttons", []) if not (stuck_attack and b == 0)]
-
-        act = {name: 0 for name in KEY_MAP.values()}
-        act.update({name: 0 for name in MOUSE_BUTTONS.values()})
-        pressed = False
-        for k in keys:
-            if k in KEY_MAP:
-                act[KEY_MAP[k]], pressed = 1, True
-            else:
-                unknown.add(k)
-        for b in buttons:
-            if b in MOUSE_BUTTONS:
-                act[MOUSE_BUTTONS[b]], pressed = 1, True
+        act, pressed = _pressed_action(r["keyboard"].get("keys", []), buttons, unknown)
         gui = bool(r.get("isGuiOpen", False))
         if "dx" not in mouse or "dy" not in mouse:
             no_camera.append(i + 1)
         dx, dy = float(mouse.get("dx", 0) or 0), float(mouse.get("dy", 0) or 0)
         act["camera"] = (0.0, 0.0) if gui else (dy * CAMERA_SCALE, dx * CAMERA_SCALE)
-
-        hotbar = r.get("hotbar")
-        scrolled = last_hotbar is not None and hotbar is not None and hotbar != last_hotbar
-        keyed = [n for n in range(1, 10) if act[f"hotbar.{n}"]]
-        act["hotbar"] = hotbar + 1 if scrolled else (keyed[-1] if keyed else 0)
-        if hotbar is not None:
-            last_hotbar = hotbar
-        elif last_hotbar is None:
-            last_hotbar = -1  # no hotbar field: only keys count
-
+        scrolled, last_hotbar = _set_hotbar(act, r.get("hotbar"), last_hotbar)
         null = not pressed and dx == 0 and dy == 0 and not scrolled
         actions.append(act)
         keep.append(not (drop_null and null) and not (drop_gui and gui))
+    return actions, keep, _parse_notes(unknown, invalid, bad_hotbar, bad_camera, no_camera)
+
+
+def _bad_field(r: dict):
+    """("hotbar" | "camera", value) for a valid record whose field would become a wrong action; else None."""
+    hotbar, mouse = r.get("hotbar"), r["mouse"]
+    if hotbar is not None and (isinstance(hotbar, bool) or not isinstance(hotbar, int) or not 0 <= hotbar <= 8):
+        return "hotbar", hotbar  # VPT's hotbar is a slot 0..8: anything else would become a wrong id
+    if not all(np.isfinite(_number(mouse.get(k, 0))) for k in ("dx", "dy")):
+        return "camera", (mouse.get("dy"), mouse.get("dx"))
+    return None
+
+
+def _pressed_action(keys: list, buttons: list, unknown: set):
+    """-> (action dict with every key and button 0/1, whether any known one is pressed); collects unknown keys."""
+    act = {name: 0 for name in KEY_MAP.values()}
+    act.update({name: 0 for name in MOUSE_BUTTONS.values()})
+    pressed = False
+    for k in keys:
+        if k in KEY_MAP:
+            act[KEY_MAP[k]], pressed = 1, True
+        else:
+            unknown.add(k)
+    for b in buttons:
+        if b in MOUSE_BUTTONS:
+            act[MOUSE_BUTTONS[b]], pressed = 1, True
+    return act, pressed
+
+
+def _set_hotbar(act: dict, hotbar, last_hotbar):
+    """Sets act["hotbar"]: a scroll (change of `hotbar`) wins over keys. -> (scrolled, the new last hotbar)."""
+    scrolled = last_hotbar is not None and hotbar is not None and hotbar != last_hotbar
+    keyed = [n for n in range(1, 10) if act[f"hotbar.{n}"]]
+    act["hotbar"] = hotbar + 1 if scrolled else (keyed[-1] if keyed else 0)
+    if hotbar is not None:
+        last_hotbar = hotbar
+    elif last_hotbar is None:
+        last_hotbar = -1  # no hotbar field: only keys count
+    return scrolled, last_hotbar
+
+
+def _parse_notes(unknown: set, invalid: int, bad_hotbar: dict, bad_camera: dict, no_camera: list) -> list:
     notes = []
     if unknown:
         notes.append(f"ignored unknown key names {sorted(unknown)}")
@@ -109,7 +128,7 @@ def parse_vpt(records: list, drop_null: bool = True, drop_gui: bool = True):
     if no_camera:
         notes.append(f"{len(no_camera)} records without mouse dx/dy read as no camera motion (jsonl lines "
                      f"{no_camera[:5]}{' ...' if len(no_camera) > 5 else ''})")
-    return actions, keep, notes
+    return notes
 
 
 def _number(v) -> float:

@@ -56,7 +56,7 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
     / never taken, or not in the data's actions), notes, and <key>_lo / <key>_hi, the bootstrap interval over
     clips of each column with per-clip values (the row value is the same pool of the same values); extra's per_clip
     holds those values ({key: [n]}; psnr's are each clip's MSE), for intervals pooled over several evaluations."""
-    layout, cb, P, nets = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets
+    layout, cb, P = scorer.layout, scorer.codebook_size, scorer.prompt_frames
     row, curves, extra = {}, {}, {}
     per_clip = {c.key: c.tokens(gen.cpu(), gt.cpu(), layout, cb, P) for c in R.COLUMNS if c.tokens is not None}
     pix_gen, pix_gt = _pixels(scorer, gen, gt)
@@ -64,49 +64,69 @@ def score(gen: torch.Tensor, gt: torch.Tensor, *, scorer: Scorer) -> tuple[dict,
         for k in ("psnr", "ssim", "lpips", "fvd", "subject_consistency", "dynamic_degree", "imaging_quality"):
             row[k] = pix_gen
     else:
-        g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
-        ssim = M.ssim_per_frame(g, t)  # PSNR from the MSE pooled over clips (and frames): see M.psnr_pooled
-        curves["psnr"], curves["ssim"] = M.psnr_pooled(g, t, dim=0).tolist(), M.mean_over_clips(ssim)
-        per_clip["psnr"], per_clip["ssim"] = M.mse_per_clip(g, t), ssim.double().mean(1)
-        lp = M.lpips_per_frame(nets["lpips"], g, t)
-        if isinstance(lp, N.Unavailable):
-            row["lpips"] = lp
-        else:
-            per_clip["lpips"], curves["lpips"] = lp.double().mean(1), M.mean_over_clips(lp)
-        row["fvd"] = M.fvd(nets["i3d"], pix_gen, pix_gt)  # whole clips, as MineWorld
-        # VBench's columns, each clip's values or the reason there are none: subject consistency and dynamic degree
-        # from the last prompt frame on (the generated video and its start), imaging quality of the generated frames
-        vbench = {"subject_consistency": M.subject_consistency_per_clip(nets["dino"], pix_gen[:, P - 1:]),
-                  "dynamic_degree": M.dynamic_degree_per_clip(nets["raft"], pix_gen[:, P - 1:]),
-                  "imaging_quality": M.imaging_quality_per_clip(nets["musiq"], g)}
-        for key, values in vbench.items():
-            (row if isinstance(values, N.Unavailable) else per_clip)[key] = values
-    idm = nets["idm"]
-    if isinstance(idm, N.Unavailable):
-        row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
-        row.update(dict.fromkeys(pr_keys(scorer.moves)))  # n/a; the reason is noted once, under action_f1
-    else:
-        a, b, act = frame_pairs(gen.cpu(), layout, cb, first=P - 1)  # pairs ending in a generated frame
-        pred = idm.predict(a, b)
-        s = action_scores(pred, act, scorer.names)
-        a, b, _ = frame_pairs(gt.cpu(), layout, cb, first=P - 1)
-        s_gt = action_scores(idm.predict(a, b), act, scorer.names)
-        row.update(action_f1=s["macro_f1"], action_f1_gt=s_gt["macro_f1"])
-        per_clip["action_acc"] = (pred.reshape(len(act), -1) == act.reshape(len(act), -1)).all(1).double().view(
-            len(gen), -1).mean(1)  # pairs are clip-major
-        row.update(action_pr(pred, act, scorer.names, scorer.moves))
-        extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
+        _score_pixels(scorer, pix_gen, pix_gt, row, curves, per_clip)
+    _score_actions(scorer, gen, gt, row, per_clip, extra)
     extra["per_clip"] = {key: values.double().cpu().tolist() for key, values in per_clip.items()}
     for key, values in per_clip.items():
         pool = R.column(key).pool
         row[key] = float(pool(values.double().cpu()))
         row[f"{key}_lo"], row[f"{key}_hi"] = S.bootstrap_ci(values, pool, scorer.seed, R.CI_RESAMPLES, R.CI_LEVEL)
+    row["notes"] = _unavailable_notes(row)
+    return row, curves, extra
+
+
+def _score_pixels(scorer: Scorer, pix_gen: torch.Tensor, pix_gt: torch.Tensor, row: dict, curves: dict,
+                  per_clip: dict) -> None:
+    """The pixel columns (PSNR, SSIM, LPIPS, FVD, VBench's) into row / curves / per_clip, each column's values or
+    the reason there are none."""
+    P, nets = scorer.prompt_frames, scorer.nets
+    g, t = pix_gen[:, P:], pix_gt[:, P:]  # generated frames only
+    ssim = M.ssim_per_frame(g, t)  # PSNR from the MSE pooled over clips (and frames): see M.psnr_pooled
+    curves["psnr"], curves["ssim"] = M.psnr_pooled(g, t, dim=0).tolist(), M.mean_over_clips(ssim)
+    per_clip["psnr"], per_clip["ssim"] = M.mse_per_clip(g, t), ssim.double().mean(1)
+    lp = M.lpips_per_frame(nets["lpips"], g, t)
+    if isinstance(lp, N.Unavailable):
+        row["lpips"] = lp
+    else:
+        per_clip["lpips"], curves["lpips"] = lp.double().mean(1), M.mean_over_clips(lp)
+    row["fvd"] = M.fvd(nets["i3d"], pix_gen, pix_gt)  # whole clips, as MineWorld
+    # VBench's columns, each clip's values or the reason there are none: subject consistency and dynamic degree
+    # from the last prompt frame on (the generated video and its start), imaging quality of the generated frames
+    vbench = {"subject_consistency": M.subject_consistency_per_clip(nets["dino"], pix_gen[:, P - 1:]),
+              "dynamic_degree": M.dynamic_degree_per_clip(nets["raft"], pix_gen[:, P - 1:]),
+              "imaging_quality": M.imaging_quality_per_clip(nets["musiq"], g)}
+    for key, values in vbench.items():
+        (row if isinstance(values, N.Unavailable) else per_clip)[key] = values
+
+
+def _score_actions(scorer: Scorer, gen: torch.Tensor, gt: torch.Tensor, row: dict, per_clip: dict,
+                   extra: dict) -> None:
+    """The IDM's columns (action F1 / accuracy / precision and recall per move) into row / per_clip / extra: the
+    actions the IDM reads off the generated frames against those taken, and off the true frames as the ceiling."""
+    layout, cb, P, idm = scorer.layout, scorer.codebook_size, scorer.prompt_frames, scorer.nets["idm"]
+    if isinstance(idm, N.Unavailable):
+        row["action_f1"] = row["action_acc"] = row["action_f1_gt"] = idm
+        row.update(dict.fromkeys(pr_keys(scorer.moves)))  # n/a; the reason is noted once, under action_f1
+        return
+    a, b, act = frame_pairs(gen.cpu(), layout, cb, first=P - 1)  # pairs ending in a generated frame
+    pred = idm.predict(a, b)
+    s = action_scores(pred, act, scorer.names)
+    a, b, _ = frame_pairs(gt.cpu(), layout, cb, first=P - 1)
+    s_gt = action_scores(idm.predict(a, b), act, scorer.names)
+    row.update(action_f1=s["macro_f1"], action_f1_gt=s_gt["macro_f1"])
+    per_clip["action_acc"] = (pred.reshape(len(act), -1) == act.reshape(len(act), -1)).all(1).double().view(
+        len(gen), -1).mean(1)  # pairs are clip-major
+    row.update(action_pr(pred, act, scorer.names, scorer.moves))
+    extra["per_action"], extra["per_action_gt"] = s["per_action"], s_gt["per_action"]
+
+
+def _unavailable_notes(row: dict) -> str:
+    """Each reason a column has no value, once, with the columns it holds for."""
     by_reason: dict[str, list[str]] = {}
     for k, v in row.items():
         if isinstance(v, N.Unavailable):
             by_reason.setdefault(v.reason, []).append(k)
-    row["notes"] = "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items())
-    return row, curves, extra
+    return "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items())
 
 
 def score_rows(outputs: dict, gt: torch.Tensor, *, scorer: Scorer, common: dict):

@@ -170,50 +170,68 @@ def fit_patch_vq(frames: torch.Tensor, patch: int = 16, codes: int = 256, iters:
     code's id, so tokens made with it stay valid; its other codes are not kept. Codes left over repeat the first
     code, never chosen."""
     g = torch.Generator().manual_seed(seed)
-    x = F.pixel_unshuffle(frames.permute(0, 3, 1, 2), patch)  # (N, D, h, w), still uint8: frames can be many
-    x = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-    if len(x) > max_patches:
-        x = x[torch.randperm(len(x), generator=g)[:max_patches]]
-    x = x.float().div(127.5).sub(1)
+    x = _sample_patches(frames, patch, max_patches, g)
     n_distinct = len(torch.unique((x * 16).round(), dim=0))
     stats: dict = {}
     book = torch.zeros(codes, x.shape[1])
     taken = torch.zeros(codes, dtype=torch.bool)
-    rest = x
-    if fixed is not None:
-        if fixed.shape[1:3] != (patch, patch):
-            raise ValueError(f"fixed patches of {tuple(fixed.shape[1:3])} pixels, the VQ's patch is {patch}")
-        fx = patch_vectors(fixed)
-        if len(torch.unique(fixed.flatten(1), dim=0)) < len(fixed):
-            raise ValueError("two fixed patches have the same pixels: they cannot have a code each")
-        if len(fx) > codes:
-            raise ValueError(f"{len(fx)} fixed patches do not fit codes={codes}")
-        ids = torch.full((len(fx),), -1)
-        if keep is not None:
-            ki, match = same_pixels(fx, keep.float())
-            if (ki[match] >= codes).any():
-                raise ValueError(f"keep: a fixed patch is code {int(ki[match].max())} of the kept codebook, past "
-                                 f"codes={codes}")
-            ids[match] = ki[match]
-            stats["kept_ids"] = int(match.sum())
-        free = [i for i in range(codes) if i not in set(ids.tolist())]
-        ids[ids < 0] = torch.tensor(free[:int((ids < 0).sum())], dtype=ids.dtype)
-        book[ids], taken[ids] = fx, True
-        _, known = same_pixels(x, fx)
-        rest = x[~known]
-        stats.update(fixed=len(fx), patches_not_fixed=len(rest))
+    rest = x if fixed is None else _place_fixed(fixed, keep, patch, x, book, taken, stats)
     k = min(int((~taken).sum()), len(torch.unique((rest * 16).round(), dim=0))) if len(rest) else 0
     if k:
         book[(~taken).nonzero()[:k, 0]] = _kmeans(rest, k, iters, g, max_seed_pool)
         taken[(~taken).nonzero()[:k, 0]] = True
-    # fewer distinct patches than codes: the rest repeat the first code (never chosen: the nearest code is the first
-    # of equals); one before it (keep left code 0 free) holds a vector far outside [-1, 1], never nearest either
-    first = int(taken.nonzero()[0, 0]) if taken.any() else 0
-    pads = (~taken).nonzero()[:, 0]
-    book[pads] = torch.where((pads > first)[:, None], book[first], torch.full_like(book[first], 5.0))
+    _pad_unused_codes(book, taken)
     idx = nearest(x, book)
     mse = float(((x - book[idx]) ** 2).mean())
     vq = PatchVQ(patch, codes, frames.shape[-1])
     vq.quantize.embedding.weight.data.copy_(book)
     return vq.eval(), {"patches": len(x), "distinct": n_distinct, "codes_used": int(idx.unique().numel()),
                        "mse": mse, **stats}
+
+
+def _sample_patches(frames: torch.Tensor, patch: int, max_patches: int, g: torch.Generator) -> torch.Tensor:
+    """-> (P, D) patch vectors in [-1, 1], at most max_patches drawn at random (sampled while uint8: frames can be
+    many)."""
+    x = F.pixel_unshuffle(frames.permute(0, 3, 1, 2), patch)  # (N, D, h, w)
+    x = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    if len(x) > max_patches:
+        x = x[torch.randperm(len(x), generator=g)[:max_patches]]
+    return x.float().div(127.5).sub(1)
+
+
+def _place_fixed(fixed: torch.Tensor, keep: torch.Tensor | None, patch: int, x: torch.Tensor, book: torch.Tensor,
+                 taken: torch.Tensor, stats: dict) -> torch.Tensor:
+    """Writes each fixed patch into a code of `book` of its own (its kept id when `keep` holds it), marks it in
+    `taken` and notes counts in `stats`. -> the patches of `x` that are none of the fixed ones."""
+    codes = len(book)
+    if fixed.shape[1:3] != (patch, patch):
+        raise ValueError(f"fixed patches of {tuple(fixed.shape[1:3])} pixels, the VQ's patch is {patch}")
+    fx = patch_vectors(fixed)
+    if len(torch.unique(fixed.flatten(1), dim=0)) < len(fixed):
+        raise ValueError("two fixed patches have the same pixels: they cannot have a code each")
+    if len(fx) > codes:
+        raise ValueError(f"{len(fx)} fixed patches do not fit codes={codes}")
+    ids = torch.full((len(fx),), -1)
+    if keep is not None:
+        ki, match = same_pixels(fx, keep.float())
+        if (ki[match] >= codes).any():
+            raise ValueError(f"keep: a fixed patch is code {int(ki[match].max())} of the kept codebook, past "
+                             f"codes={codes}")
+        ids[match] = ki[match]
+        stats["kept_ids"] = int(match.sum())
+    free = [i for i in range(codes) if i not in set(ids.tolist())]
+    ids[ids < 0] = torch.tensor(free[:int((ids < 0).sum())], dtype=ids.dtype)
+    book[ids], taken[ids] = fx, True
+    _, known = same_pixels(x, fx)
+    rest = x[~known]
+    stats.update(fixed=len(fx), patches_not_fixed=len(rest))
+    return rest
+
+
+def _pad_unused_codes(book: torch.Tensor, taken: torch.Tensor) -> None:
+    """Fewer distinct patches than codes: the rest repeat the first code (never chosen: the nearest code is the
+    first of equals); one before it (keep left code 0 free) holds a vector far outside [-1, 1], never nearest
+    either."""
+    first = int(taken.nonzero()[0, 0]) if taken.any() else 0
+    pads = (~taken).nonzero()[:, 0]
+    book[pads] = torch.where((pads > first)[:, None], book[first], torch.full_like(book[first], 5.0))

@@ -48,7 +48,14 @@ FUSED_PART = {(group, part): fused for fused, (group, parts) in FUSED.items() fo
 def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int | None]:
     """(LLaMA state dict with `model.` / `lm_head.` keys, config.json's dict or None, the max_position_embeddings
     a .ckpt records beside its weights (MineWorld's hyper-parameters) or None) from a folder or a file."""
-    config, recorded = None, None
+    files, config = _weight_files(src)
+    state, recorded = _load_state(files)
+    return _llama_weights(src, state), config, recorded
+
+
+def _weight_files(src: Path) -> tuple[list[Path], dict | None]:
+    """-> (the weight files of a folder, or the one file; the folder's config.json or None)."""
+    config = None
     if src.is_dir():
         if (src / "config.json").exists():
             config = json.loads((src / "config.json").read_text())
@@ -60,7 +67,13 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int |
         files = [src]
     else:
         raise FileNotFoundError(f"checkpoint {src} does not exist")
+    return files, config
+
+
+def _load_state(files: list[Path]) -> tuple[dict[str, torch.Tensor], int | None]:
+    """-> (every file's tensors in one dict, the first max_position_embeddings a checkpoint records or None)."""
     state: dict[str, torch.Tensor] = {}
+    recorded = None
     for f in files:
         if f.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -71,6 +84,11 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int |
             recorded = recorded or recorded_positions({k: v for k, v in part.items() if k != "state_dict"})
             part = part.get("state_dict", part)
         state.update(part)
+    return state, recorded
+
+
+def _llama_weights(src: Path, state: dict) -> dict[str, torch.Tensor]:
+    """The LLaMA's tensors of `state` (MineWorld's VQ and anything else left out), checked to be a whole one."""
     llama, skipped = {}, 0
     for key, value in state.items():
         key = key.removeprefix("transformer.")  # MineWorld's LlamaLVM wrapper
@@ -86,7 +104,7 @@ def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], dict | None, int |
                          f"LlamaForCausalLM checkpoint")
     if skipped:
         log.info("left out %d tensors that are not the LLaMA (e.g. MineWorld's VQ, tokenizer.*)", skipped)
-    return llama, config, recorded
+    return llama
 
 
 def recorded_positions(obj, depth: int = 0) -> int | None:
@@ -110,29 +128,10 @@ def model_config(llama: dict, config: dict | None, preset: str | None,
     mlp = llama["model.layers.0.mlp.gate_proj.weight"].shape[0]
     max_pos, arch = None, dict(vocab_size=vocab, dim=dim, n_layers=n_layers, mlp_dim=mlp, rope="1d")
     if config is not None:
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ValueError("config.json: attention_bias / mlp_bias are not supported (mcar layers have no biases)")
-        rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps theta and type here
-        scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-        if scaling:
-            raise ValueError(f"config.json: rope_scaling={scaling} is not supported (plain RoPE only)")
-        heads = config["num_attention_heads"]
-        if config.get("head_dim") not in (None, dim // heads):
-            raise ValueError(f"config.json: head_dim={config['head_dim']} is not hidden_size / num_attention_heads "
-                             f"= {dim // heads}, which mcar's attention assumes")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={config['hidden_act']!r}; mcar's MLP is SwiGLU (silu)")
-        arch |= dict(n_heads=heads,
-                     n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-                     rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                     norm_eps=float(config.get("rms_norm_eps", 1e-6)))
+        arch |= _config_json_arch(config, dim)
         max_pos = config.get("max_position_embeddings")
     elif preset is not None:
-        path = CONF_DIR / "model" / f"{preset}.yaml"
-        if not path.exists():
-            raise FileNotFoundError(f"model={preset}: no {path}")
-        given = yaml.safe_load(path.read_text())["arch"]
-        arch |= {k: v for k, v in given.items() if k in ("n_heads", "n_kv_heads", "rope_base", "norm_eps")}
+        arch |= _preset_arch(preset)
         max_pos = MINEWORLD_16F_POSITIONS
     elif heads is not None:
         kv_dim = llama["model.layers.0.self_attn.k_proj.weight"].shape[0]
@@ -147,6 +146,35 @@ def model_config(llama: dict, config: dict | None, preset: str | None,
             raise ValueError(f"{name} has shape {tuple(llama[name].shape)}, the config asks {want} "
                              f"(n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim})")
     return cfg, max_pos
+
+
+def _config_json_arch(config: dict, dim: int) -> dict:
+    """Heads, RoPE base and norm eps from transformers' config.json, refusing what mcar's layers cannot hold."""
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("config.json: attention_bias / mlp_bias are not supported (mcar layers have no biases)")
+    rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps theta and type here
+    scaling = config.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    if scaling:
+        raise ValueError(f"config.json: rope_scaling={scaling} is not supported (plain RoPE only)")
+    heads = config["num_attention_heads"]
+    if config.get("head_dim") not in (None, dim // heads):
+        raise ValueError(f"config.json: head_dim={config['head_dim']} is not hidden_size / num_attention_heads "
+                         f"= {dim // heads}, which mcar's attention assumes")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={config['hidden_act']!r}; mcar's MLP is SwiGLU (silu)")
+    return dict(n_heads=heads,
+                n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)))
+
+
+def _preset_arch(preset: str) -> dict:
+    """Heads, RoPE base and norm eps of conf/model/<preset>.yaml."""
+    path = CONF_DIR / "model" / f"{preset}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"model={preset}: no {path}")
+    given = yaml.safe_load(path.read_text())["arch"]
+    return {k: v for k, v in given.items() if k in ("n_heads", "n_kv_heads", "rope_base", "norm_eps")}
 
 
 def to_mcar(llama: dict, cfg: ModelConfig, tie: bool = False) -> dict[str, torch.Tensor]:

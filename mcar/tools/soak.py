@@ -64,13 +64,7 @@ def newest_step(ckpt_dir: Path) -> int:
 def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int = 20) -> dict:
     """`kills` kills at random moments: kill i waits for the checkpoint at or after a random step (kill steps drawn
     uniformly over the run, sorted), then for a random fraction of a checkpoint interval, then sends SIGKILL."""
-    max_steps = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("trainer.max_steps=")), None)
-    if not max_steps or max_steps < 4 * every:
-        raise ValueError(f"soak needs trainer.max_steps=<steps> >= 4 x every={every} among the overrides")
-    rng = random.Random(seed)
-    # kill steps leave the last three checkpoint intervals alone: a kill must land before the run ends
-    span = range(every, max_steps - 3 * every + 1)
-    targets = sorted(rng.sample(span, min(kills, len(span))))
+    rng, targets = _kill_plan(overrides, kills, seed, every)
     out.mkdir(parents=True, exist_ok=True)
     train = [sys.executable, "-m", "mcar.cli", "train", *DEFAULTS, f"checkpoint.every_n_steps={every}", *overrides]
     env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
@@ -79,41 +73,8 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                                   f"hydra.run.dir={out}/ref"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
     ckpt_dir = out / "ckpt" / "soak"
-    killed, starts, t1, kill_steps = 0, 0, time.time(), []
-    # seconds a checkpoint interval takes, timed between two checkpoints of one process: from a start to its first
-    # checkpoint includes its start-up, and a wait of up to 0.8x that on a busy machine outlasted the run's end
-    interval = 1.0
-    while True:
-        (out / "killed").mkdir(exist_ok=True)
-        with open(out / "killed" / f"{starts:03d}.stderr", "wb") as stderr:  # why a start failed, when one does
-            proc = subprocess.Popen([*train, f"paths.checkpoint_root={out}/ckpt", "run_name=soak",
-                                     f"hydra.run.dir={out}/killed/{starts:03d}", *resume_from(ckpt_dir)],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-        starts += 1
-        if killed < len(targets):
-            seen, t_seen = newest_step(ckpt_dir), None
-            while proc.poll() is None:
-                step = newest_step(ckpt_dir)
-                if step > seen:
-                    if t_seen is not None:  # this process's second checkpoint or later: how long an interval takes
-                        interval = (time.time() - t_seen) * every / (step - seen)
-                    seen, t_seen = step, time.time()
-                if step >= targets[killed]:
-                    break
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0, 0.8 * interval))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                killed += 1
-                kill_steps.append(newest_step(ckpt_dir))
-                print(f"kill {killed}/{len(targets)} after checkpoint step {kill_steps[-1]} "
-                      f"({time.time() - t1:.0f} s)", flush=True)
-                continue
-        if proc.wait() != 0:
-            raise RuntimeError(f"the resumed run failed (start {starts}); see {out}/killed/{starts - 1:03d} and "
-                               f"{out}/killed/{starts - 1:03d}.stderr")
-        break
+    t1 = time.time()
+    killed, starts, kill_steps = _kill_and_resume(train, env, out, ckpt_dir, targets, rng, every, t1)
     soak_s = time.time() - t1
     if reference.wait() != 0:
         raise RuntimeError(f"the reference run failed; see {out}/ref")
@@ -127,6 +88,64 @@ def soak(out: Path, kills: int, overrides: list[str], seed: int = 0, every: int 
                   soak_seconds=round(soak_s, 1), overrides=overrides)
     write_json(out / "soak.json", result)
     return result
+
+
+def _kill_plan(overrides: list[str], kills: int, seed: int, every: int) -> tuple[random.Random, list[int]]:
+    """-> (the rng that also draws each kill's delay, the sorted steps after which the kills come)."""
+    max_steps = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("trainer.max_steps=")), None)
+    if not max_steps or max_steps < 4 * every:
+        raise ValueError(f"soak needs trainer.max_steps=<steps> >= 4 x every={every} among the overrides")
+    rng = random.Random(seed)
+    # kill steps leave the last three checkpoint intervals alone: a kill must land before the run ends
+    span = range(every, max_steps - 3 * every + 1)
+    return rng, sorted(rng.sample(span, min(kills, len(span))))
+
+
+def _kill_and_resume(train: list[str], env: dict, out: Path, ckpt_dir: Path, targets: list[int],
+                     rng: random.Random, every: int, t1: float) -> tuple[int, int, list[int]]:
+    """Starts (and resumes) the run until it finishes, killing it once per target. -> (kills, starts, kill steps)."""
+    killed, starts, kill_steps = 0, 0, []
+    # seconds a checkpoint interval takes, timed between two checkpoints of one process: from a start to its first
+    # checkpoint includes its start-up, and a wait of up to 0.8x that on a busy machine outlasted the run's end
+    interval = 1.0
+    while True:
+        (out / "killed").mkdir(exist_ok=True)
+        with open(out / "killed" / f"{starts:03d}.stderr", "wb") as stderr:  # why a start failed, when one does
+            proc = subprocess.Popen([*train, f"paths.checkpoint_root={out}/ckpt", "run_name=soak",
+                                     f"hydra.run.dir={out}/killed/{starts:03d}", *resume_from(ckpt_dir)],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        starts += 1
+        if killed < len(targets):
+            interval = _wait_for_step(proc, ckpt_dir, targets[killed], every, interval)
+            time.sleep(rng.uniform(0, 0.8 * interval))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                killed += 1
+                kill_steps.append(newest_step(ckpt_dir))
+                print(f"kill {killed}/{len(targets)} after checkpoint step {kill_steps[-1]} "
+                      f"({time.time() - t1:.0f} s)", flush=True)
+                continue
+        if proc.wait() != 0:
+            raise RuntimeError(f"the resumed run failed (start {starts}); see {out}/killed/{starts - 1:03d} and "
+                               f"{out}/killed/{starts - 1:03d}.stderr")
+        return killed, starts, kill_steps
+
+
+def _wait_for_step(proc: subprocess.Popen, ckpt_dir: Path, target: int, every: int, interval: float) -> float:
+    """Waits until a checkpoint at or after `target` exists (or the run ends). -> seconds per checkpoint interval,
+    re-timed when this process writes a second checkpoint."""
+    seen, t_seen = newest_step(ckpt_dir), None
+    while proc.poll() is None:
+        step = newest_step(ckpt_dir)
+        if step > seen:
+            if t_seen is not None:  # this process's second checkpoint or later: how long an interval takes
+                interval = (time.time() - t_seen) * every / (step - seen)
+            seen, t_seen = step, time.time()
+        if step >= target:
+            break
+        time.sleep(0.05)
+    return interval
 
 
 def main(argv: list[str] | None = None) -> None:
