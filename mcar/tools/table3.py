@@ -145,6 +145,8 @@ def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
     stages = Stages(out, dry_run)
     shared = [o for o in overrides if o.startswith(SHARED_PREFIXES)]
     data = [f"data={cfg.hydra.runtime.choices.data}", *(o for o in shared if not o.startswith("logger"))]
+    if cfg.data.get("root"):  # where the data is read: the experiment's, said again (a checkpoint never says it)
+        data.append(f"data.root={cfg.data.root}")
     pre_ckpt = Path(cfg.checkpoint.dir) / "last.ckpt"
     idm = Path(cfg.paths.checkpoint_root) / f"{t.name}-idm" / "idm.pt"
 
