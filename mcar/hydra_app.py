@@ -29,27 +29,47 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs
 COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)  # a composition that failed: a bad override
 
 
+ASSETS = Path(__file__).resolve().parent / "assets"  # this install's committed asset folders
+
+
 def asset_path(name: str) -> str:
     """The absolute path of a committed asset folder, mcar/assets/<name> (conf: `${mcar_asset:vq_crafter_tiles}`)."""
-    assets = Path(__file__).parent / "assets"
-    if not (assets / name).is_dir():
-        raise FileNotFoundError(f"no committed asset {name!r} in {assets} (there: "
-                                f"{sorted(p.name for p in assets.iterdir() if p.is_dir())})")
-    return str(assets / name)
+    if not (ASSETS / name).is_dir():
+        raise FileNotFoundError(f"no committed asset {name!r} in {ASSETS} (there: "
+                                f"{sorted(p.name for p in ASSETS.iterdir() if p.is_dir())})")
+    return str(ASSETS / name)
+
+
+def committed_asset(value) -> str | None:
+    """The name of the committed asset a path names (<any install>/mcar/assets/<name>, or mcar/assets/<name> as a
+    checkpoint records it), None for anything else."""
+    if not isinstance(value, str) or "/" not in value:
+        return None
+    p = Path(value)
+    if p.parent.name != "assets" or p.parent.parent.name != "mcar" or not (ASSETS / p.name).is_dir():
+        return None
+    return p.name
 
 
 def relocated_asset(value):
-    """A path into another install's mcar/assets/<name> (a checkpoint's config, made on another machine or
-    clone) -> this install's asset of that name; anything else unchanged."""
-    if not isinstance(value, str) or "/" not in value:
-        return value
-    p = Path(value)
-    if p.exists() or p.parent.name != "assets" or p.parent.parent.name != "mcar":
-        return value
-    try:
-        return asset_path(p.name)
-    except FileNotFoundError:
-        return value
+    """A committed asset's path as a checkpoint's config has it -> this install's asset of that name, always (a
+    path into another clone that exists on this machine would decode with that clone's files); anything else
+    unchanged."""
+    name = committed_asset(value)
+    return value if name is None else asset_path(name)
+
+
+def assets_by_name(node):
+    """Every committed asset's path in a config (dicts, lists, strings) -> mcar/assets/<name>: what a checkpoint
+    records, naming no machine's checkout (relocated_asset reads it back into the loading install)."""
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {k: assets_by_name(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [assets_by_name(v) for v in node]
+    name = committed_asset(node)
+    return node if name is None else f"mcar/assets/{name}"
 
 
 def register_resolvers() -> None:

@@ -26,7 +26,7 @@ from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule
-from mcar.hydra_app import to_dict
+from mcar.hydra_app import assets_by_name, to_dict
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
 from mcar.train.jobs import (
@@ -171,7 +171,7 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
     if trainer.logger:
         trainer.logger.log_hyperparams({"config": resolved})
     if trainer.is_global_zero:
-        OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
+        OmegaConf.save(OmegaConf.create(assets_by_name(resolved)), Path(output_dir) / "resolved_config.yaml")
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
