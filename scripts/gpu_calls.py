@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mcar.bench.gpu_check import fingerprint, run_stage, stages
-from mcar.data.files import write_atomic, write_json
+from mcar.atomic import write_atomic, write_json
 from mcar.hydra_app import register_resolvers
 from mcar.stopping import stop_signals_end
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcar.atomic import temp_path, write_json
 from mcar.data.common import ClipDataModule, check_vocab
-from mcar.data.files import read_json, temp_path, write_json, writing_into
+from mcar.data.files import read_json, writing_into
 from mcar.data.index import current_index, split_by_episode
 from mcar.data.shards import ShardError, check_entry, ids_out_of_range, shard_paths
 from mcar.tokenizer.clips import join_clip

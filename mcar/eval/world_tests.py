@@ -71,6 +71,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mcar.atomic import write_atomic, written_atomically
 from mcar.core.agreement import frame_agreement, histogram_distance, nothing_moves
 from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
@@ -1013,7 +1014,7 @@ CURVE_COLUMNS = ["row", "step", "agreement", "lo", "hi", "tv", "map", "inventory
 def write_curves(curves: dict, path: Path) -> list[list]:
     table = [[name, k + 1, c["mean"], c["lo"], c["hi"], c["tv"], c["map"], c["inventory"], c["invented"]]
              for name, per in curves.items() for k, c in enumerate(per)]
-    with open(path, "w", newline="") as f:
+    with written_atomically(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CURVE_COLUMNS)
         w.writerows(table)
@@ -1082,14 +1083,14 @@ def world_tests(cfg: DictConfig) -> dict:
         video = comparison_frames(clips, tests.layout, tests.cb, tests.vq, space)
         media[f"world/{key}"] = write_video(video, out / "videos" / key, cfg.fps)[1]
     table = write_curves(tests.curves, out / "rollout_agreement.csv")
-    (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
+    write_atomic(out / "world_tests.json", json.dumps({**res, "curves": tests.curves}, indent=1))
     md = markdown(res)
     if versus is not None:
         path = versus
         res["versus"] = {"path": str(path), "rows": paired_versus(res, json.loads(path.read_text()), int(cfg.seed))}
         md += "\n" + versus_markdown(res["versus"]["rows"], str(path))
-        (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
-    (out / "world_tests.md").write_text(md)
+        write_atomic(out / "world_tests.json", json.dumps({**res, "curves": tests.curves}, indent=1))
+    write_atomic(out / "world_tests.md", md)
     log_wandb(cfg, res, table, media)
     log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", md, out)
     return res

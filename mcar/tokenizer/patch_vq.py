@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from diffusers.models.autoencoders.vae import VectorQuantizer
 from safetensors.torch import load_file, save_file
 
+from mcar.atomic import write_atomic, written_atomically
+
 CLASS_NAME = "PatchVQ"
 WEIGHTS = "diffusion_pytorch_model.safetensors"  # the name vq_id hashes, as for a VQModel folder
 
@@ -63,8 +65,9 @@ class PatchVQ(torch.nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         cfg = {k: v for k, v in vars(self.config).items() if k != "vq_embed_dim"}
-        (path / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-        save_file({"codebook": self.quantize.embedding.weight.detach().contiguous().cpu()}, str(path / WEIGHTS))
+        write_atomic(path / "config.json", json.dumps(cfg, indent=1) + "\n")
+        with written_atomically(path / WEIGHTS) as tmp:
+            save_file({"codebook": self.quantize.embedding.weight.detach().contiguous().cpu()}, str(tmp))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **_) -> "PatchVQ":

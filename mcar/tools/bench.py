@@ -9,10 +9,10 @@ The last line printed is one JSON object; it is also written to bench.out (the r
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mcar.atomic import write_atomic
 from mcar.bench.data_speed import run_data
 from mcar.bench.gpu_check import run_gpu, run_memory
 from mcar.bench.play import run_play
@@ -34,6 +34,5 @@ def main(cfg: DictConfig) -> None:
     if cfg.bench.mode not in MODES:
         raise ValueError(f"bench.mode={cfg.bench.mode!r}: run `mcar bench {'|'.join(MODES)} ...`")
     line = json.dumps(MODES[cfg.bench.mode](cfg))
-    Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.bench.out).write_text(line + "\n")
+    write_atomic(cfg.bench.out, line + "\n")
     print(line, flush=True)

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.atomic import write_atomic
 from mcar.data.common import build_datamodule
-from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
 from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
@@ -128,9 +128,7 @@ class Stages:
             raise RuntimeError(f"table3 stage {key} failed (exit {rc}); its log: {log}. Fix and re-run: finished "
                                f"stages are skipped, a training stage resumes from its last checkpoint")
         self.state[key] = {"seconds": time.perf_counter() - t0, "finished": dt.datetime.now().isoformat("T", "seconds")}
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2))
-        tmp.replace(self.state_file)
+        write_atomic(self.state_file, json.dumps(self.state, indent=2))
 
 
 def python(*args: str) -> list[str]:
@@ -500,7 +498,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, results_md: Path, ove
              "(the held-out clips themselves), copy_last (the last prompt frame repeated: nothing moves), noise "
              "(random tokens).", "", *gap_lines, "", *scratch_lines, f"<!-- table3:{t.name} end -->"]
     section = "\n".join(lines) + "\n"
-    (out / "table3.md").write_text(section)
+    write_atomic(out / "table3.md", section)
     update_section(results_md, t.name, section)
     print(section, flush=True)
     return results_md
@@ -516,7 +514,7 @@ def update_section(path: Path, name: str, section: str) -> None:
         text = head + section + ("\n" + tail if tail else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_atomic(path, text)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.atomic import write_atomic
 from mcar.checkpoint.io import (
     AtomicCheckpointIO,
     check_sharded_checkpoint,
@@ -171,7 +172,7 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
     if trainer.logger:
         trainer.logger.log_hyperparams({"config": resolved})
     if trainer.is_global_zero:
-        OmegaConf.save(OmegaConf.create(assets_by_name(resolved)), Path(output_dir) / "resolved_config.yaml")
+        write_atomic(Path(output_dir) / "resolved_config.yaml", OmegaConf.to_yaml(assets_by_name(resolved)))
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
