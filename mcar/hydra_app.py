@@ -21,6 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcar.config_checks import check_before_run
 from mcar.core.precision import trainer_precision
 from mcar.stopping import stop_signals_end
 
@@ -113,6 +114,7 @@ def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
     if missing:
         raise SystemExit(f"mcar {config_name}: give {', '.join(k + '=...' for k in missing)} "
                          f"(conf/{config_name}.yaml has no default for {'them' if len(missing) > 1 else 'it'})")
+    check_before_run(config_name, cfg=cfg)
     return cfg
 
 
@@ -236,6 +238,7 @@ def hydra_tool(config_name: str, words=None):
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
+            check_before_run(config_name, args)  # a refused value leaves no run folder
             user["full_error"] = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"  # a failed composition reaches us (said in one line, below)
             try:

@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from mcar.atomic import write_atomic
+from mcar.config_checks import check_before_run
 from mcar.data.common import build_datamodule
 from mcar.eval import metric_registry as R
 from mcar.eval import metrics as M
@@ -138,6 +139,7 @@ def python(*args: str) -> list[str]:
 def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
     """All stages of the experiment, then the table; -> the RESULTS file written."""
     cfg = compose_experiment(overrides)
+    check_before_run("table3", cfg=cfg)  # a bad value is said now, not after an hour's pre-training
     t = cfg.table3
     out = Path(cfg.paths.root_dir) / "outputs" / "table3" / t.name
     stages = Stages(out, dry_run)
