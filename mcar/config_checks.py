@@ -45,10 +45,11 @@ def _finite(x: float) -> float:
     return x
 
 
-def count(lo: int = 1, hi: int | None = None, optional: bool = False) -> Rule:
+def count(lo: int = 1, hi: int | None = None, optional: bool = False, note: str = "") -> Rule:
     t = Annotated[int, Field(ge=lo, le=hi)]
     span = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
-    return Rule(span + (" or null" if optional else ""), TypeAdapter(t | None if optional else t))
+    return Rule(span + (" or null" if optional else "") + (f" ({note})" if note else ""),
+                TypeAdapter(t | None if optional else t))
 
 
 def real(ge: float | None = None, gt: float | None = None, le: float | None = None, optional: bool = False) -> Rule:
@@ -96,7 +97,7 @@ PROBABILITY = real(ge=0, le=1)
 RULES: dict[str, dict[str, Rule]] = {
     "*": {
         "optim.lr": real(gt=0), "optim.weight_decay": real(ge=0),
-        "trainer.max_steps": count(0), "trainer.accumulate_grad_batches": count(1),
+        "trainer.max_steps": count(-1, note="-1: max_epochs decides"), "trainer.accumulate_grad_batches": count(1),
         "model.arch.dim": count(1), "model.arch.n_layers": count(1), "model.arch.n_heads": count(1),
         "model.arch.mlp_dim": count(1), "far_copy_weight": real(ge=0), "retoken": flag(),
         "sampler.temperature": real(ge=0),

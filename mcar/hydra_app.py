@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -135,7 +135,12 @@ def override_error(config_name: str, args: list[str], e: BaseException) -> str:
     if key:
         key = key.group(1)
         given = next((a for a in args if a.split("=", 1)[0] == key), key)
-        close = similar_keys(key, config_keys(config_name, args))
+        keys = config_keys(config_name, args)
+        own = [k.rsplit(".", 1)[1] for k in keys if k.rsplit(".", 1)[0] == key]
+        if key in keys and own:  # the key is there: the mapping given names keys it does not have
+            return f"mcar {config_name}: {given}: {key} has the keys {', '.join(own)}; set those " \
+                   f"({key}.{own[0]}=...), or add a key with +{key}.<name>=..."
+        close = similar_keys(key, keys)
         if close:
             return f"mcar {config_name}: {given}: conf/{config_name}.yaml has no key {key}; did you mean " \
                    f"{' or '.join(close)}?"
@@ -276,7 +281,10 @@ def plain_errors():
     libraries keep theirs."""
     try:
         yield
-    except SAID_PLAINLY as e:
+    except (*SAID_PLAINLY, InstantiationException) as caught:
+        e = caught.__cause__ if isinstance(caught, InstantiationException) else caught  # ours, inside Hydra's call
+        if not isinstance(e, SAID_PLAINLY):
+            raise
         said = path_given(e)  # the OS refusing a path the command line gave: the user's to fix, said as such
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (raised_by_mcar(e) or said):
             raise
@@ -347,7 +355,8 @@ def said_plainly(job, user_full_error=lambda: None):
 
 def remove_unused_run_dir() -> None:
     """Hydra's fresh run folder (outputs/<task>/<time>/) of a failed job, when it holds nothing but Hydra's own
-    log of the job, is removed: a command refused before its work leaves no folder that looks like a run."""
+    log of the job and its config record (.hydra/), is removed: a command refused before its work leaves no
+    folder that looks like a run."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -356,8 +365,13 @@ def remove_unused_run_dir() -> None:
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
     if out.is_dir() and out.resolve() != Path.cwd().resolve() and \
-            {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log"}:
+            {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log", hc.output_subdir or ".hydra"}:
         shutil.rmtree(out, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in out.resolve().parents:  # outputs/<task>/ too (under the working folder), when it held only this
+            if parent == cwd or not parent.is_relative_to(cwd) or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def command_line_overrides() -> list[str]:

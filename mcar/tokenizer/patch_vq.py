@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.vae import VectorQuantizer
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mcar.atomic import write_atomic, written_atomically
@@ -74,7 +75,11 @@ class PatchVQ(torch.nn.Module):
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
         vq = cls(int(cfg["patch"]), int(cfg["num_vq_embeddings"]), int(cfg.get("in_channels", 3)))
-        codebook = load_file(str(path / WEIGHTS))["codebook"].float()
+        try:
+            codebook = load_file(str(path / WEIGHTS))["codebook"].float()
+        except (SafetensorError, KeyError) as e:  # truncated, not safetensors, or no codebook in it
+            raise ValueError(f"{path / WEIGHTS} is not a patch VQ's safetensors file ({type(e).__name__}: {e}); "
+                             f"save the VQ again (mcar vq_patches) or point vq.path at a whole folder") from None
         if codebook.shape != vq.quantize.embedding.weight.shape:
             raise ValueError(f"{path / WEIGHTS}: codebook {tuple(codebook.shape)} does not match config.json "
                              f"({vq.config.num_vq_embeddings} codes of {vq.config.vq_embed_dim})")
