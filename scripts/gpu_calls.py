@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mcar.bench.gpu_check import fingerprint, run_stage, stages
 from mcar.atomic import write_atomic, write_json
+from mcar.bench.gpu_check import fingerprint, run_stage, stages
 from mcar.hydra_app import register_resolvers
 from mcar.stopping import stop_signals_end
 
