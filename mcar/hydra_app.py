@@ -17,10 +17,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcar.config_checks import check_before_run
 from mcar.stopping import stop_signals_end
 
 CONFIG_PATH = "pkg://mcar.conf"
@@ -28,27 +29,47 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs
 COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)  # a composition that failed: a bad override
 
 
+ASSETS = Path(__file__).resolve().parent / "assets"  # this install's committed asset folders
+
+
 def asset_path(name: str) -> str:
     """The absolute path of a committed asset folder, mcar/assets/<name> (conf: `${mcar_asset:vq_crafter_tiles}`)."""
-    assets = Path(__file__).parent / "assets"
-    if not (assets / name).is_dir():
-        raise FileNotFoundError(f"no committed asset {name!r} in {assets} (there: "
-                                f"{sorted(p.name for p in assets.iterdir() if p.is_dir())})")
-    return str(assets / name)
+    if not (ASSETS / name).is_dir():
+        raise FileNotFoundError(f"no committed asset {name!r} in {ASSETS} (there: "
+                                f"{sorted(p.name for p in ASSETS.iterdir() if p.is_dir())})")
+    return str(ASSETS / name)
+
+
+def committed_asset(value) -> str | None:
+    """The name of the committed asset a path names (<any install>/mcar/assets/<name>, or mcar/assets/<name> as a
+    checkpoint records it), None for anything else."""
+    if not isinstance(value, str) or "/" not in value:
+        return None
+    p = Path(value)
+    if p.parent.name != "assets" or p.parent.parent.name != "mcar" or not (ASSETS / p.name).is_dir():
+        return None
+    return p.name
 
 
 def relocated_asset(value):
-    """A path into another install's mcar/assets/<name> (a checkpoint's config, made on another machine or
-    clone) -> this install's asset of that name; anything else unchanged."""
-    if not isinstance(value, str) or "/" not in value:
-        return value
-    p = Path(value)
-    if p.exists() or p.parent.name != "assets" or p.parent.parent.name != "mcar":
-        return value
-    try:
-        return asset_path(p.name)
-    except FileNotFoundError:
-        return value
+    """A committed asset's path as a checkpoint's config has it -> this install's asset of that name, always (a
+    path into another clone that exists on this machine would decode with that clone's files); anything else
+    unchanged."""
+    name = committed_asset(value)
+    return value if name is None else asset_path(name)
+
+
+def assets_by_name(node):
+    """Every committed asset's path in a config (dicts, lists, strings) -> mcar/assets/<name>: what a checkpoint
+    records, naming no machine's checkout (relocated_asset reads it back into the loading install)."""
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        return {k: assets_by_name(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [assets_by_name(v) for v in node]
+    name = committed_asset(node)
+    return node if name is None else f"mcar/assets/{name}"
 
 
 def trainer_precision(*args):
@@ -158,6 +179,7 @@ def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
     if missing:
         raise SystemExit(f"mcar {config_name}: give {', '.join(k + '=...' for k in missing)} "
                          f"(conf/{config_name}.yaml has no default for {'them' if len(missing) > 1 else 'it'})")
+    check_before_run(config_name, cfg=cfg)
     return cfg
 
 
@@ -178,7 +200,12 @@ def override_error(config_name: str, args: list[str], e: BaseException) -> str:
     if key:
         key = key.group(1)
         given = next((a for a in args if a.split("=", 1)[0] == key), key)
-        close = similar_keys(key, config_keys(config_name, args))
+        keys = config_keys(config_name, args)
+        own = [k.rsplit(".", 1)[1] for k in keys if k.rsplit(".", 1)[0] == key]
+        if key in keys and own:  # the key is there: the mapping given names keys it does not have
+            return f"mcar {config_name}: {given}: {key} has the keys {', '.join(own)}; set those " \
+                   f"({key}.{own[0]}=...), or add a key with +{key}.<name>=..."
+        close = similar_keys(key, keys)
         if close:
             return f"mcar {config_name}: {given}: conf/{config_name}.yaml has no key {key}; did you mean " \
                    f"{' or '.join(close)}?"
@@ -293,6 +320,7 @@ def hydra_tool(config_name: str, words=None):
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()
+            check_before_run(config_name, args)  # a refused value leaves no run folder
             user["full_error"] = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"  # a failed composition reaches us (said in one line, below)
             try:
@@ -330,7 +358,10 @@ def plain_errors():
     libraries keep theirs."""
     try:
         yield
-    except SAID_PLAINLY as e:
+    except (*SAID_PLAINLY, InstantiationException) as caught:
+        e = caught.__cause__ if isinstance(caught, InstantiationException) else caught  # ours, inside Hydra's call
+        if not isinstance(e, SAID_PLAINLY):
+            raise
         said = path_given(e)  # the OS refusing a path the command line gave: the user's to fix, said as such
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (raised_by_mcar(e) or said):
             raise
@@ -401,7 +432,8 @@ def said_plainly(job, user_full_error=lambda: None):
 
 def remove_unused_run_dir() -> None:
     """Hydra's fresh run folder (outputs/<task>/<time>/) of a failed job, when it holds nothing but Hydra's own
-    log of the job, is removed: a command refused before its work leaves no folder that looks like a run."""
+    log of the job and its config record (.hydra/), is removed: a command refused before its work leaves no
+    folder that looks like a run."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -410,8 +442,13 @@ def remove_unused_run_dir() -> None:
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
     if out.is_dir() and out.resolve() != Path.cwd().resolve() and \
-            {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log"}:
+            {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log", hc.output_subdir or ".hydra"}:
         shutil.rmtree(out, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in out.resolve().parents:  # outputs/<task>/ too (under the working folder), when it held only this
+            if parent == cwd or not parent.is_relative_to(cwd) or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def command_line_overrides() -> list[str]:

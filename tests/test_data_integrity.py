@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mcar.data.files import FolderLock, read_json, write_atomic, write_json
+from mcar.atomic import write_atomic, write_json
+from mcar.data.files import FolderLock, read_json
 from tests.conftest import REPO, SMALL_DATA, job_overrides, run_script, script_env
 
 

@@ -288,10 +288,11 @@ def test_other_resolutions_and_orphan_jsonl_are_reported(tmp_path):
 
 def test_an_mp4_is_written_under_a_temp_name_of_this_host_and_process(tmp_path, monkeypatch):
     """Two machines writing episodes into one shared folder may share a pid: the temp name holds the host too."""
+    from mcar import atomic
     from mcar.tokenizer import video
 
     names = []
     monkeypatch.setattr(video, "_encode", lambda frames, tmp, *a: (names.append(tmp.name), tmp.write_bytes(b"x")))
-    monkeypatch.setattr(video.socket, "gethostname", lambda: "node7")
+    monkeypatch.setattr(atomic.socket, "gethostname", lambda: "node7")
     write_mp4(np.zeros((1, 8, 8, 3), np.uint8), tmp_path / "ep.mp4")
     assert names == [f".ep.node7.{os.getpid()}.part.mp4"] and (tmp_path / "ep.mp4").read_bytes() == b"x"

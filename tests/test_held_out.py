@@ -110,3 +110,32 @@ def test_the_shipped_checkpoint_carries_its_data_and_fits_its_held_out_clips():
     source = held_out_data(cfg, 3).val_source
     assert len(source) == 2 * (128 // 3) and source.folder == SHIPPED / "held_out"
     assert compose("evaluate", []).held_out == "auto" and compose("evaluate", []).idm == "auto"
+
+
+def test_an_asset_another_clone_holds_on_this_machine_is_still_this_installs(tmp_path):
+    """A checkpoint trained in another checkout names that checkout's VQ; when that folder exists on this machine
+    too, the loading install's own asset is still the one used (not the other clone's files)."""
+    from mcar.checkpoint.config import relocate_assets
+    from mcar.hydra_app import asset_path
+
+    other = tmp_path / "other_clone" / "mcar" / "assets" / "vq_crafter_tiles"
+    other.mkdir(parents=True)
+    (other / "config.json").write_text("{}")
+    assert relocate_assets({"vq": {"path": str(other)}}) == {"vq": {"path": asset_path("vq_crafter_tiles")}}
+    assert relocate_assets({"path": "mcar/assets/vq_crafter_tiles"}) == {"path": asset_path("vq_crafter_tiles")}
+
+
+def test_a_checkpoint_records_its_assets_by_name_not_this_checkouts_path():
+    """What a checkpoint stores names a committed asset as mcar/assets/<name>: no machine's checkout in it."""
+    from mcar.hydra_app import asset_path
+    from mcar.train.module import MCARModule
+
+    vq = asset_path("vq_crafter_tiles")
+    module = MCARModule(arch=dict(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=32),
+                        layout=dict(h=2, w=2, n_a=1), clip_frames=2, mask={"name": "causal"}, optim={}, max_steps=1,
+                        vq={"name": "tiles", "path": vq}, data={"name": "crafter", "vq_path": vq, "root": "./data"})
+    checkpoint = {"hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    hp = checkpoint["hyper_parameters"]
+    assert hp["vq"]["path"] == hp["data"]["vq_path"] == "mcar/assets/vq_crafter_tiles"
+    assert hp["data"]["root"] == "./data" and hp["arch"]["dim"] == 16

@@ -4,6 +4,7 @@ that presses a key on the served page and sees a new frame."""
 import base64
 import io
 import json
+import logging
 import os
 import select
 import shutil
@@ -803,3 +804,115 @@ def test_a_game_gradio_deletes_twice_leaves_once():
     games.dropped(game)
     games.dropped(None)
     assert games.live == 0 and left == [game]
+
+
+def test_a_closed_page_gives_its_place_back_at_once(crafter_files, tmp_path, monkeypatch, capfd, caplog):
+    """A session that closes (a tab closed or reloaded, a client done) gives its game's place and KV cache back
+    when it goes, not when gradio deletes a closed session's State (an hour later, whatever idle_minutes says);
+    a player turned away at max_games is told so in one line, with no traceback in the log."""
+    pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
+    from gradio_client import Client
+
+    from mcar.tools.play import build_app
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.5")  # a closed client is seen at its next heartbeat
+    s = crafter_session(crafter_files, "max_games=2")
+    demo = build_app(s, buttons=[], ks=[2], idle_minutes=30, cache_seconds=0)
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = f"http://127.0.0.1:{port}/"
+    clients = []
+    try:
+        with caplog.at_level(logging.INFO, logger="mcar.play"):
+            a, b, c = (Client(url, verbose=False, download_files=str(tmp_path / n)) for n in "abc")
+            clients += [a, b, c]
+            a.predict(api_name="/step_do")
+            b.predict(api_name="/step_do")
+            with pytest.raises(Exception, match="all 2 games are taken"):
+                c.predict(api_name="/step_do")
+            a.close()
+            b.close()
+            end = time.monotonic() + 30
+            while demo.games.live and time.monotonic() < end:
+                time.sleep(0.2)
+            assert demo.games.live == 0 and not s.server.games, "a closed session still holds its game"
+            _, info = c.predict(api_name="/step_do")
+            assert "step 1" in info
+        assert sum("a closed page's game was dropped" in r.getMessage() for r in caplog.records) == 2
+        assert any("a new player was turned away: all 2 games are taken" in r.getMessage() for r in caplog.records)
+        out = capfd.readouterr()
+        assert "Traceback" not in out.out + out.err
+    finally:
+        for client in clients:
+            client.close()
+        demo.close()
+
+
+def slow_page(first_answer_s: float):
+    """A local HTTP server whose first answer comes after `first_answer_s` (a loaded machine); -> (url, server)."""
+    import http.server
+    import threading
+
+    answered = []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            if not answered:
+                time.sleep(first_answer_s)
+            answered.append(1)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/", server
+
+
+def test_the_page_check_waits_out_a_slow_first_answer_and_skips_proxies(monkeypatch):
+    """gradio gives its own page 3 s to answer; play's check waits as long as it is told, asks no proxy, and says
+    no for a port where nothing answers."""
+    from mcar.tools.play import page_answers
+
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a proxy that would refuse: never asked
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    url, server = slow_page(3.5)
+    try:
+        t0 = time.monotonic()
+        assert page_answers(url, 20) and time.monotonic() - t0 >= 3.5
+    finally:
+        server.shutdown()
+    t0 = time.monotonic()
+    assert not page_answers(f"http://127.0.0.1:{free_port()}/", 1) and time.monotonic() - t0 < 4
+
+
+def test_play_serves_when_gradios_own_check_of_its_page_gives_up(crafter_files, tmp_path, monkeypatch):
+    """On a loaded machine gradio's 3 s check of its own page fails and its launch raises ("a shareable link must
+    be created"); play's start does not depend on it, and a page that never answers is one line saying what to do."""
+    pytest.importorskip("gradio", reason="gradio is an optional extra: pip install -e '.[play]'")
+    import gradio.networking
+    from gradio_client import Client
+
+    from mcar.tools import play as play_tool
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gradio.networking, "url_ok", lambda url: False)  # its first answer took over 3 s
+    demo = play_tool.build_app(crafter_session(crafter_files), buttons=[], ks=[2], cache_seconds=0)
+    port = free_port()
+    try:
+        play_tool.serve(demo, "127.0.0.1", port, block=False, answer_s=30)
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False, download_files=str(tmp_path / "c"))
+        assert "step 1" in client.predict(api_name="/step_do")[1]
+        client.close()
+    finally:
+        demo.close()
+    monkeypatch.setattr(play_tool, "page_answers", lambda url, within_s: False)
+    with pytest.raises(RuntimeError, match=r"^mcar play: the page at http://127.0.0.1:\d+/ did not answer within "
+                                           r"30 s: .*start it again") as e:
+        play_tool.serve(demo, "127.0.0.1", free_port(), block=False, answer_s=30)
+    assert "\n" not in str(e.value) and not demo.is_running

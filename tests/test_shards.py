@@ -5,9 +5,9 @@ none."""
 import numpy as np
 import pytest
 
+from mcar.atomic import write_json
 from mcar.core.layout import Layout
 from mcar.data import shards as S
-from mcar.data.files import write_json
 from mcar.data.index import build_index
 from mcar.data.token_clips import TokenClips
 

@@ -379,3 +379,23 @@ def test_a_pack_removes_what_a_killed_pack_left_behind(stream, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["out"]
     finally:
         shutil.rmtree(live_cache, ignore_errors=True)
+
+
+def test_a_pack_whose_chunks_and_stream_share_one_disk_needs_room_for_both(tmp_path, monkeypatch):
+    """LitData writes its chunks in the temp folder and copies them into the staged stream: on one disk the pack
+    needs twice its size there (a disk with room for one copy filled up inside LitData's workers, their traceback
+    before our line, once hanging)."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    from mcar.data.stream import PACK_OVERHEAD, check_free_space
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))  # the stream's disk
+    usage = namedtuple("usage", "total used free")
+    clip_bytes = 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, int(1.5 * PACK_OVERHEAD * clip_bytes)))
+    with pytest.raises(OSError, match=r"no space left on .* for the stream s: it needs ~2 MiB, 2 MiB are free"):
+        check_free_space(tmp_path / "s", clip_bytes)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, int(2.1 * PACK_OVERHEAD * clip_bytes)))
+    check_free_space(tmp_path / "s", clip_bytes)

@@ -394,3 +394,24 @@ def test_ckpt_path_last_falls_back_to_the_newest_step_checkpoint(tmp_path):
     assert resolve_ckpt_path(cfg) == str(run / "step0001000.ckpt")
     (run / "last.ckpt").write_bytes(b"x")
     assert resolve_ckpt_path(cfg) == str(run / "last.ckpt")
+
+
+def test_ckpt_path_last_takes_a_step_checkpoint_newer_than_last_ckpt(tmp_path):
+    """A stop between a step checkpoint's write and last.ckpt's leaves last.ckpt a step behind: `last` resumes from
+    the newer step checkpoint (not training the steps between again, nor writing that checkpoint twice as -v1);
+    a last.ckpt at the newest step or later wins."""
+    from omegaconf import OmegaConf
+
+    from mcar.train.jobs import resolve_ckpt_path
+
+    cfg = OmegaConf.create({"ckpt_path": "last", "run_name": "r", "paths": {"checkpoint_root": str(tmp_path)}})
+    run = tmp_path / "r"
+    run.mkdir()
+    for step in (500, 1000):
+        torch.save({"global_step": step, "state_dict": {}}, run / f"step{step:07d}.ckpt")
+    torch.save({"global_step": 500, "state_dict": {}}, run / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(run / "step0001000.ckpt")
+    torch.save({"global_step": 1000, "state_dict": {}}, run / "last.ckpt")
+    assert resolve_ckpt_path(cfg) == str(run / "last.ckpt")
+    torch.save({"global_step": 1003, "state_dict": {}}, run / "last.ckpt")  # the final step, past every N
+    assert resolve_ckpt_path(cfg) == str(run / "last.ckpt")

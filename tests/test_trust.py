@@ -259,10 +259,11 @@ def test_the_shipped_checkpoints_config_passes_unchanged():
     from mcar.checkpoint.io import load_checkpoint
 
     hp = load_checkpoint(REPO / "checkpoints" / "shipped" / "crafter_tiles_diagd" / "last.ckpt")["hyper_parameters"]
-    for group in ("vq", "schedule"):
-        assert checkpoint_group_config(group, hp[group], "ckpt=shipped") == hp[group]
+    vq = str(REPO / "mcar" / "assets" / "vq_crafter_tiles")  # this install's, whatever checkout trained it
+    assert checkpoint_group_config("vq", hp["vq"], "ckpt=shipped") == hp["vq"] | {"path": vq}
+    assert checkpoint_group_config("schedule", hp["schedule"], "ckpt=shipped") == hp["schedule"]
     data = checkpoint_group_config("data", hp["data"], "ckpt=shipped")
-    assert data | {"root": None} == hp["data"] | {"root": None}
+    assert data | {"root": None} == hp["data"] | {"root": None, "vq_path": vq}
     assert data["root"] == "${paths.data_dir}/crafter"  # this install's (the shipped file says ./data/crafter)
 
 

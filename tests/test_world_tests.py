@@ -182,7 +182,6 @@ def test_worldtest_refuses_unknown_tests_and_windows_before_loading_a_model(tmp_
     from mcar.tools.worldtest import main
 
     for bad, said in (("tests=[rollout,memory]", "tests=['rollout', 'memory']: choose some of"),
-                      ("windows=[1]", "windows=[1]: each window is >= 2 frames"),
                       ("shapes=[wait_n1]", "shapes: 'wait_n1' is not a shape: back_n<n>, wait_n<n>_w<w> or"),
                       ("placed=[chest]", "placed=['chest']: Crafter places ['furnace', 'plant', 'stone', 'table']")):
         with pytest.raises(ValueError, match=re.escape(said)):

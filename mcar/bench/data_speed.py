@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from mcar.data.files import write_json
+from mcar.atomic import write_json
 from mcar.data.shards import shard_bytes, shard_paths
 
 VPT = {"h": 14, "w": 24, "n_a": 11, "codebook_size": 8192, "action_vocab_size": 71}

@@ -40,6 +40,7 @@ import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.atomic import write_atomic, write_json
 from mcar.bench.speed import peak_bandwidth, run_sampler, setup
 from mcar.core.devices import resolve_device, sync
 from mcar.core.flops import mfu, peak_flops, play_floor
@@ -48,7 +49,6 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.precision import compute_dtype
-from mcar.data.files import write_json
 from mcar.hydra_app import command_line_overrides, to_dict
 
 
@@ -441,7 +441,7 @@ def merge(cfg: DictConfig, out: Path) -> dict:
         r["diagd_over_causal_step"] = round(r["train"]["diagd"]["ms_per_step"] / r["train"]["causal"]["ms_per_step"], 3)
     r["targets"] = check_targets(r, cfg.bench.gpu.targets)
     write_json(out / "bench_gpu.json", r)
-    (out / "bench_gpu.md").write_text(markdown(r))
+    write_atomic(out / "bench_gpu.md", markdown(r))
     return r
 
 

@@ -3,7 +3,6 @@ error, and checked tensor by tensor against a model."""
 from __future__ import annotations
 
 import errno
-import os
 import pickle
 import re
 import shutil
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from mcar.atomic import written_atomically
 
 LOW_SPACE = 64 * 2**20  # torch.save on a full disk fails with a bare 'unexpected pos'; this little free space says why
 
@@ -22,19 +23,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, path)
-        except BaseException as e:
-            free = shutil.disk_usage(path.parent).free  # before the partial file goes: it may hold the space
-            tmp.unlink(missing_ok=True)
-            if getattr(e, "errno", None) == errno.ENOSPC or (isinstance(e, (OSError, RuntimeError))
-                                                             and free < LOW_SPACE):
-                raise OSError(errno.ENOSPC, f"no space left on {path.parent} ({free / 2**20:.0f} MiB free) while "
-                                            f"saving {path.name}; the earlier checkpoints are intact") from e
-            raise
+        with written_atomically(path) as tmp:  # its temp name ends in .tmp: never taken for a *.ckpt
+            try:
+                torch.save(checkpoint, tmp)
+            except BaseException as e:
+                free = shutil.disk_usage(path.parent).free  # before the partial file goes: it may hold the space
+                if getattr(e, "errno", None) == errno.ENOSPC or (isinstance(e, (OSError, RuntimeError))
+                                                                 and free < LOW_SPACE):
+                    raise OSError(errno.ENOSPC, f"no space left on {path.parent} ({free / 2**20:.0f} MiB free) "
+                                                f"while saving {path.name}; the earlier checkpoints are intact") from e
+                raise
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         """Lightning's resume (`ckpt_path=`) reads weights only too, whatever its caller asks."""

@@ -18,15 +18,16 @@ from mcar.core.precision import compute_dtype
 log = logging.getLogger("mcar")
 
 
-def resolve_ckpt(ckpt: str | None) -> Path:
-    """ckpt=<file.ckpt> or ckpt=<run dir holding last.ckpt> -> the file; clear errors otherwise."""
+def resolve_ckpt(ckpt: str | None, key: str = "ckpt") -> Path:
+    """ckpt=<file.ckpt> or ckpt=<run dir holding last.ckpt> -> the file (`key`: the key that gave it, init_from
+    takes the same); clear errors otherwise."""
     if not ckpt:
-        raise ValueError("ckpt is required: ckpt=checkpoints/<run_name>/last.ckpt (or the run's folder)")
+        raise ValueError(f"{key} is required: {key}=checkpoints/<run_name>/last.ckpt (or the run's folder)")
     p = Path(ckpt)
     if p.is_dir():
         p = p / "last.ckpt"
     if not p.is_file():
-        raise FileNotFoundError(f"ckpt: checkpoint not found: {p}")
+        raise FileNotFoundError(f"{key}: checkpoint not found: {p}")
     return p
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from mcar.data.files import write_atomic, writing_into
+from mcar.atomic import write_atomic
+from mcar.data.files import writing_into
 from mcar.tokenizer.actions import CRAFTER_ACTIONS
 from mcar.tokenizer.video import mp4_frame_count, write_mp4
 

@@ -67,6 +67,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mcar.atomic import write_atomic
 from mcar.core.devices import set_threads
 from mcar.crafter.gen import MOVE_DELTA, map_rows, place_rules
 from mcar.crafter.map_tokens import (
@@ -351,14 +352,14 @@ def world_tests(cfg: DictConfig) -> dict:
         video = comparison_frames(clips, tests.layout, tests.cb, tests.vq, space)
         media[f"world/{key}"] = write_video(video, out / "videos" / key, cfg.fps)[1]
     columns, table = write_curves(tests.curves, out / "rollout_agreement.csv")
-    (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
+    write_atomic(out / "world_tests.json", json.dumps({**res, "curves": tests.curves}, indent=1))
     md = markdown(res)
     if versus is not None:
         path = versus
         res["versus"] = {"path": str(path), "rows": paired_versus(res, json.loads(path.read_text()), int(cfg.seed))}
         md += "\n" + versus_markdown(res["versus"]["rows"], str(path))
-        (out / "world_tests.json").write_text(json.dumps({**res, "curves": tests.curves}, indent=1))
-    (out / "world_tests.md").write_text(md)
+        write_atomic(out / "world_tests.json", json.dumps({**res, "curves": tests.curves}, indent=1))
+    write_atomic(out / "world_tests.md", md)
     log_wandb(cfg, res, columns, table, media)
     log.info("%s\nwritten to %s (world_tests.json, rollout_agreement.csv, videos/)", md, out)
     return res

@@ -1,17 +1,14 @@
 """Files that several processes share (the jobs of a sweep on one data root, a requeued job, parallel evaluations):
-a kernel lock per folder, atomic writes, and JSON read with the file named.
+a kernel lock per folder and JSON read with the file named (writes: mcar.atomic).
 
 A kernel lock (`fcntl.flock`) is released by the kernel when its process dies, kill -9 included: no stale lock to
 take over by hand, so no window where two processes both own a folder. A flock belongs to the open file, which a
 forked child (a DataLoader worker) shares, so every forked child closes its copies at once: the lock dies with the
-process that took it, not with its last child. Writes go to a per-process temp name beside the
-target and are renamed over it: a reader sees the old file or the new one, never half of one, and a full disk
-leaves the old file, says "no space left on <path>" and removes its temp file.
+process that took it, not with its last child.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -106,40 +103,6 @@ def writing_into(folder: str | Path, what: str, lock_name: str = ".mcar-writer.l
         yield lock
     finally:
         lock.release()
-
-
-def temp_path(path: str | Path, suffix: str = ".tmp") -> Path:
-    """A temp name beside `path`, unique to this process: two writers never share one."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}{suffix}")
-
-
-def no_space_error(path: Path, e: OSError) -> OSError:
-    if e.errno == errno.ENOSPC:
-        return OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}")
-    return e
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` to `path` through a temp file and a rename (see the module's docstring)."""
-    path = Path(path)
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:  # a stop signal too: no temp file left behind
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise no_space_error(path, e) from e
-        raise
-    return path
-
-
-def write_json(path: str | Path, obj, indent: int = 1) -> Path:
-    return write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def read_json(path: str | Path, what: str = "") -> dict | list:

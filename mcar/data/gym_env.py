@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from mcar.data.files import write_atomic
+from mcar.atomic import write_atomic
 from mcar.tokenizer.video import write_mp4
 
 BOX_BINS = 21

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mcar.data.files import read_json, write_json
+from mcar.atomic import write_json
+from mcar.data.files import read_json
 from mcar.data.shards import ShardError, current_entry, entry_problem, index_problem, shard_bytes
 
 

@@ -174,7 +174,7 @@ class RecordingsDataModule(TokenDataModule):
         staging = out.with_name(out.name + ".part")
         shutil.rmtree(staging, ignore_errors=True)
         vq.save_pretrained(staging)
-        (staging / "metrics.json").write_text(json.dumps(stats))
+        (staging / "metrics.json").write_text(json.dumps(stats))  # inside the staging folder: renamed whole below
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, out)
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mcar.atomic import temp_path, write_json
 from mcar.data.common import ClipDataModule, check_vocab
-from mcar.data.files import read_json, temp_path, write_json, writing_into
+from mcar.data.files import read_json, writing_into
 from mcar.data.index import current_index, split_by_episode
 from mcar.data.shards import ShardError, check_entry, ids_out_of_range, shard_paths
 from mcar.tokenizer.clips import join_clip
@@ -115,11 +116,13 @@ def check_free_space(target: Path, clip_bytes: int) -> None:
     tracebacks before our error."""
     needed = int(clip_bytes * PACK_OVERHEAD)
     place = next(p for p in (target, *target.parents) if p.exists())
-    for folder in dict.fromkeys([place, Path(tempfile.gettempdir())]):
-        free = shutil.disk_usage(folder).free
-        if free < needed:
+    folders = [place, Path(tempfile.gettempdir())]
+    on_disk = [os.stat(f).st_dev for f in folders]  # one disk for both: LitData's chunks and their copy at once
+    for folder, disk in dict(zip(folders, on_disk)).items():
+        free, needed_here = shutil.disk_usage(folder).free, needed * on_disk.count(disk)
+        if free < needed_here:
             raise OSError(errno.ENOSPC, f"no space left on {folder} for the stream {target.name}: it needs "
-                                        f"~{needed / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free; free some "
+                                        f"~{needed_here / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB are free; free some "
                                         f"or pack to another disk")
 
 

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from mcar.atomic import write_atomic, write_json
 from mcar.data.episodes import EpisodeError, list_episodes, read_episode_actions
-from mcar.data.files import read_json, write_atomic, write_json, writing_into
+from mcar.data.files import read_json, writing_into
 from mcar.data.index import index_entries, merged_index
 from mcar.data.shards import ShardError, current_entry, describe_shard
 from mcar.tokenizer.actions import action_space

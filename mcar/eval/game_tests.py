@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from mcar.atomic import write_atomic, write_json
 from mcar.core.devices import set_threads
-from mcar.data.files import write_json
 from mcar.data.gym_env import GymGame, make_policy
 from mcar.eval.world_tests import ModelRows, Tokens, baseline_margins, ci_cell, rollout_test, write_curves
 from mcar.sampling.world_model import WorldModel
@@ -103,6 +103,6 @@ def game_tests(cfg: DictConfig) -> dict:
     write_json(out / "game_tests.json", res)
     write_curves(curves, out / "rollout_agreement.csv")
     md = markdown(str(cfg.env), reports, int(cfg.rollout_frames))
-    (out / "game_tests.md").write_text(md)
+    write_atomic(out / "game_tests.md", md)
     log.info("%s\nwritten to %s (game_tests.json, rollout_agreement.csv)", md, out)
     return res

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mcar.data.files import write_atomic, writing_into
+from mcar.atomic import write_atomic, written_atomically
+from mcar.data.files import writing_into
 from mcar.eval import metric_registry as R
 from mcar.eval import networks as N
 from mcar.hydra_app import hydra_job
@@ -116,7 +117,7 @@ def write_per_frame(curves: dict[str, dict], P: int, out: Path) -> list[list]:
     for label, c in curves.items():
         for i in range(max((len(v) for v in c.values()), default=0)):
             table.append([label, P + i, *(c[k][i] if k in c else None for k in keys)])
-    with open(out / "per_frame.csv", "w", newline="") as f:
+    with written_atomically(out / "per_frame.csv") as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(per_frame_header())
         w.writerows(table)

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from mcar.atomic import written_atomically
 from mcar.core.agreement import frame_agreement, histogram_distance, nothing_moves
 from mcar.core.layout import Layout
 from mcar.data.environment import Environment
@@ -203,7 +204,7 @@ def write_curves(curves: dict, path: Path) -> tuple[list[str], list[list]]:
     columns = ["row", "step", "agreement", "lo", "hi", *extra]
     table = [[name, k + 1, c["mean"], c["lo"], c["hi"], *(c[e] for e in extra)]
              for name, per in curves.items() for k, c in enumerate(per)]
-    with open(path, "w", newline="") as f:
+    with written_atomically(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
         w.writerows(table)

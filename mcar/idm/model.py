@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from mcar.atomic import written_atomically
 from mcar.checkpoint.io import load_weights_only
 
 
@@ -113,10 +114,8 @@ class InverseDynamics(nn.Module):
 
 
 def save_idm(model: InverseDynamics, path: Path, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"config": model.config, "state_dict": model.state_dict(), "meta": meta}, tmp)
-    tmp.replace(path)
+    with written_atomically(path) as tmp:
+        torch.save({"config": model.config, "state_dict": model.state_dict(), "meta": meta}, tmp)
 
 
 class StaleIDM(ValueError):

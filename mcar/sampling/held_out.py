@@ -74,7 +74,7 @@ def export_held_out(dm, out: str | Path) -> Path:
     `held_out=auto` reads when `out` is <run folder>/held_out. The data is built first if it is not yet."""
     import shutil
 
-    from mcar.data.files import write_json
+    from mcar.atomic import write_json
     from mcar.data.index import build_index, read_index
     from mcar.data.shards import shard_paths
 

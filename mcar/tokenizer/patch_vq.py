@@ -20,7 +20,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.vae import VectorQuantizer
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from mcar.atomic import write_atomic, written_atomically
 
 CLASS_NAME = "PatchVQ"
 WEIGHTS = "diffusion_pytorch_model.safetensors"  # the name vq_id hashes, as for a VQModel folder
@@ -63,15 +66,20 @@ class PatchVQ(torch.nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         cfg = {k: v for k, v in vars(self.config).items() if k != "vq_embed_dim"}
-        (path / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-        save_file({"codebook": self.quantize.embedding.weight.detach().contiguous().cpu()}, str(path / WEIGHTS))
+        write_atomic(path / "config.json", json.dumps(cfg, indent=1) + "\n")
+        with written_atomically(path / WEIGHTS) as tmp:
+            save_file({"codebook": self.quantize.embedding.weight.detach().contiguous().cpu()}, str(tmp))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **_) -> "PatchVQ":
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
         vq = cls(int(cfg["patch"]), int(cfg["num_vq_embeddings"]), int(cfg.get("in_channels", 3)))
-        codebook = load_file(str(path / WEIGHTS))["codebook"].float()
+        try:
+            codebook = load_file(str(path / WEIGHTS))["codebook"].float()
+        except (SafetensorError, KeyError) as e:  # truncated, not safetensors, or no codebook in it
+            raise ValueError(f"{path / WEIGHTS} is not a patch VQ's safetensors file ({type(e).__name__}: {e}); "
+                             f"save the VQ again (mcar vq_patches) or point vq.path at a whole folder") from None
         if codebook.shape != vq.quantize.embedding.weight.shape:
             raise ValueError(f"{path / WEIGHTS}: codebook {tuple(codebook.shape)} does not match config.json "
                              f"({vq.config.num_vq_embeddings} codes of {vq.config.vq_embed_dim})")

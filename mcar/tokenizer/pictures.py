@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from mcar.atomic import written_atomically
 from mcar.core.layout import Layout
 from mcar.tokenizer.clips import split_clip
 
@@ -156,14 +157,16 @@ def write_gif(frames: np.ndarray, path: str | Path, fps: float = 4) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     imgs = [Image.fromarray(f) for f in frames]
-    imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=int(1000 / fps), loop=0)
+    with written_atomically(path, keep_suffix=True) as tmp:  # a stop mid-write leaves no half a GIF
+        imgs[0].save(tmp, save_all=True, append_images=imgs[1:], duration=int(1000 / fps), loop=0)
     return path
 
 
 def write_png(img: np.ndarray, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(img).save(path)
+    with written_atomically(path, keep_suffix=True) as tmp:
+        Image.fromarray(img).save(tmp)
     return path
 
 

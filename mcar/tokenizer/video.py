@@ -3,13 +3,13 @@ file: it returns what decoded and why it stopped. Writing is atomic: a file is w
 from __future__ import annotations
 
 import itertools
-import os
-import socket
 from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
+
+from mcar.atomic import written_atomically
 
 
 def _even(frame: np.ndarray) -> np.ndarray:
@@ -28,14 +28,9 @@ def write_mp4(frames, path: str | Path, fps: float = 4, crf: int | None = None, 
     pix_fmt="rgb24", crf=0 reads back bit for bit (pixel art: about 4 kB a frame at 224x384)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # this process's own temp name, the host's too: two machines writing into one shared folder share pids
-    tmp = path.with_name(f".{path.stem}.{socket.gethostname()}.{os.getpid()}.part{path.suffix}")
     options = {k: str(v) for k, v in (("crf", crf), ("preset", preset)) if v is not None}
-    try:
+    with written_atomically(path, keep_suffix=True) as tmp:
         _encode(frames, tmp, fps, codec, pix_fmt, options)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -11,10 +11,10 @@ JSON's path), the other modes the JSON line.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mcar.atomic import write_atomic
 from mcar.bench.data_speed import run_data
 from mcar.bench.gpu_check import run_gpu, run_memory
 from mcar.bench.play import play_table, run_play
@@ -41,8 +41,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"bench.mode={cfg.bench.mode!r}: run `mcar bench {'|'.join(MODES)} ...`")
     result = MODES[cfg.bench.mode](cfg)
     line = json.dumps(result)
-    Path(cfg.bench.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.bench.out).write_text(line + "\n")
+    write_atomic(cfg.bench.out, line + "\n")
     if cfg.bench.mode in TABLES:  # a person reads the table; the JSON stays in its file
         print(f"{TABLES[cfg.bench.mode](result)}\n\nJSON: {cfg.bench.out}", flush=True)
     else:

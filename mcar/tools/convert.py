@@ -76,9 +76,13 @@ def _load_state(files: list[Path]) -> tuple[dict[str, torch.Tensor], int | None]
     recorded = None
     for f in files:
         if f.suffix == ".safetensors":
+            from safetensors import SafetensorError
             from safetensors.torch import load_file
 
-            part = load_file(str(f))
+            try:
+                part = load_file(str(f))
+            except SafetensorError as e:  # truncated, or not safetensors at all
+                raise ValueError(f"{f} is not a safetensors file ({e}): a cut-off download? fetch it again") from None
         else:  # .bin is a plain state dict; MineWorld's .ckpt wraps it in {"state_dict": ...} (Lightning)
             part = load_weights_only(f, "checkpoint")
             recorded = recorded or recorded_positions({k: v for k, v in part.items() if k != "state_dict"})

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.atomic import written_atomically
 from mcar.core.devices import set_threads
 from mcar.hydra_app import hydra_tool, to_dict
 from mcar.sampling.world_model import WorldModel
@@ -49,9 +50,10 @@ def generate(cfg: DictConfig) -> dict:
     out = Path(cfg.paths.output_dir)
     base = out / f"{stem}_{sampler.name}"
     mp4, gif = write_video(video, base, cfg.fps)
-    torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt, "sampler": to_dict(cfg.sampler),
-                "context": sampler.context, "schedule": asdict(sampler.config), "passes": stats.passes,
-                "seconds": stats.seconds}, base.with_suffix(".pt"))
+    with written_atomically(base.with_suffix(".pt")) as tmp:
+        torch.save({"generated": tokens, "prompt": clip, "has_ground_truth": has_gt,
+                    "sampler": to_dict(cfg.sampler), "context": sampler.context, "schedule": asdict(sampler.config),
+                    "passes": stats.passes, "seconds": stats.seconds}, tmp)
     generated = frames - sampler.prompt_frames
     log.info("%s: %d frames (%d prompt) with %s in %d passes (%.1f per frame), %.2fs (%.2f frames/s)%s -> %s and %s",
              stem, frames, sampler.prompt_frames, sampler.label, stats.passes, stats.passes / generated,

@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import threading
+import time
 from functools import partial
 
 from omegaconf import DictConfig
@@ -75,39 +76,55 @@ def describe(info: dict) -> str:
 
 class Games:
     """One game per browser session, forked from the loaded session (one server: its model, VQ and samplers are
-    shared, and games stepping at once are batched); `live` counts the games a session still holds (gradio drops
-    one after the session's idle time)."""
+    shared, and games stepping at once are batched); `live` counts the games sessions still hold. A game goes when
+    its session closes (`closed`: a tab closed or reloaded, a client done) or after the session's idle time
+    (gradio's State expiry, `dropped`); a closed session's State outlives it by an hour in gradio, far too long to
+    hold a place of max_games and a KV cache."""
 
     def __init__(self, base: PlaySession, refuse=RuntimeError):
         self.base, self.refuse, self._lock = base, refuse, threading.Lock()
         self._held: set[int] = set()  # ids of the games sessions hold
+        self._of_session: dict[str, PlaySession] = {}  # session id -> its game
 
-    def of(self, game: PlaySession | None) -> PlaySession:
-        """The session's game; a new one (from the start frame) for a session that has none yet; `refuse` (the
-        page's error, a message to the player) when the server holds max_games games."""
-        if game is not None:
+    def of(self, game: PlaySession | None, session: str | None = None) -> PlaySession:
+        """The session's game; a new one (from the start frame) for a session that has none yet, or whose game was
+        dropped; `refuse` (the page's error, a message to the player) when the server holds max_games games."""
+        if game is not None and id(game) in self._held:
             return game
         try:
             game = self.base.fork()
         except GamesFull as e:
+            log.info("mcar.play: a new player was turned away: %s", e)
             raise self.refuse(str(e)) from None
         with self._lock:
             self._held.add(id(game))
+            if session is not None:
+                self._of_session[session] = game
         return game
 
     @property
     def live(self) -> int:
         return len(self._held)
 
+    def closed(self, session: str) -> None:
+        """The page's unload callback: session `session` closed, its game leaves now."""
+        with self._lock:
+            game = self._of_session.pop(session, None)
+        self._leave(game, "a closed page's game")
+
     def dropped(self, game: PlaySession | None) -> None:
         """gradio's callback for a session state it deletes: on expiry and again when the session closes, so a game
         may come twice; it leaves once."""
+        self._leave(game, "an idle game")
+
+    def _leave(self, game: PlaySession | None, what: str) -> None:
         with self._lock:
             if game is None or id(game) not in self._held:
                 return
             self._held.discard(id(game))
+            self._of_session = {k: g for k, g in self._of_session.items() if g is not game}
         game.server.leave(game)
-        log.info("mcar.play: an idle game was dropped after %d step(s); %d live", game.steps, self.live)
+        log.info("mcar.play: %s was dropped after %d step(s); %d live", what, game.steps, self.live)
 
 
 def key_script(keys: dict[str, str]) -> str:
@@ -143,37 +160,53 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
               cache_seconds: int = 120, keys: dict | None = None, moves=()):
     """A gradio Blocks page over `session`: the frame, the action/fps line, k and temperature, reset and one button
     per action (the moves, the keys' actions, then `buttons`; every action when none of `buttons` is the game's);
-    `keys` (KeyboardEvent.key -> action name: `page_controls`) press them. Every browser
-    session plays its own game (a gr.State holding a fork of `session`, on its server), dropped after
+    `keys` (KeyboardEvent.key -> action name: `page_controls`) press them. Every browser session plays its own
+    game (a gr.State holding a fork of `session`, on its server), dropped when the session closes or after
     `idle_minutes` without a step; the frames' temporary PNGs older than `cache_seconds` are deleted. -> the page
     (`demo.games`: Games)."""
     import gradio as gr
 
     names, keys = page_actions(list(session.actions), buttons, keys or {}, moves)
     ks = sorted({int(k) for k in ks} | {session.k})
-    games = Games(session, refuse=gr.Error)
+    quiet = {"print_exception": False} if "print_exception" in inspect.signature(gr.Error.__init__).parameters else {}
+    games = Games(session, refuse=partial(gr.Error, **quiet))  # a refusal is a message, not a traceback in the log
 
-    def take(name, game):
-        game = games.of(game)
-        frame, info = game.step(name)
-        return frame, describe(info), game
+    def told_the_session(fn):  # gradio passes a handler its request (the session's id) by this annotation
+        fn.__annotations__ = {"request": gr.Request}
+        return fn
 
-    def reset(game):
-        game = games.of(game)
+    def take(name):
+        @told_the_session
+        def step(game, request):
+            game = games.of(game, request.session_hash)
+            frame, info = game.step(name)
+            return frame, describe(info), game
+        return step
+
+    @told_the_session
+    def reset(game, request):
+        game = games.of(game, request.session_hash)
         frame, info = game.reset()
         return frame, describe(info), game
 
-    def change_k(k, game):
-        game = games.of(game)
+    @told_the_session
+    def change_k(k, game, request):
+        game = games.of(game, request.session_hash)
         return describe(game.set_k(int(k))), game
 
-    def change_temperature(t, game):
-        game = games.of(game)
+    @told_the_session
+    def change_temperature(t, game, request):
+        game = games.of(game, request.session_hash)
         return describe(game.set_temperature(float(t))), game
 
-    def opened(game):  # a (re)loaded page shows its own game and that game's k and temperature
-        game = games.of(game)
+    @told_the_session
+    def opened(game, request):  # a (re)loaded page shows its own game and that game's k and temperature
+        game = games.of(game, request.session_hash)
         return game.frame, describe(game.info), game.k, game.temperature, game
+
+    @told_the_session
+    def closed(request):
+        games.closed(request.session_hash)
 
     # lossless frames where the Image component can say so (gradio >= 4.x's `format`; webp is the default)
     png = {"format": "png"} if "format" in inspect.signature(gr.Image.__init__).parameters else {}
@@ -200,13 +233,14 @@ def build_app(session: PlaySession, buttons=(), ks=(1, 2, 3, 4), title: str = "m
         with gr.Row():
             for name in names:
                 b = gr.Button(name, elem_id=f"play-{name}", size="sm")
-                b.click(partial(take, name), game, [image, info, game], api_name=f"step_{name}", **serial)
+                b.click(take(name), game, [image, info, game], api_name=f"step_{name}", **serial)
         reset_button.click(reset, game, [image, info, game], api_name="reset", **serial)
         k.input(change_k, [k, game], [info, game], api_name="set_k", **serial)
         temperature.release(change_temperature, [temperature, game], [info, game], api_name="set_temperature",
                             **serial)
         demo.load(opened, game, [image, info, k, temperature, game], api_name="open", **serial)
         demo.load(None, None, None, js=key_script(keys))
+        demo.unload(closed)
     demo.games = games
     return demo
 
@@ -227,6 +261,57 @@ def serving_port(host: str, port: int, tries: int = 100) -> int:
     raise OSError(f"port={port}: it and the {tries - 1} after it are taken on {host}; pick another (port=...)")
 
 
+def page_answers(url: str, within_s: float) -> bool:
+    """The page at `url` answers an HTTP request (any status under 500) within `within_s` seconds, asked again
+    until then; proxies are not asked (a proxy set for the web would not reach this machine's own page)."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + within_s
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with opener.open(urllib.request.Request(url, method="HEAD"), timeout=left) as r:
+                return r.status < 500
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return True
+        except (OSError, TimeoutError):
+            pass
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+
+
+def serve(demo, host: str, port: int, block: bool = True, answer_s: float = 120) -> None:
+    """Serve `demo` on host:port and wait (up to `answer_s`) for the page to answer: gradio's own check of its page
+    gives up after 3 s, which a loaded machine takes for its first response, and then ends the command in a
+    misleading error (a shareable link or proxy settings); here the wait is patient and a failure one line."""
+    launch = dict(server_name=host, server_port=port, prevent_thread_lock=True, inbrowser=False, share=False,
+                  quiet=True)
+    if "_frontend" in inspect.signature(demo.launch).parameters:
+        launch["_frontend"] = False  # gradio's 3 s check of its own page: ours below waits
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+    try:
+        demo.queue().launch(**launch)
+        answered = page_answers(url, answer_s)
+    except Exception as e:  # the server did not start: said below with what to do
+        demo.close()
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(f"mcar play: the page did not start on {url} ({why}): "
+                           f"check that host={host} is this machine's and that no proxy is set for it "
+                           f"(NO_PROXY={host}), then start it again") from None
+    if not answered:
+        demo.close()
+        raise RuntimeError(f"mcar play: the page at {url} did not answer within {answer_s:g} s: the machine is too "
+                           f"busy or a firewall holds the port; start it again when the load is lower, or pick "
+                           f"another port (port=...)")
+    log.info("mcar.play: the page answers at %s", url)
+    if block:
+        demo.block_thread()
+
+
 def play(cfg: DictConfig, block: bool = True):
     """Open the game and serve its page on cfg.host:cfg.port; -> (demo, session)."""
     try:
@@ -242,8 +327,7 @@ def play(cfg: DictConfig, block: bool = True):
     port = serving_port(cfg.host, int(cfg.port))
     log.info("mcar.play: %s, context %d frames, k=%d, temperature %g, at most %s games: http://%s:%d", cfg.ckpt,
              session.context, session.k, session.temperature, cfg.max_games, cfg.host, port)
-    demo.queue().launch(server_name=cfg.host, server_port=port, prevent_thread_lock=not block,
-                        inbrowser=False, share=False, quiet=True)
+    serve(demo, cfg.host, port, block=block)
     return demo, session
 
 

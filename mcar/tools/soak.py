@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from mcar.atomic import write_json
 from mcar.checkpoint.io import load_checkpoint
-from mcar.data.files import write_json
 from mcar.hydra_app import compose_tool, usage_exit
 
 DEFAULTS = ["model=tiny", "data=synthetic", "logger=csv", "log_every_n_steps=1", "trainer.val_check_interval=1000",

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from mcar.atomic import write_atomic
+from mcar.config_checks import check_before_run
 from mcar.data.common import build_datamodule
-from mcar.data.files import write_atomic
 from mcar.eval import metric_registry as R
 from mcar.eval import stats as S
 from mcar.hydra_app import COMPOSE_ERRORS, override_error, register_resolvers
@@ -128,9 +129,7 @@ class Stages:
             raise RuntimeError(f"table3 stage {key} failed (exit {rc}); its log: {log}. Fix and re-run: finished "
                                f"stages are skipped, a training stage resumes from its last checkpoint")
         self.state[key] = {"seconds": time.perf_counter() - t0, "finished": dt.datetime.now().isoformat("T", "seconds")}
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2))
-        tmp.replace(self.state_file)
+        write_atomic(self.state_file, json.dumps(self.state, indent=2))
 
 
 def python(*args: str) -> list[str]:
@@ -140,6 +139,7 @@ def python(*args: str) -> list[str]:
 def run_pipeline(overrides: list[str], dry_run: bool = False) -> Path:
     """All stages of the experiment, then the table; -> the table written (its run folder's table3.md)."""
     cfg = compose_experiment(overrides)
+    check_before_run("table3", cfg=cfg)  # a bad value is said now, not after an hour's pre-training
     t = cfg.table3
     out = Path(cfg.paths.root_dir) / "outputs" / "table3" / t.name
     stages = Stages(out, dry_run)
@@ -502,7 +502,7 @@ def write_results(cfg: DictConfig, out: Path, state: dict, overrides: list[str])
              "(the held-out clips themselves), copy_last (the last prompt frame repeated: nothing moves), noise "
              "(random tokens).", "", *gap_lines, "", *scratch_lines]
     section = "\n".join(lines).rstrip("\n") + "\n"
-    (out / "table3.md").write_text(section)
+    write_atomic(out / "table3.md", section)
     print(section, flush=True)
     return out / "table3.md"
 

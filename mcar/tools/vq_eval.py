@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from mcar.atomic import write_atomic
 from mcar.core.devices import set_threads
 from mcar.data.episodes import episode_files
-from mcar.data.files import write_atomic
 from mcar.eval.vq_scores import evaluate
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer.vq_model import check_frame_size, decode_latents, load_vq, save_vq, to_input

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mcar.data.files import write_json
+from mcar.atomic import write_json
 from mcar.hydra_app import compose_tool
 from mcar.tokenizer import quality
 from mcar.tokenizer.patch_vq import fit_patch_vq

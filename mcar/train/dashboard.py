@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from mcar.atomic import written_atomically
 from mcar.core.agreement import generated_agreement
 from mcar.core.precision import compute_dtype
 from mcar.core.sampler import build_sampler
@@ -157,14 +158,12 @@ class ValDashboard(Callback):
     def save_tokens(self, clips: torch.Tensor, generated: dict, frames: int, step: int) -> None:
         """Ground truth and every sampler's tokens -> val_generations/step<N>.pt (for evaluation offline)."""
         folder = self.out.parent / "val_generations"
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": step, "frames": frames, "layout": vars(self._layout), "ground_truth": clips.cpu(),
-                    "generated": {label: t.cpu() for label, t in generated.items()}},
-                   folder / f"step{step:07d}.pt")
+        with written_atomically(folder / f"step{step:07d}.pt") as tmp:
+            torch.save({"step": step, "frames": frames, "layout": vars(self._layout), "ground_truth": clips.cpu(),
+                        "generated": {label: t.cpu() for label, t in generated.items()}}, tmp)
 
     def write_speed(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "val_speed.csv", "w", newline="") as f:
+        with written_atomically(self.out / "val_speed.csv") as tmp, open(tmp, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(SPEED_COLUMNS)
             w.writerows(self._speed_rows)

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from mcar.checkpoint.config import adopt_checkpoint_config, checkpoint_group_config
 from mcar.checkpoint.io import load_checkpoint
+from mcar.checkpoint.load import resolve_ckpt
 from mcar.hydra_app import command_line_overrides, to_dict
 
 log = logging.getLogger("mcar")
@@ -99,7 +100,7 @@ def pick_pretrained(cfg: DictConfig) -> Path:
 
 def prepare_finetune(cfg: DictConfig) -> str:
     """Resolve cfg.init_from and copy the checkpoint's model config and layout checks into cfg."""
-    path = Path(cfg.init_from) if cfg.get("init_from") else pick_pretrained(cfg)
+    path = resolve_ckpt(cfg.init_from, "init_from") if cfg.get("init_from") else pick_pretrained(cfg)
     hp = load_checkpoint(path).get("hyper_parameters", {})
     if "arch" not in hp:
         raise ValueError(f"init_from: {path} is not an mcar training checkpoint (no model config inside)")

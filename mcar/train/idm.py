@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
+from mcar.atomic import write_json
 from mcar.core.devices import set_threads
 from mcar.core.lr_schedule import warmup_cosine
 from mcar.data.common import build_datamodule, complete_data_config
-from mcar.data.files import write_json
 from mcar.idm.model import InverseDynamics, random_codebook, save_idm, tokens_name, vq_codebook
 from mcar.idm.scores import action_names, action_scores, data_moves, source_pairs
 

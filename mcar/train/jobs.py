@@ -9,7 +9,8 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mcar.checkpoint.io import is_sharded_checkpoint
+from mcar.atomic import write_atomic
+from mcar.checkpoint.io import is_sharded_checkpoint, load_weights_only
 from mcar.hydra_app import hydra_job
 
 log = logging.getLogger("mcar")
@@ -69,19 +70,38 @@ def newest_step_checkpoint(folder: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The global step a checkpoint file was saved at (read memory-mapped: its tensors stay on disk), None for a
+    sharded folder or a file that is not a whole checkpoint."""
+    if not path.is_file():
+        return None
+    try:
+        step = load_weights_only(path, "checkpoint", mmap=True).get("global_step")
+    except ValueError:
+        return None
+    return int(step) if isinstance(step, int) else None
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """ckpt_path: null -> fresh run; 'last' -> this run's last.ckpt (a run stopped between writing a step
-    checkpoint and last.ckpt has none: then its newest step checkpoint); else a file that must exist (or the folder
-    of a sharded checkpoint: trainer=fsdp trainer.strategy.save_distributed_checkpoint=true)."""
+    """ckpt_path: null -> fresh run; 'last' -> this run's newest complete checkpoint: last.ckpt, unless a step
+    checkpoint is newer (a run stopped between writing a step checkpoint and last.ckpt has none, or an older one);
+    else a file that must exist (or the folder of a sharded checkpoint: trainer=fsdp
+    trainer.strategy.save_distributed_checkpoint=true)."""
     p = cfg.get("ckpt_path")
     if p is None:
         return None
     path = checkpoint_dir(cfg) / "last.ckpt" if p == "last" else Path(p)
-    if p == "last" and not (path.is_file() or is_sharded_checkpoint(path)):
+    if p == "last":
         step = newest_step_checkpoint(path.parent) if path.parent.is_dir() else None
-        if step is not None:
+        n = int(re.search(r"\d+", step.name).group()) if step is not None else None
+        if step is not None and not (path.is_file() or is_sharded_checkpoint(path)):
             log.warning("ckpt_path=last: %s has no last.ckpt (stopped while writing one?): resuming from %s",
                         path.parent, step.name)
+            return str(step)
+        at = checkpoint_step(path) if step is not None else None
+        if at is not None and n > at:
+            log.warning("ckpt_path=last: %s's last.ckpt is at step %d, %s is newer (stopped between the two "
+                        "writes): resuming from %s", path.parent, at, step.name, step.name)
             return str(step)
     if not (path.is_file() or is_sharded_checkpoint(path)):
         hint = f" (run '{cfg.run_name}' has no last.ckpt yet)" if p == "last" else ""
@@ -96,10 +116,9 @@ def write_hydra_record(cfg: DictConfig, output_dir: str | Path) -> None:
         return
     hc = HydraConfig.get()
     record = Path(output_dir) / ".hydra"
-    record.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, record / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": hc}), record / "hydra.yaml")
-    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), record / "overrides.yaml")
+    write_atomic(record / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(record / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})))
+    write_atomic(record / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(hc.overrides.task))))
 
 
 def resume_command(cfg: DictConfig, init_from: str | None = None) -> str:

@@ -20,6 +20,7 @@ from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, far_copy_slots, masked_loss, weighted_loss
 from mcar.core.model import ModelConfig, Transformer, set_flex_kernel_options
 from mcar.core.schedule import ScheduleConfig
+from mcar.hydra_app import assets_by_name
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 log = logging.getLogger("mcar")
@@ -205,6 +206,8 @@ class MCARModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self._stop_on_non_finite_loss(wait=True)  # deferred checks first: a checkpoint never holds NaN weights
+        if "hyper_parameters" in checkpoint:  # its VQ by name, not this checkout's path (read back: relocated_asset)
+            checkpoint["hyper_parameters"] = assets_by_name(dict(checkpoint["hyper_parameters"]))
 
     def on_train_end(self) -> None:
         self._stop_on_non_finite_loss(wait=True)

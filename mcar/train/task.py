@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.atomic import write_atomic
 from mcar.checkpoint.io import (
     AtomicCheckpointIO,
     check_sharded_checkpoint,
@@ -26,7 +27,7 @@ from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule, complete_data_config
-from mcar.hydra_app import to_dict
+from mcar.hydra_app import assets_by_name, to_dict
 from mcar.stopping import on_stop_say
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
@@ -175,7 +176,7 @@ def _train(cfg: DictConfig, output_dir: str, module, datamodule, ckpt_path: str 
     if trainer.logger:
         trainer.logger.log_hyperparams({"config": resolved})
     if trainer.is_global_zero:
-        OmegaConf.save(cfg, Path(output_dir) / "resolved_config.yaml", resolve=True)
+        write_atomic(Path(output_dir) / "resolved_config.yaml", OmegaConf.to_yaml(assets_by_name(resolved)))
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # the summary's loss line says them

@@ -26,12 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from mcar.atomic import write_atomic, write_json, written_atomically
 from mcar.checkpoint.io import AtomicCheckpointIO, load_checkpoint
 from mcar.core.devices import set_threads
 from mcar.core.lr_schedule import warmup_linear_decay
 from mcar.data.common import StepsFrom
 from mcar.data.episodes import episode_files
-from mcar.data.files import write_json
 from mcar.tokenizer import quality
 from mcar.tokenizer.video import read_mp4
 from mcar.tokenizer.vq_model import (
@@ -204,7 +204,7 @@ class VQLit(L.LightningModule):
         if psnr > self.best_psnr:
             self.best_psnr = psnr
             save_vq(self.vq, out / "best")
-            (out / "best" / "metrics.txt").write_text(
+            write_atomic(out / "best" / "metrics.txt",
                 f"step {self.global_step}\npsnr {psnr:.3f}\nssim {ssim:.4f}\nusage {usage:.4f}\n")
 
 
@@ -220,10 +220,10 @@ def save_grid(path: Path, originals: torch.Tensor, recons: torch.Tensor) -> None
     """PNG: originals (top row) above reconstructions (bottom row)."""
     import imageio.v3 as iio
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     top, bottom = to_uint8(originals), to_uint8(recons)  # (n, H, W, 3)
     grid = torch.cat([torch.cat(list(top), 1), torch.cat(list(bottom), 1)], 0)
-    iio.imwrite(path, grid.numpy())
+    with written_atomically(path, keep_suffix=True) as tmp:
+        iio.imwrite(tmp, grid.numpy())
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -252,7 +252,7 @@ def train(cfg: DictConfig) -> VQLit:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / VQ_DONE).unlink(missing_ok=True)  # until this run finishes, the VQ here is not one to tokenise with
-    OmegaConf.save(cfg, out / "config.yaml")
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg))
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "lightning", every_n_train_steps=cfg.ckpt_every,
                                                save_last=True, save_top_k=0)
     trainer = L.Trainer(max_steps=cfg.steps, accelerator=cfg.accelerator, devices=1, logger=
