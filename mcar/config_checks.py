@@ -109,7 +109,12 @@ RULES: dict[str, dict[str, Rule]] = {
         "posttrain.rewards.*.weight": real(ge=0), "posttrain.rewards.*._target_": reward_target(),
         "starts.warmup": count(0), "starts.clips_per_world": count(1), "starts.policy_mix": policy_mix(),
         "data.policy_mix": policy_mix(), "table3.finetune.steps": count(1),
+        "data.fps": real(gt=0, optional=True), "data.max_frame_tokens": count(1),
     },
+    "record": {"episodes": count(1), "frames": count(2, MAX_FRAMES), "hold": real(gt=0), "seed": count(0),
+               "lossless": flag()},
+    "gametest": {"starts": count(1), "rollout_frames": count(2, MAX_FRAMES), "hold": real(gt=0),
+                 "seed_base": count(0), "windows": lengths(2, optional=True), "batch_size": count(1)},
     "generate": {"frames": count(2, MAX_FRAMES, optional=True), "fps": real(gt=0)},
     "evaluate": {"frames": count(2, MAX_FRAMES, optional=True)},
     "worldtest": {
