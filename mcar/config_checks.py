@@ -113,7 +113,7 @@ RULES: dict[str, dict[str, Rule]] = {
     },
     "record": {"episodes": count(1), "frames": count(2, MAX_FRAMES), "hold": real(gt=0), "seed": count(0),
                "lossless": flag()},
-    "gametest": {"starts": count(1), "rollout_frames": count(2, MAX_FRAMES), "hold": real(gt=0),
+    "gametest": {"starts": count(1), "warmup": count(0), "rollout_frames": count(2, MAX_FRAMES), "hold": real(gt=0),
                  "seed_base": count(0), "windows": lengths(2, optional=True), "batch_size": count(1)},
     "generate": {"frames": count(2, MAX_FRAMES, optional=True), "fps": real(gt=0)},
     "evaluate": {"frames": count(2, MAX_FRAMES, optional=True)},

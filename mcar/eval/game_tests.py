@@ -2,9 +2,10 @@
 
 Fresh games (seeds from `seed_base`, disjoint from the seeds the checkpoint's recordings were made with: checked)
 are played by each of `policies` (mcar.data.gym_env's random and sticky, or `package.module:factory`), each named
-in the output; from a game's first frame and every action the model generates the rest of the rollout on each of
-its windows, scored against the real frames beside "nothing moves" (copy_last), with 95% bootstrap intervals over
-games and the model's margin over copy_last paired game by game (mcar.eval.world_tests.rollout_test).
+in the output, after `warmup` of its own steps (a game's first frame can be unlike the rest); from that frame and
+every action the model generates the rest of the rollout on each of its windows, scored against the real frames
+beside "nothing moves" (copy_last), with 95% bootstrap intervals over games and the model's margin over copy_last
+paired game by game (mcar.eval.world_tests.rollout_test).
 """
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def check_seeds(cfg: DictConfig) -> range:
                          f"checkpoint's recordings (data.record seeds {trained.start}..{trained.stop - 1}); "
                          f"a test plays games no training saw: a seed_base past {trained.stop - 1}")
     return used
+
+
+class WarmedUp:
+    """A game under the environment protocol whose reset plays `steps` actions of `policy` first: a game's first
+    frame (ALE's, before play starts) can look unlike every later one, so a rollout starts from a frame of play."""
+
+    def __init__(self, game, steps: int, policy):
+        self.game, self.steps, self.policy = game, int(steps), policy
+
+    def reset(self, seed: int):
+        frame = self.game.reset(seed)
+        for _ in range(self.steps):
+            frame, _ = self.game.step(self.policy(frame))
+        return frame
+
+    def step(self, action: int):
+        return self.game.step(action)
 
 
 def check_same_actions(game: GymGame, wm: WorldModel, env: str) -> None:
@@ -92,7 +110,8 @@ def game_tests(cfg: DictConfig) -> dict:
     for name in cfg.policies:
         chosen = make_policy(str(name), game.space, np.random.default_rng(int(cfg.seed)), float(cfg.hold))
         policy = lambda frame, chosen=chosen: game.data_id(chosen(frame))  # the protocol takes data action ids
-        scores, per_step = rollout_test(rows, tokens, game, policy, int(cfg.starts), int(cfg.rollout_frames),
+        played = WarmedUp(game, int(cfg.warmup), policy)
+        scores, per_step = rollout_test(rows, tokens, played, policy, int(cfg.starts), int(cfg.rollout_frames),
                                         int(cfg.seed_base), int(cfg.seed))
         reports.append(policy_report(str(name), scores, int(cfg.seed)))
         curves.update({f"{name} {row}": c for row, c in per_step.items()})
