@@ -57,12 +57,12 @@ def test_a_stop_while_per_frame_csv_is_written_keeps_the_last_whole_table(tmp_pa
 
 
 def test_a_stop_while_the_world_tests_curves_are_written_keeps_the_last_whole_table(tmp_path):
-    from mcar.eval.world_tests import CURVE_COLUMNS, write_curves
+    from mcar.eval.world_tests import write_curves
 
     path = tmp_path / "rollout_agreement.csv"
     point = dict(mean=0.5, lo=0.4, hi=0.6, tv=0.1, map=0.9, inventory=1.0, invented=0.0)
-    write_curves({"free": [point]}, path)
-    assert next(csv.reader(path.open())) == CURVE_COLUMNS
+    columns, _ = write_curves({"free": [point]}, path)
+    assert next(csv.reader(path.open())) == columns
     before = path.read_text()
     with pytest.raises(Stopped):
         write_curves({"longer": [point, point, {**point, "mean": StopWhenWritten()}]}, path)

@@ -169,3 +169,15 @@ def test_a_hydra_tools_help_is_the_same_from_its_script(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and "mcar finetune's own keys (conf/finetune.yaml)" in out and "init_from: null  #" in out
     assert "keys from train (conf/train.yaml)" in out and "model=tiny  (options: " in out
+
+
+def test_no_config_group_shares_its_name_with_a_tools_own_key():
+    """`mcar tokenize source=vpt` sets a key; were `source` also a config group, Hydra would read `source=vpt` as a
+    group choice and refuse it (as `mcar vq_eval vq=<folder>` was). No tool has a plain value named as a group."""
+    import yaml
+
+    conf = Path(__file__).resolve().parents[1] / "mcar" / "conf"
+    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    for tool in conf.glob("*.yaml"):
+        keys = {k for k, v in (yaml.safe_load(tool.read_text()) or {}).items() if not isinstance(v, dict)}
+        assert not keys & groups, f"{tool.name}: keys {sorted(keys & groups)} are also config groups"

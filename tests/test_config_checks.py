@@ -63,9 +63,8 @@ def test_the_shipped_configs_pass_their_checks(tool, args):
 
 def test_the_checks_name_the_policies_and_rewards_mcar_has():
     """The rules' lists are the data's policies and the reward classes (the rules sit below those layers)."""
-    import inspect
-
     import importlib
+    import inspect
 
     from mcar.crafter.gen import POLICIES as policies
 

@@ -10,7 +10,7 @@ from mcar.tokenizer.actions import CrafterActions
 from mcar.train.idm import fit
 
 NAMES = {0: "noop", 1: "move_left", 2: "move_right", 3: "move_up", 4: "move_down"}
-MOVES = CrafterActions.moves
+MOVES = CrafterActions().moves
 PR_COLUMNS = pr_keys(MOVES)
 
 

@@ -116,7 +116,7 @@ def test_record_train_then_gametest_each_policy_on_fresh_games(tmp_path):
     """Pong recorded by `mcar record`, one training step on it (data.record: recorded on first use), then mcar
     gametest: every policy named, each row scored with intervals over fresh games, the model's margin over
     copy_last paired game by game; a model of another game's actions is refused; then one post-training step on
-    fresh games of Pong (source=gym), rewarded against the game's real next frames."""
+    fresh games of Pong (simulator=gym), rewarded against the game's real next frames."""
     pytest.importorskip("ale_py", reason="pip install gymnasium ale-py")
     from mcar.tools.gametest import main as gametest
     from mcar.tools.train import main as train
@@ -143,7 +143,7 @@ def test_record_train_then_gametest_each_policy_on_fresh_games(tmp_path):
 
     from mcar.tools.posttrain import main as posttrain  # GRPO on the game itself: no Crafter code
 
-    run_in_process(posttrain, "source=gym", f"init_from={ckpt}/last.ckpt", f"data.root={folder}", "steps=1",
+    run_in_process(posttrain, "simulator=gym", f"init_from={ckpt}/last.ckpt", f"data.root={folder}", "steps=1",
                    "posttrain.group=2", "posttrain.starts=1", "posttrain.rollout_frames=3", "starts.warmup=2",
                    "starts.clips_per_world=1", "logger=none", "posttrain.video_every_n_steps=0",
                    *job_overrides(tmp_path, "post"))

@@ -163,7 +163,7 @@ def test_bad_checkpoints_give_clear_errors(tmp_path, tiny_checkpoint):
     with pytest.raises(FileNotFoundError) as e:
         run_in_process(finetune, *SMALL_DATA, *job_overrides(tmp_path), "logger=none",
                        f"init_from={tmp_path}/nope.ckpt")
-    assert str(e.value) == f"checkpoint not found: {tmp_path}/nope.ckpt"
+    assert str(e.value) == f"init_from: checkpoint not found: {tmp_path}/nope.ckpt"
     # ckpt_path=last with no run yet
     with pytest.raises(FileNotFoundError) as e:
         run_in_process(train, *SMALL_DATA, *job_overrides(tmp_path), "logger=none", "ckpt_path=last")

@@ -1,8 +1,8 @@
-"""`mcar vq_eval episodes=... [vq=...] [png=out.png]` (conf/vq_eval.yaml): score a VQ on held-out whole frames
+"""`mcar vq_eval episodes=... [vq_path=...] [png=out.png]` (conf/vq_eval.yaml): score a VQ on held-out whole frames
 (PSNR, SSIM, codebook usage) and draw originals above reconstructions.
 
-    mcar vq_eval episodes=data/crafter/episodes [vq=mcar/assets/vq_crafter_small] [png=out.png]
-    mcar vq_eval episodes=... vq=checkpoints/vq_small/best export=mcar/assets/vq_crafter_small
+    mcar vq_eval episodes=data/crafter/episodes [vq_path=mcar/assets/vq_crafter_small] [png=out.png]
+    mcar vq_eval episodes=... vq_path=checkpoints/vq_small/best export=mcar/assets/vq_crafter_small
         (stores the VQ there with fp16 weights, then scores that stored copy and writes metrics.json beside it)
 
 Every `stride`-th frame of every episode in the folder is scored (use episodes the VQ never trained on). The old
@@ -25,7 +25,7 @@ from mcar.train.vq_training import load_frames, save_grid
 def main(argv: list[str] | None = None) -> dict:
     c = compose_tool("vq_eval", argv)
     set_threads(int(c.threads))
-    vq = load_vq(c.vq)
+    vq = load_vq(c.vq_path)
     if c.export:
         save_vq(vq, c.export, half=True)
         vq = load_vq(c.export)
@@ -43,6 +43,6 @@ def main(argv: list[str] | None = None) -> dict:
         save_grid(Path(c.png), x, rec)
     if c.export:
         write_atomic(Path(c.export) / "metrics.json", json.dumps(
-            {**m, "source": str(c.vq), "episodes": str(c.episodes), "n_episodes": len(files), "stride": c.stride},
+            {**m, "source": str(c.vq_path), "episodes": str(c.episodes), "n_episodes": len(files), "stride": c.stride},
             indent=1))
     return m
