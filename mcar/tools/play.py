@@ -54,9 +54,9 @@ K_HELP = ("**k** is DiagD's slope: row i of the next frame starts k tokens after
 def context_help(context: int) -> str:
     """What the model sees, and why things it saw may go."""
     return (f"**What the model sees**: {context} frames, the last {context - 1} and the one it draws (its context: "
-            f"the clip length it was trained on, or `context=`). It has no memory beyond them: a creature, tree or "
-            f"item that leaves the picture, or was last seen more than {context - 1} step(s) ago, has left its "
-            f"context, and it may vanish or come back different.")
+            f"the clip length it was trained on, or `context=`). It has no memory beyond them: anything that leaves "
+            f"the picture, or was last seen more than {context - 1} step(s) ago, has left its context, and it may "
+            f"vanish or come back different.")
 
 
 def key_help(keys: dict) -> str:
