@@ -430,6 +430,19 @@ def said_plainly(job, user_full_error=lambda: None):
     return run
 
 
+def close_file_logs_in(folder: Path) -> None:
+    """Close and detach every logging file handler writing into `folder`."""
+    import logging
+
+    folder = folder.resolve()
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):
+            name = getattr(handler, "baseFilename", None)
+            if name and Path(name).resolve().is_relative_to(folder):
+                logger.removeHandler(handler)
+                handler.close()
+
+
 def remove_unused_run_dir() -> None:
     """Hydra's fresh run folder (outputs/<task>/<time>/) of a failed job, when it holds nothing but Hydra's own
     log of the job and its config record (.hydra/), is removed: a command refused before its work leaves no
@@ -443,6 +456,7 @@ def remove_unused_run_dir() -> None:
     out = Path(hc.runtime.output_dir)
     if out.is_dir() and out.resolve() != Path.cwd().resolve() and \
             {p.name for p in out.iterdir()} <= {f"{hc.job.name}.log", hc.output_subdir or ".hydra"}:
+        close_file_logs_in(out)  # Hydra's job log would be reopened, in a folder gone, by the next log line
         shutil.rmtree(out, ignore_errors=True)
         cwd = Path.cwd().resolve()
         for parent in out.resolve().parents:  # outputs/<task>/ too (under the working folder), when it held only this

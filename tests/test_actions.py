@@ -96,7 +96,7 @@ def test_a_new_action_space_is_one_class_the_tools_ask():
     import torch
 
     from mcar.idm.scores import action_names
-    from mcar.sampling.play import named_actions
+    from mcar.sampling.play_server import named_actions
     from mcar.sampling.prompts import parse_action
     from mcar.tokenizer import actions
     from mcar.tokenizer.actions import ActionSpace

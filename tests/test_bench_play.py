@@ -11,7 +11,7 @@ from tests.test_play import crafter_files, crafter_session  # noqa: F401  the ti
 
 
 def test_a_players_latency_includes_the_pages_png_and_follows_its_percentiles(crafter_files, monkeypatch):  # noqa: F811
-    import mcar.bench.play as bench
+    import mcar.bench.play_speed as bench
 
     session = crafter_session(crafter_files)
     encoded = []

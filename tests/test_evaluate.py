@@ -45,7 +45,7 @@ def test_training_dashboard_lands_in_the_offline_wandb_run_and_the_output_dir(tr
 
 
 def train_tiny_idm(tmp: Path) -> Path:
-    from mcar.train.idm import train_idm
+    from mcar.train.idm_training import train_idm
 
     cfg = compose("idm", [*SMALL_DATA, f"out={tmp}/idm/idm.pt", "steps=20", "eval_every=10", "batch_size=16",
                           f"paths.output_dir={tmp}/idm"])

@@ -63,7 +63,7 @@ def test_held_out_auto_finds_the_checkpoints_folder_else_the_data(tmp_path):
 
 
 def test_idm_auto_prefers_your_own_then_the_shipped_one(tmp_path):
-    from mcar.eval.idm import resolve_idm
+    from mcar.eval.action_following import resolve_idm
 
     assert resolve_idm("auto", tmp_path, "crafter_tiles") == str(tmp_path / "idm-crafter_tiles" / "idm.pt")
     shipped = tmp_path / "shipped" / "idm-crafter_tiles" / "idm.pt"

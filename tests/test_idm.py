@@ -3,11 +3,11 @@ code grids whose action is a known shift, and the per-action precision / recall 
 import pytest
 import torch
 
-from mcar.eval.idm import load_idm
+from mcar.eval.action_following import load_idm
 from mcar.idm.model import InverseDynamics, random_codebook, save_idm
 from mcar.idm.scores import action_pr, data_moves, pr_keys
 from mcar.tokenizer.actions import CrafterActions
-from mcar.train.idm import fit
+from mcar.train.idm_training import fit
 
 NAMES = {0: "noop", 1: "move_left", 2: "move_right", 3: "move_up", 4: "move_down"}
 MOVES = CrafterActions().moves

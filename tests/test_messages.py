@@ -49,7 +49,10 @@ def test_a_mapping_override_naming_a_key_the_mapping_lacks_lists_its_keys():
 
 def test_a_refused_sampling_run_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
     """`mcar generate ckpt=<missing>` fails in the job, after Hydra made outputs/generate/<time>/ with .hydra/ and
-    a log: the folder, and outputs/ it made, go."""
+    a log: the folder, and outputs/ it made, go, and no log handler is left writing into it (the next log line of
+    this process would reopen the log there and fail)."""
+    import logging
+
     from mcar.tools.generate import main
 
     monkeypatch.chdir(tmp_path)
@@ -58,6 +61,9 @@ def test_a_refused_sampling_run_leaves_no_run_folder(tmp_path, monkeypatch, caps
         main([f"ckpt={tmp_path / 'missing.ckpt'}"])
     assert "checkpoint not found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    files = [h.baseFilename for lg in loggers for h in getattr(lg, "handlers", []) if hasattr(h, "baseFilename")]
+    assert not [f for f in files if str(tmp_path) in f]
 
 
 def test_a_safetensors_file_that_is_not_one_is_named(tmp_path):

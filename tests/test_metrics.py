@@ -9,7 +9,7 @@ import torch
 from mcar.core.layout import Layout
 from mcar.eval import metrics as M
 from mcar.eval import networks as N
-from mcar.eval.idm import check_idm_fits
+from mcar.eval.action_following import check_idm_fits
 from mcar.idm.model import InverseDynamics
 from mcar.idm.scores import action_scores, frame_pairs
 

@@ -42,7 +42,7 @@ def crafter_files(tmp_path_factory):
 
 
 def crafter_session(files, *overrides):
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     return open_game(compose("play", [f"ckpt={files}/tiny.ckpt", f"prompt_image={files}/start.png",
                                           "schedule.k=2", *overrides]))
@@ -192,7 +192,7 @@ def test_steps_from_threads_waiting_at_once_share_a_tick(crafter_files):
 
 def test_bench_sessions_reports_each_games_and_all_games_frames_per_s(crafter_files, tmp_path):
     """mcar play bench.sessions=[1,2]: n games stepping together; per game and aggregate frames/s, JSON."""
-    from mcar.bench.play import bench_sessions, run_play
+    from mcar.bench.play_speed import bench_sessions, run_play
 
     s = crafter_session(crafter_files)
     out = bench_sessions(s, [1, 2], ["move_left"], steps=1, repeats=2)
@@ -226,7 +226,7 @@ def test_temperature_zero_is_greedy_and_seed_free(crafter_files):
 def test_rollout_agreement_scores_a_game_against_the_real_frames(crafter_files):
     """bench.rollouts: an oracle game (its model copies the real next frame) agrees 1.0 at every step; the
     unchanged start frame is the copy_first row."""
-    from mcar.bench.play import rollout_agreement
+    from mcar.bench.play_speed import rollout_agreement
 
     s = crafter_session(crafter_files)
     L, ft = H * W + 1, H * W
@@ -272,7 +272,7 @@ def test_serving_port_moves_past_a_taken_port():
 def test_bench_times_each_k_without_the_page(crafter_files, tmp_path):
     """mcar bench play bench.play.steps=N: no page, no gradio; per k the median of the rounds and the passes per
     frame, one JSON line printed and written to bench.out."""
-    from mcar.bench.play import bench_session, run_play
+    from mcar.bench.play_speed import bench_session, run_play
 
     s = crafter_session(crafter_files)
     out = bench_session(s, [1, 2], ["move_left", "noop"], steps=2, repeats=3)
@@ -310,7 +310,7 @@ def test_start_frames_from_a_held_out_clip():
     from pathlib import Path
 
     from mcar.sampling.held_out import held_out_source
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     from .test_cached_attention import tiny_checkpoint
 
@@ -331,7 +331,7 @@ def test_start_frames_from_a_held_out_clip():
     assert s.history[0, 12:].tolist() == [32 + 1, 32 + 2]
     with pytest.raises(ValueError, match="2 local action id"):
         s.step(3)
-    from mcar.bench.play import bench_session
+    from mcar.bench.play_speed import bench_session
 
     assert bench_session(s, [1], ["move_left"], steps=1, repeats=1)["ks"]["1"]["passes"] > 0  # no names: ids 0, 0
 
@@ -630,7 +630,7 @@ def test_a_game_dropped_while_its_step_runs_keeps_its_own_frame(crafter_files, m
     own game's frame, nobody's thread spins, and the other game steps on."""
     import threading
 
-    from mcar.sampling.play import PlaySession
+    from mcar.sampling.play_server import PlaySession
 
     base = crafter_session(crafter_files)
     want = base.server.step_together([(base.fork(), "do"), (base.fork(seed=1), "noop")])
@@ -671,7 +671,7 @@ def test_a_games_noise_does_not_depend_on_who_joins(crafter_files):
 def test_games_are_capped_and_their_memory_returned(crafter_files):
     """max_games: the next join is refused with a message the page shows; games that leave free their place and
     give their rollout's KV cache back to the server's pool, and a server whose players all left lends none."""
-    from mcar.sampling.play import GamesFull
+    from mcar.sampling.play_server import GamesFull
 
     base = crafter_session(crafter_files, "max_games=2")
     a, b = base.fork(), base.fork(seed=1)
@@ -711,7 +711,7 @@ def test_joins_leaves_resets_and_k_changes_keep_each_widths_kv_caches_at_the_sam
     passes see no more cache sets than rollouts of that width ever live at once, however often players come, go,
     reset or change k. On the static path (CUDA's) a rollout's own inputs (tokens, row keys, first slots) ride on
     its cache set too: as many addresses per width as cache sets."""
-    from mcar.sampling.play import PlayServer, PlaySession
+    from mcar.sampling.play_server import PlayServer, PlaySession
 
     monkeypatch.setattr(PlaySession, "decode", lambda self, tokens: np.zeros((1, 1, 3), np.uint8))  # images unused
     base = crafter_session(crafter_files, "sampler.temperature=1.0", "sampler.static=true")
@@ -750,7 +750,7 @@ def test_joins_leaves_resets_and_k_changes_keep_each_widths_kv_caches_at_the_sam
 def test_a_game_on_a_recycled_kv_cache_draws_what_it_draws_on_a_fresh_one(crafter_files, monkeypatch):
     """A rollout started on a cache another game filled sees nothing of it (the prefill zeroes the set): the same
     game, seed and actions draw the same frames token for token as on a fresh server's new cache."""
-    from mcar.sampling.play import PlaySession
+    from mcar.sampling.play_server import PlaySession
 
     monkeypatch.setattr(PlaySession, "decode", lambda self, tokens: np.zeros((1, 1, 3), np.uint8))  # tokens compared
     acts = ["move_left", "do", "noop", "move_up"]
@@ -780,7 +780,7 @@ def test_a_game_on_a_recycled_kv_cache_draws_what_it_draws_on_a_fresh_one(crafte
 def test_a_soak_of_players_coming_and_going_draws_every_frame_as_played_alone(crafter_files):
     """Players join, step, reset, change k and leave at random (batched in ticks); every game, replayed alone
     with the same events, draws the same frames token for token (mcar bench play bench.play.soak_ticks=N)."""
-    from mcar.bench.play import soak_games
+    from mcar.bench.play_speed import soak_games
 
     base = crafter_session(crafter_files, "sampler.temperature=1.0")
     r = soak_games(base, ticks=14, max_players=3, seed=3)

@@ -35,7 +35,7 @@ def crafter_start(seed: int):
 
 @pytest.mark.skipif(not (SHIPPED / "last.ckpt").exists(), reason="the shipped checkpoint is not in this checkout")
 def test_the_shipped_model_moves_the_world_like_crafter(tmp_path):
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     start, truth = crafter_start(0)
     Image.fromarray(start).save(tmp_path / "start.png")
@@ -75,7 +75,7 @@ def test_the_shipped_model_follows_a_rollout_of_random_moves(tmp_path):
     clip on the rolling KV cache, k=2),
     greedy: the generated frames, each made from the model's own previous frame, keep agreeing with Crafter's
     frames (the map's interior), well above 'nothing moves' (the start frame) where the world moved."""
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     vq = load_vq(compose("play", ["data=crafter_tiles"]).vq.path)
     tokens = lambda frame: encode_tokens(vq, torch.from_numpy(np.ascontiguousarray(frame))[None])[0][1:12, 1:23]
@@ -136,7 +136,7 @@ def neighbours(env, walkable_wanted: bool) -> list[int]:
 
 
 def world_session(tmp_path, start, *overrides):
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     Image.fromarray(start).save(tmp_path / "start.png")
     return open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_all_world",
@@ -274,7 +274,7 @@ def test_the_world_model_remembers_what_a_wait_hid(tmp_path):
 def test_plays_default_start_shows_a_collision_and_a_moving_map():
     """`mcar play` as it starts (its default prompt) on the play default: a start with landmarks, where the first
     key shows what the model keeps: → runs into the water beside the player (the map stays), ← moves the map."""
-    from mcar.sampling.play import open_game
+    from mcar.sampling.play_server import open_game
 
     session = open_game(compose("play", [f"ckpt={WORLD}", "data=crafter_tiles_all_world", "threads=1"]))
     w = WORLD_VIEW[0]

@@ -105,7 +105,7 @@ def test_a_sharded_ckpt_path_is_read_as_data_before_torch_unpickles_its_metadata
 
 
 def test_idm_of_evaluate_is_refused(hostile):
-    from mcar.eval.idm import load_idm
+    from mcar.eval.action_following import load_idm
 
     path = hostile("idm.pt", wrap=lambda p: {"config": {}, "state_dict": {"codebook": torch.zeros(2)}, "meta": p})
     refused(lambda: load_idm(str(path)), hostile)
@@ -140,7 +140,7 @@ def test_a_vq_folder_with_pickled_code_is_refused(hostile, tmp_path):
 
 def test_genuine_files_load_as_weights_only():
     from mcar.checkpoint.io import load_checkpoint
-    from mcar.eval.idm import load_idm
+    from mcar.eval.action_following import load_idm
 
     shipped = REPO / "checkpoints" / "shipped"
     assert "state_dict" in load_checkpoint(shipped / "crafter_tiles_diagd" / "last.ckpt")

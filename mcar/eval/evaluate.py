@@ -41,7 +41,7 @@ from mcar.checkpoint.load import resolve_ckpt
 from mcar.core.devices import set_threads
 from mcar.core.latency import frames_per_second
 from mcar.eval import networks as N
-from mcar.eval.idm import check_idm_fits, load_idm, resolve_idm
+from mcar.eval.action_following import check_idm_fits, load_idm, resolve_idm
 from mcar.eval.reporting import (
     gather_sweep,
     log_wandb,

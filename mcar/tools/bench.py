@@ -4,7 +4,7 @@
 sampler, train: mcar/bench/speed.py; memory, gpu (the staged check a GPU machine runs first): mcar/bench/gpu_check.py;
 data (the input pipeline at VPT scale): mcar/bench/data_speed.py; tokenizer (VQ-encoding cost):
 mcar/bench/tokenize_speed.py; play (what a player sees, steps per k, many games, held-out rollouts):
-mcar/bench/play.py; serve (simulated players on the page itself): mcar/bench/serve.py.
+mcar/bench/play_speed.py; serve (simulated players on the page itself): mcar/bench/serve.py.
 The result is one JSON object written to bench.out (the run's output dir); play and serve print a table (and the
 JSON's path), the other modes the JSON line.
 """
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from mcar.atomic import write_atomic
 from mcar.bench.data_speed import run_data
 from mcar.bench.gpu_check import run_gpu, run_memory
-from mcar.bench.play import play_table, run_play
+from mcar.bench.play_speed import play_table, run_play
 from mcar.bench.serve import run_serve, serve_table
 from mcar.bench.speed import run_sampler, run_train
 from mcar.bench.tokenize_speed import run_tokenizer

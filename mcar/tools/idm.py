@@ -1,8 +1,8 @@
-"""`mcar idm [hydra overrides]` (conf/idm.yaml): the command line of mcar.train.idm.train_idm."""
+"""`mcar idm [hydra overrides]` (conf/idm.yaml): the command line of mcar.train.idm_training.train_idm."""
 from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
-from mcar.train.idm import train_idm
+from mcar.train.idm_training import train_idm
 
 
 @hydra_tool("idm")

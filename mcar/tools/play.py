@@ -3,7 +3,7 @@
     pip install -e '.[play]'                                  # gradio, an optional extra
     mcar play ckpt=checkpoints/<run> [prompt=3] [schedule.k=2] [port=7860] [sampler.context=N]
     mcar play ckpt=... prompt_image=frame.png       # start from an image instead of a held-out clip
-    mcar bench play ckpt=...                        # no page: the step's speed, many games, rollouts (mcar.bench.play)
+    mcar bench play ckpt=...                        # no page: speed, many games, rollouts (mcar.bench.play_speed)
 
 Then open http://127.0.0.1:7860. The keys are the action space's (`play_keys`: Crafter's arrows or WASD move,
 space is `do`; a recordings folder's actions.yaml names its own); buttons take the other actions (`buttons`, or
@@ -12,7 +12,7 @@ every action of a game of its own), `reset` goes back to the start frame, the k 
 Each step draws the frame the chosen action leads to on the rolling KV cache: the model sees `sampler.context`
 frames (null: the checkpoint's clip_frames, the longest clips it was trained on), the last context - 1 frames and
 the new one. The start frame(s): the first schedule.prompt_frames frames of held-out clip `prompt` (as in
-mcar.generate), or `prompt_image`. The engine (games, batching the games of several tabs) is mcar.sampling.play;
+mcar.generate), or `prompt_image`. The engine (games, batching the games of several tabs) is mcar.sampling.play_server;
 this module is the page and the command.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from functools import partial
 from omegaconf import DictConfig
 
 from mcar.hydra_app import hydra_tool
-from mcar.sampling.play import GamesFull, PlaySession, open_game
+from mcar.sampling.play_server import GamesFull, PlaySession, open_game
 from mcar.stopping import on_stop_say
 from mcar.tokenizer.pictures import data_action_space
 

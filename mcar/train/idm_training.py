@@ -22,7 +22,7 @@ from mcar.data.common import build_datamodule, complete_data_config
 from mcar.idm.model import InverseDynamics, random_codebook, save_idm, tokens_name, vq_codebook
 from mcar.idm.scores import action_names, action_scores, data_moves, source_pairs
 
-log = logging.getLogger("mcar.train.idm")
+log = logging.getLogger("mcar.train.idm_training")
 
 
 def evaluate_idm(model: InverseDynamics, pairs, names: dict[int, str], moves=()) -> dict:

@@ -1,5 +1,5 @@
 """The IDM as evaluation takes it: idm=auto resolved to your own or the shipped model, loaded weights only, and
-checked against the data it scores (mcar.idm holds the model and its scores; mcar.train.idm trains it)."""
+checked against the data it scores (mcar.idm holds the model and its scores; mcar.train.idm_training trains it)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, open_dict
 from mcar.core.agreement import frame_agreement, nothing_moves
 from mcar.core.latency import frames_per_second, latency_summary, seconds_since_process_start
 from mcar.sampling.held_out import held_out_data, pick_clips
-from mcar.sampling.play import PlaySession, open_game
+from mcar.sampling.play_server import PlaySession, open_game
 
 
 def encode_png(frame: np.ndarray) -> bytes:
