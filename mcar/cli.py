@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = args[0], args[1:]
     if name not in TOOLS:
         sys.exit(f"mcar: no tool {name!r}\n\n{usage()}")
-    from mcar.hydra_app import CONF_DIR, plain_errors, readable_progress, usage_exit
+    from mcar.hydra_app import CONF_DIR, plain_errors
+    from mcar.progress import readable_progress
     from mcar.stopping import stop_signals_end
+    from mcar.tool_help import usage_exit
 
     if any(a in ("-h", "--help") for a in rest) and (CONF_DIR / f"{name}.yaml").is_file():
         usage_exit(name)  # the tool's keys from its conf file, before the tool (and torch) is imported

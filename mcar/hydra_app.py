@@ -21,55 +21,14 @@ from hydra.errors import HydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcar.assets import asset_path
 from mcar.config_checks import check_before_run
+from mcar.progress import readable_progress
 from mcar.stopping import stop_signals_end
 
 CONFIG_PATH = "pkg://mcar.conf"
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # the same packaged configs, as files
 COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)  # a composition that failed: a bad override
-
-
-ASSETS = Path(__file__).resolve().parent / "assets"  # this install's committed asset folders
-
-
-def asset_path(name: str) -> str:
-    """The absolute path of a committed asset folder, mcar/assets/<name> (conf: `${mcar_asset:vq_crafter_tiles}`)."""
-    if not (ASSETS / name).is_dir():
-        raise FileNotFoundError(f"no committed asset {name!r} in {ASSETS} (there: "
-                                f"{sorted(p.name for p in ASSETS.iterdir() if p.is_dir())})")
-    return str(ASSETS / name)
-
-
-def committed_asset(value) -> str | None:
-    """The name of the committed asset a path names (<any install>/mcar/assets/<name>, or mcar/assets/<name> as a
-    checkpoint records it), None for anything else."""
-    if not isinstance(value, str) or "/" not in value:
-        return None
-    p = Path(value)
-    if p.parent.name != "assets" or p.parent.parent.name != "mcar" or not (ASSETS / p.name).is_dir():
-        return None
-    return p.name
-
-
-def relocated_asset(value):
-    """A committed asset's path as a checkpoint's config has it -> this install's asset of that name, always (a
-    path into another clone that exists on this machine would decode with that clone's files); anything else
-    unchanged."""
-    name = committed_asset(value)
-    return value if name is None else asset_path(name)
-
-
-def assets_by_name(node):
-    """Every committed asset's path in a config (dicts, lists, strings) -> mcar/assets/<name>: what a checkpoint
-    records, naming no machine's checkout (relocated_asset reads it back into the loading install)."""
-    if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=True)
-    if isinstance(node, dict):
-        return {k: assets_by_name(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return [assets_by_name(v) for v in node]
-    name = committed_asset(node)
-    return node if name is None else f"mcar/assets/{name}"
 
 
 def trainer_precision(*args):
@@ -97,69 +56,12 @@ def to_dict(cfg: DictConfig | dict | None) -> dict:
     return dict(cfg)
 
 
-HELP_WORDS = ("-h", "--help")
+def exit_on_help(config_name: str, args: list[str]) -> None:
+    """`-h` / `--help` among the arguments: the tool's help (mcar.tool_help), then exit 0."""
+    if any(a in ("-h", "--help") for a in args):
+        from mcar.tool_help import usage_exit  # it reads CONF_DIR from here
 
-
-def usage_exit(config_name: str) -> None:
-    """`mcar <tool> --help`: the tool's keys with their comments (tool_help); exits 0."""
-    print(tool_help(config_name))
-    raise SystemExit(0)
-
-
-def split_config_text(text: str) -> tuple[list[str], list[str]]:
-    """A conf file's lines -> (its `defaults:` entries, its own lines: keys with their comments, less the defaults
-    list and the `hydra:` block, which are Hydra's)."""
-    defaults, own, block = [], [], None
-    for line in text.splitlines():
-        top = line[:1] not in ("", " ", "#")
-        if top:
-            block = line.split(":", 1)[0]
-        if block == "defaults" and not top:
-            if line.strip().startswith("- "):
-                defaults.append(line.strip()[2:])
-            continue
-        if block not in ("defaults", "hydra"):
-            own.append(line)
-    while own and not own[-1].strip():
-        own.pop()
-    return defaults, own
-
-
-def tool_help(config_name: str) -> str:
-    """What `mcar <tool> --help` prints, read from the conf files as written (their comments explain each key), no
-    composition (it answers at once): the tool's own keys first, then the configs it builds on (their keys), then
-    its groups with their options. The composed config: `mcar <tool> --cfg job`."""
-    seen, sections, groups = set(), [], []
-
-    def read(name: str, heading: str) -> None:
-        path = CONF_DIR / f"{name}.yaml"
-        if name in seen or not path.is_file():
-            return
-        seen.add(name)
-        defaults, own = split_config_text(path.read_text())
-        if any(line.strip() for line in own):
-            sections.append(f"\n{heading} (conf/{name}.yaml):\n" + "\n".join("  " + line if line else ""
-                                                                           for line in own))
-        for entry in defaults:
-            choice, _, comment = entry.partition("#")
-            if ":" in choice and not choice.startswith(("override ", "_")):
-                group, option = (x.strip() for x in choice.split(":", 1))
-                groups.append((group.lstrip("/"), option, comment.strip()))
-            elif choice.strip() and not choice.strip().startswith("_"):
-                read(choice.strip(), f"keys from {choice.strip()}")
-
-    read(config_name, f"mcar {config_name}'s own keys")
-    lines = [f"usage: mcar {config_name} key=value ... group=option ...  (Hydra overrides)", *sections]
-    if groups:
-        lines += ["", "groups (group=option; a group's keys as group.key=value, its files in conf/<group>/):"]
-        for group, option, comment in dict.fromkeys(groups):
-            folder = CONF_DIR / group.split("@")[0]
-            options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
-            said = f"  # {comment}" if comment else ""
-            lines.append(f"  {group}={option}  (options: {', '.join(options) or '-'}){said}")
-    lines += ["", f"the composed config, every value resolved: mcar {config_name} --cfg job   "
-                  f"(Hydra's own flags: --hydra-help)"]
-    return "\n".join(lines)
+        usage_exit(config_name)
 
 
 def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
@@ -167,8 +69,7 @@ def compose_tool(config_name: str, argv: list[str] | None = None) -> DictConfig:
     from hydra import compose, initialize_config_module
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if any(a in HELP_WORDS for a in args):
-        usage_exit(config_name)
+    exit_on_help(config_name, args)
     register_resolvers()
     try:
         with initialize_config_module(version_base="1.3", config_module="mcar.conf"):
@@ -246,62 +147,6 @@ def similar_keys(key: str, keys: list[str]) -> list[str]:
     return list(dict.fromkeys(close + moved))[:3]
 
 
-CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-HJK]")  # tqdm's nested bars move the cursor up and clear lines
-
-
-class LineProgress:
-    """stdout / stderr going to a pipe or a file: each in-place redraw of a progress bar (a carriage return) becomes
-    a line of its own and cursor moves are dropped, so `mcar generate ... > generate.log` reads top to bottom
-    instead of as one 30 kB line; a log line written while a bar's line is open (on this stream or a peer's: stdout
-    and stderr into one file) starts on a line of its own."""
-
-    def __init__(self, stream, peers: list | None = None):
-        self._stream, self._line_start, self._bar_open = stream, True, False
-        self._peers = peers if peers is not None else []  # the streams sharing a terminal or a log file
-        self._peers.append(self)
-
-    def write(self, text: str) -> int:
-        if text and not text.startswith(("\r", "\n")):  # a log line: a bar's open line (any stream's) ends first
-            for peer in self._peers:
-                if peer._bar_open:
-                    peer._stream.write("\n")
-                    peer._stream.flush()
-                    peer._line_start, peer._bar_open = True, False
-        out = []
-        for i, piece in enumerate(CURSOR_MOVES.sub("", text).split("\r")):
-            if i and not self._line_start:
-                out.append("\n")
-                self._line_start = True
-            if piece:
-                out.append(piece)
-                self._line_start = piece.endswith("\n")
-        self._bar_open = "\r" in text and not self._line_start
-        self._stream.write("".join(out))
-        return len(text)
-
-    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: the stream's own
-        return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def readable_progress():
-    """While a tool runs, stdout and stderr (tqdm draws on one, Lightning's bar on the other) that are not a
-    terminal show progress redraws as lines (LineProgress), at most one every 5 s per data bar (tqdm's
-    TQDM_MININTERVAL, unless set; the training bar redraws every log_every_n_steps)."""
-    names = [n for n in ("stdout", "stderr") if not getattr(sys, n).isatty()
-             and not isinstance(getattr(sys, n), LineProgress)]
-    saved, peers = {n: getattr(sys, n) for n in names}, []
-    for n in names:
-        setattr(sys, n, LineProgress(saved[n], peers))
-    if names:
-        os.environ.setdefault("TQDM_MININTERVAL", "5")
-    try:
-        yield
-    finally:
-        for n in names:
-            setattr(sys, n, saved[n])
-
-
 def hydra_tool(config_name: str, words=None):
     """Decorator: a job function taking the composed config -> the tool's `main(argv=None)` under @hydra.main
     (conf/<config_name>.yaml). `words` rewrites the arguments first (e.g. bench's mode as a bare first word)."""
@@ -315,8 +160,7 @@ def hydra_tool(config_name: str, words=None):
         @functools.wraps(job)
         def main(argv: list[str] | None = None):
             args = sys.argv[1:] if argv is None else list(argv)
-            if any(a in HELP_WORDS for a in args):  # the conf files as written, in seconds (not Hydra's dump)
-                usage_exit(config_name)
+            exit_on_help(config_name, args)  # the conf files as written, in seconds (not Hydra's dump)
             args = words(args) if words else args
             saved, sys.argv = sys.argv, [sys.argv[0], *args]
             register_resolvers()

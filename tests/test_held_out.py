@@ -82,8 +82,8 @@ def test_idm_auto_prefers_your_own_then_the_shipped_one(tmp_path):
 
 
 def test_a_checkpoints_asset_paths_are_relocated_into_this_install():
+    from mcar.assets import asset_path, relocated_asset
     from mcar.checkpoint.config import relocate_assets
-    from mcar.hydra_app import asset_path, relocated_asset
 
     here = asset_path("vq_crafter_tiles")
     assert relocated_asset("/some/other/clone/mcar/assets/vq_crafter_tiles") == here
@@ -115,8 +115,8 @@ def test_the_shipped_checkpoint_carries_its_data_and_fits_its_held_out_clips():
 def test_an_asset_another_clone_holds_on_this_machine_is_still_this_installs(tmp_path):
     """A checkpoint trained in another checkout names that checkout's VQ; when that folder exists on this machine
     too, the loading install's own asset is still the one used (not the other clone's files)."""
+    from mcar.assets import asset_path
     from mcar.checkpoint.config import relocate_assets
-    from mcar.hydra_app import asset_path
 
     other = tmp_path / "other_clone" / "mcar" / "assets" / "vq_crafter_tiles"
     other.mkdir(parents=True)
@@ -127,7 +127,7 @@ def test_an_asset_another_clone_holds_on_this_machine_is_still_this_installs(tmp
 
 def test_a_checkpoint_records_its_assets_by_name_not_this_checkouts_path():
     """What a checkpoint stores names a committed asset as mcar/assets/<name>: no machine's checkout in it."""
-    from mcar.hydra_app import asset_path
+    from mcar.assets import asset_path
     from mcar.train.module import MCARModule
 
     vq = asset_path("vq_crafter_tiles")

@@ -29,7 +29,7 @@ def test_a_short_piped_run_is_quiet_and_ends_with_a_dashboard_picture(tmp_path):
 
 
 def test_line_progress_turns_redraws_into_lines():
-    from mcar.hydra_app import LineProgress
+    from mcar.progress import LineProgress
 
     sink = io.StringIO()
     s = LineProgress(sink)

@@ -15,8 +15,8 @@ log = logging.getLogger("mcar")
 
 
 def relocate_assets(node):
-    """Every string leaf of a checkpoint's config through hydra_app.relocated_asset."""
-    from mcar.hydra_app import relocated_asset
+    """Every string leaf of a checkpoint's config through mcar.assets.relocated_asset."""
+    from mcar.assets import relocated_asset
 
     if isinstance(node, dict):
         return {k: relocate_assets(v) for k, v in node.items()}

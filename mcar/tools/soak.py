@@ -26,7 +26,8 @@ import torch
 
 from mcar.atomic import write_json
 from mcar.checkpoint.io import load_checkpoint
-from mcar.hydra_app import compose_tool, usage_exit
+from mcar.hydra_app import compose_tool
+from mcar.tool_help import usage_exit
 
 DEFAULTS = ["model=tiny", "data=synthetic", "logger=csv", "log_every_n_steps=1", "trainer.val_check_interval=1000",
             "val_dashboard.n_clips=0"]

@@ -15,12 +15,12 @@ import hydra
 import lightning as L
 import torch
 
+from mcar.assets import assets_by_name
 from mcar.core.flops import mfu, peak_flops, train_step_flops
 from mcar.core.layout import Layout
 from mcar.core.masks import build_mask_factory, far_copy_slots, masked_loss, weighted_loss
 from mcar.core.model import ModelConfig, Transformer, set_flex_kernel_options
 from mcar.core.schedule import ScheduleConfig
-from mcar.hydra_app import assets_by_name
 from mcar.train.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 log = logging.getLogger("mcar")

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from mcar.assets import assets_by_name
 from mcar.atomic import write_atomic
 from mcar.checkpoint.io import (
     AtomicCheckpointIO,
@@ -27,7 +28,7 @@ from mcar.core.devices import set_threads
 from mcar.core.layout import Layout
 from mcar.core.sampler import check_sampler_config
 from mcar.data.common import build_datamodule, complete_data_config
-from mcar.hydra_app import assets_by_name, to_dict
+from mcar.hydra_app import to_dict
 from mcar.stopping import on_stop_say
 from mcar.train.callbacks import Checkpoints, build_callbacks
 from mcar.train.finetune import initial_state
