@@ -21,6 +21,7 @@ from mcar.core.devices import set_threads
 from mcar.data.gym_env import GymGame, make_policy
 from mcar.eval.world_tests import ModelRows, Tokens, baseline_margins, ci_cell, rollout_test, write_curves
 from mcar.sampling.world_model import WorldModel
+from mcar.tokenizer.pictures import data_action_space
 from mcar.tokenizer.vq_model import frame_size
 
 log = logging.getLogger("mcar.gametest")
@@ -65,10 +66,8 @@ class WarmedUp:
 
 def check_same_actions(game: GymGame, wm: WorldModel, env: str) -> None:
     """The game's action schema is the one the checkpoint was trained on, or a ValueError saying so."""
-    from mcar.tokenizer.action_schema import plain
-
-    own = (plain(wm.cfg.data.get("actions")) or {}) if hasattr(wm.cfg.data.get("actions"), "keys") else {}
-    if own.get("actions") != game.schema()["actions"]:
+    own = data_action_space(wm.cfg.data)  # a schema mapping for recordings, a name (or None) for other data
+    if not isinstance(own, dict) or own.get("actions") != game.schema()["actions"]:
         raise ValueError(f"env={env}: its action schema is not the one ckpt={wm.cfg.ckpt} was trained on (data."
                          f"actions): test a checkpoint on the game (and make=) its recordings were made with")
 
