@@ -79,3 +79,34 @@ def test_the_module_weights_each_input_row_by_the_slot_it_predicts(mask):
         assert torch.allclose(module.forward_loss(clip, far_copy_weight=5.0), want)
         assert not torch.allclose(want, plain)
         assert torch.allclose(module.forward_loss(clip, far_copy_weight=1.0), plain)
+
+
+def test_context_noise_corrupts_the_input_image_tokens_and_keeps_the_targets():
+    """context_noise: a share of the input's image tokens (per clip, up to the setting) replaced by image codes;
+    the actions and every target stay the real clip's; 0 is the plain loss."""
+    from mcar.train.module import MCARModule
+
+    torch.manual_seed(0)
+    layout = dict(h=3, w=4, n_a=1)
+    kw = dict(arch=dict(vocab_size=40, dim=32, n_layers=1, n_heads=4, mlp_dim=64), layout=layout, clip_frames=4,
+              mask={"name": "causal"}, optim={}, max_steps=1, data={"codebook_size": 32})
+    module = MCARModule(**kw, context_noise=0.5)
+    clip = torch.randint(0, 32, (64, 4 * 13))
+    clip.view(64, 4, 13)[:, :, -1] = 35  # action tokens
+    noisy = module.noisy(clip, 0.5)
+    changed = noisy != clip
+    image = module.layout.is_image(4)
+    assert not changed[:, ~image].any() and (noisy[:, image] < 32).all()  # image codes, in image slots only
+    share = changed.float().mean(1) * 52 / 48
+    assert 0.15 < share.mean() < 0.3 and share.max() < 0.6  # uniform shares up to 0.5 (a code may draw itself)
+    torch.manual_seed(1)
+    noisy_loss = module.forward_loss(clip, context_noise=0.5)
+    torch.manual_seed(1)
+    batch = module.mask_factory(clip)
+    inputs = module.mask_factory(module.noisy(clip, 0.5)).tokens
+    logits = module.model(inputs, batch.coords, batch.mask)
+    assert torch.allclose(noisy_loss, masked_loss(logits, batch.targets))  # the real targets
+    assert torch.allclose(module.forward_loss(clip), masked_loss(module.model(clip, batch.coords, batch.mask),
+                                                                 batch.targets))
+    with pytest.raises(ValueError, match="context_noise=0.1: needs the data's codebook_size"):
+        MCARModule(**(kw | {"data": None}), context_noise=0.1)

@@ -297,3 +297,27 @@ def test_causal_mask_is_sdpa_is_causal_on_cpu(model):
     assert torch.equal(dense, torch.ones_like(dense).tril())
     with torch.no_grad():
         assert rel_err(model(batch.tokens, batch.coords, None), model(batch.tokens, batch.coords, dense)) < TOL
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest():
+    """min-p (Nguyen et al. 2024) after temperature: the oracle computes it from the probabilities, the filter from
+    the logits; a sampler with min_p draws only kept tokens, its label says so, and a bad value is refused."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, V, generator=g) * 3
+    for min_p, temp in ((0.1, 1.0), (0.5, 0.7), (0.999, 1.3)):
+        p = (logits / temp).softmax(-1)
+        keep = p >= min_p * p.max(-1, keepdim=True).values
+        got = filtered_probs(logits, temp, None, None, min_p)
+        assert torch.equal(got > 0, keep)
+        assert torch.allclose(got, torch.where(keep, p, 0) / torch.where(keep, p, 0).sum(-1, keepdim=True))
+    layout = Layout(3, 4, 2)
+    model = Transformer(ModelConfig(vocab_size=V, dim=48, n_layers=2, n_heads=4, mlp_dim=96, init_std=2.0)).eval()
+    sampler = ScheduleSampler(layout, T, 1, k=2, min_p=0.5, seed=1)
+    assert sampler.label == "diagd k=2 min_p=0.5"
+    tokens, _ = sampler.generate(model, clip_for(layout))
+    tf = sampler.teacher_forced(model, tokens)  # each drawn token passed the filter at the logits it was drawn from
+    probs = tf.logits.softmax(-1)
+    drawn = probs.gather(-1, tokens[:, tf.slots, None]).squeeze(-1)
+    assert (drawn >= 0.5 * probs.max(-1).values * (1 - 1e-5)).all()
+    with pytest.raises(ValueError, match="min_p=1.5 is invalid"):
+        ScheduleSampler(layout, T, min_p=1.5)

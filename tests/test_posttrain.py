@@ -209,6 +209,9 @@ def test_posttrain_runs_resumes_and_its_checkpoint_samples(tmp_path):
     ckpt = tmp_path / "ckpt" / "pt" / "last.ckpt"
     state = load_checkpoint(ckpt)
     assert state["global_step"] == 2 and state["hyper_parameters"]["stage"] == "posttrain"
+    from mcar.crafter.seeds import posttrain_worlds, seen_policies  # the world tests' checks read its worlds
+    assert posttrain_worlds(state["hyper_parameters"]).start == 1000000
+    assert seen_policies(state["hyper_parameters"]) == {"explorer", "random", "wanderer"}
     assert all(k.startswith("model.") for k in state["state_dict"])  # the reference is not in it
     metrics = (next(Path(tmp_path / "out" / "csv").rglob("metrics.csv"))).read_text()
     for key in ("reward/tiles", "reward/plausible", "reward/revisited", "train/kl", "train/clip_fraction",

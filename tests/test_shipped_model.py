@@ -263,8 +263,8 @@ def test_the_world_model_remembers_what_a_wait_hid(tmp_path):
     from tests.conftest import run_in_process
 
     run_in_process(main, f"ckpt={WORLD}", "starts=12", "tests=[shapes]", "shapes=[wait_n1_w2]", "teacher_forced=true",
-                   "logger=none", f"hydra.run.dir={tmp_path}")
-    rows = json.loads((tmp_path / "world_tests.json").read_text())["shapes"]["wait_n1_w2"]["rows"]
+                   "policies=[explorer]", "logger=none", f"hydra.run.dir={tmp_path}")
+    rows = json.loads((tmp_path / "world_tests.json").read_text())["policies"]["explorer"]["shapes"]["wait_n1_w2"]["rows"]
     gain = [a - b for a, b in zip(rows["model context=6 teacher-forced"]["recall"]["per_start"],
                                   rows["model context=2 teacher-forced"]["recall"]["per_start"])]
     assert np.mean(gain) > 0.06 and min(gain) >= -0.25, np.round(gain, 3)

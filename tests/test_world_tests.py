@@ -21,7 +21,7 @@ from mcar.crafter.map_tokens import (
     stay_or_move,
 )
 from mcar.crafter.scenes import fitting_shapes, parse_shape
-from mcar.crafter.world_report import markdown
+from mcar.crafter.world_report import policy_markdown
 from mcar.eval.world_tests import invented_share
 
 from .conftest import REPO, run_in_process
@@ -125,11 +125,18 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     # an L (5 frames) is past this 3-frame model's window: run as a control (shapes_beyond_context=true)
     run_in_process(main, "ckpt=checkpoints/shipped/crafter_tiles_diagd", "starts=1", "loop_lengths=[1]",
                    "rollout_frames=1", "warmup=1", "max_moves=1", "shapes=[L_n1_m1]", "shapes_beyond_context=true",
-                   "teacher_forced=true", "logger=none", f"hydra.run.dir={tmp_path}")
+                   "teacher_forced=true", "policies=[explorer,hesitant]", "logger=none", f"hydra.run.dir={tmp_path}")
     files = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
-    assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/loop_n1.mp4",
-            "videos/shape_L_n1_m1.mp4"} <= files
-    res = json.loads((tmp_path / "world_tests.json").read_text())
+    assert {"world_tests.json", "world_tests.md", "rollout_agreement.csv", "videos/explorer/loop_n1.mp4",
+            "videos/explorer/shape_L_n1_m1.mp4", "videos/hesitant/loop_n1.mp4"} <= files
+    every = json.loads((tmp_path / "world_tests.json").read_text())
+    # each policy apart, named, and whether the checkpoint's data played it (its data: random and explorer)
+    assert {k: v["seen"] for k, v in every["policies"].items()} == {"explorer": True, "hesitant": False}
+    assert every["seeds"]["worlds"] == [100000, 100039] and every["seeds"]["training_worlds"] > 0
+    md_all = (tmp_path / "world_tests.md").read_text()
+    assert "## explorer (seen in training)" in md_all and "## hesitant (unseen)" in md_all
+    assert {row.split(" ", 1)[0] for row in every["curves"]} == {"explorer", "hesitant"}
+    res = every["policies"]["explorer"]
     rows = {"model context=3", "model context=2", "model context=3 teacher-forced", "model context=2 teacher-forced",
             "copy_last", "real"}
     loop, shape = res["loops"]["1"], res["shapes"]["L_n1_m1"]
@@ -162,7 +169,7 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert {k: v["tried"] for k, v in by_type.items() if v["placed"]} == {"table (placed)": 1, "furnace (placed)": 1}
     header = (tmp_path / "rollout_agreement.csv").read_text().splitlines()[0]
     assert header == "row,step,agreement,lo,hi,tv,map,inventory,invented"
-    md = (tmp_path / "world_tests.md").read_text()
+    md = md_all.split("## hesitant")[0]
     assert "| L_n1_m1 | 5 | 1 / 1 (beyond context: a control) | real | 1.000" in md
     margin = rollout["model context=3"]["mean"]["mean"] - rollout["scroll_start"]["mean"]["mean"]
     assert f"| model context=3 - scroll_start | {margin:+.3f} [" in md
@@ -386,7 +393,7 @@ def test_markdown_says_which_shapes_were_skipped_and_which_ran():
            "shapes": {"wait_n1_w2": {"frames": 5, "made": 2, "starts": 2, "beyond_context": False, "rows": rows},
                       "L_n1_m1": {"frames": 5, "made": 0, "starts": 2, "beyond_context": False},
                       "back_n3": {"frames": 7, "skipped": "7 frames > context 6"}}}
-    md = markdown(res)
+    md = policy_markdown(res)
     assert "| wait_n1_w2 | 5 | 2 / 2 | real | 0.500 [0.400, 0.600] |" in md
     assert "| L_n1_m1 | 5 | 0 / 2 |" in md
     assert "| back_n3 | 7 | skipped: 7 frames > context 6 (shapes_beyond_context=true runs it) |" in md
@@ -421,7 +428,7 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
     forced = [g for g in window_gains(res, 0) if g["row"].endswith("teacher-forced")]  # against its own 2 frames
     assert [(g["walk"], g["row"]) for g in forced] == [("shape L_n1_m1", "model context=6 teacher-forced")]
     assert forced[0]["mean"] == pytest.approx(0.03)
-    md = markdown(res)
+    md = policy_markdown(res)
     assert "| loop n=1 | model context=6 | +0.300 [+0.300, +0.300] |" in md
     assert "| shape L_n1_m1 (far tiles) | model context=6 | +0.100 [+0.100, +0.100] |" in md
 
@@ -514,7 +521,7 @@ def test_placed_obstacles_are_in_the_world_drawn_and_refuse_the_move(placed_worl
 
 
 def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type(placed_world):
-    from mcar.crafter.world_report import markdown
+    from mcar.crafter.world_report import policy_markdown
 
     _, wander, placed = placed_world
     assert wander is not None
@@ -529,7 +536,7 @@ def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type
         "type": "furnace", "placed": True, "tried": 1, "n": 1, "starts": 1, "stayed": None,
         "real_stayed": by_type["furnace (placed)"]["real_stayed"], "map_acc": by_type["furnace (placed)"]["map_acc"]}
     assert blocked["stayed"]["mean"] == 1.0 and out["free"]["moved"]["mean"] == 1.0
-    md = markdown({"starts": 1, "context": 2, "sampler": "x", "loops": {}, "shapes": {}, "rollout": {},
+    md = policy_markdown({"starts": 1, "context": 2, "sampler": "x", "loops": {}, "shapes": {}, "rollout": {},
                    "blocked": out})
     rows = [line for line in md.splitlines() if line.startswith("| ") and " | 1.000 (one start) |" in line]
     ns = [int(r.split(" | ")[1]) for r in rows]

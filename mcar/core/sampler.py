@@ -49,9 +49,10 @@ class SampleStats:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def filtered_logits(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
-    """logits (..., V) -> logits after temperature, top-k and top-p (None: off), dropped ones -inf. temperature and
-    top_p: floats or 0-d tensors (the compiled step's: a Python float would become a CPU input of the graph, and a
+def filtered_logits(logits: torch.Tensor, temperature, top_k: int | None, top_p, min_p=None) -> torch.Tensor:
+    """logits (..., V) -> logits after temperature, top-k, top-p and min-p (None: off), dropped ones -inf. min-p
+    keeps the tokens at least min_p times as likely as the likeliest (Nguyen et al. 2024). temperature, top_p and
+    min_p: floats or 0-d tensors (the compiled step's: a Python float would become a CPU input of the graph, and a
     CPU input turns CUDA graphs off)."""
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -62,32 +63,38 @@ def filtered_logits(logits: torch.Tensor, temperature, top_k: int | None, top_p)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        floor = logits.amax(-1, keepdim=True) + torch.log(torch.as_tensor(min_p, dtype=logits.dtype))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, temperature, top_k: int | None, top_p, min_p=None) -> torch.Tensor:
     """`filtered_logits` as probabilities: the distribution a token is drawn from."""
-    return filtered_logits(logits, temperature, top_k, top_p).softmax(-1)
+    return filtered_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
 
 
 @dataclass(frozen=True)
 class SamplingRule:
-    """How an output becomes a token. temperature: a 0-d tensor, None for greedy; top_p: a 0-d tensor, None for
-    off (tensors, not floats: a Python float would become a CPU input of the compiled graph, which turns CUDA graphs
-    off); top_k: None for off; codebook_size: image slots take image codes only (None: the whole vocabulary)."""
+    """How an output becomes a token. temperature: a 0-d tensor, None for greedy; top_p, min_p: 0-d tensors, None
+    for off (tensors, not floats: a Python float would become a CPU input of the compiled graph, which turns CUDA
+    graphs off); top_k: None for off; codebook_size: image slots take image codes only (None: the whole
+    vocabulary)."""
 
     temperature: torch.Tensor | None = None
     top_k: int | None = None
     top_p: torch.Tensor | None = None
     codebook_size: int | None = None
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def of(cls, temperature: float, top_k: int | None, top_p: float | None, codebook_size: int | None,
-           device) -> "SamplingRule":
+           device, min_p: float | None = None) -> "SamplingRule":
         if temperature <= 0 or top_k == 1:
             return cls(codebook_size=codebook_size)
         top_p = torch.tensor(top_p, device=device) if top_p is not None and top_p < 1 else None
-        return cls(torch.tensor(float(temperature), device=device), top_k, top_p, codebook_size)
+        min_p = torch.tensor(float(min_p), device=device) if min_p else None
+        return cls(torch.tensor(float(temperature), device=device), top_k, top_p, codebook_size, min_p)
 
 
 def sample_slots(logits: torch.Tensor, slots: torch.Tensor, noise: SlotNoise, rule: SamplingRule) -> torch.Tensor:
@@ -103,7 +110,7 @@ def sample_keyed(logits: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, 
         logits = logits[..., :rule.codebook_size]
     if rule.temperature is None:
         return logits.argmax(-1)
-    probs = filtered_probs(logits, rule.temperature, rule.top_k, rule.top_p)
+    probs = filtered_probs(logits, rule.temperature, rule.top_k, rule.top_p, rule.min_p)
     race = keyed_exponential(keys, probs.shape[-1], codes)
     return (probs / race).argmax(-1)
 
@@ -117,7 +124,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rule: "SamplingRu
                          "temperature > 0 and top_k != 1")
     if rule.codebook_size is not None:
         logits = logits[..., :rule.codebook_size]
-    logp = filtered_logits(logits, rule.temperature, rule.top_k, rule.top_p).log_softmax(-1)
+    logp = filtered_logits(logits, rule.temperature, rule.top_k, rule.top_p, rule.min_p).log_softmax(-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -170,11 +177,11 @@ class ScheduleSampler:
 
     def __init__(self, layout: Layout, frames: int, prompt_frames: int | None = None, *,
                  schedule: ScheduleConfig | dict | None = None, name: str = "diagd", temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 static: bool = False, compile: bool | str = False, static_widths: int = 3,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 seed: int | None = None, static: bool = False, compile: bool | str = False, static_widths: int = 3,
                  codebook_size: int | None = None, context: int | None = None, kv_splits: int | str = "auto",
                  **schedule_fields):
-        check_settings(temperature=temperature, top_k=top_k, top_p=top_p, codebook_size=codebook_size,
+        check_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, codebook_size=codebook_size,
                        compile=compile, static_widths=static_widths, kv_splits=kv_splits)
         self.config = ScheduleConfig.of(schedule, prompt_frames=prompt_frames, **schedule_fields)
         self.name, self.layout, self.frames, self.full = name, layout, frames, self.config.full
@@ -182,7 +189,7 @@ class ScheduleSampler:
         # would otherwise write action ids into frames); None samples from the whole vocabulary
         self.codebook_size = codebook_size
         self.prompt_frames = self.config.prompt_frames
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.temperature, self.top_k, self.top_p, self.min_p, self.seed = temperature, top_k, top_p, min_p, seed
         self.static, self.static_widths = static, static_widths
         self.kv_splits = kv_splits  # the model's cached passes read the keys in this many slices (kv_splits_for)
         self.compile = compile if compile == "auto" else bool(compile)
@@ -216,8 +223,9 @@ class ScheduleSampler:
         return bool(self.static) or self.compiles(device)
 
     def sampling_rule(self, device) -> SamplingRule:
-        """The one rule this sampler draws under (its temperature, top_k, top_p, image codes only), on `device`."""
-        return SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, device)
+        """The one rule this sampler draws under (its temperature, top_k, top_p, min_p, image codes only), on
+        `device`."""
+        return SamplingRule.of(self.temperature, self.top_k, self.top_p, self.codebook_size, device, self.min_p)
 
     def rolls(self, frames: int | None = None) -> bool:
         """Whether generate() on clips of `frames` frames (default: the sampler's) runs a rolling `Rollout`."""
@@ -247,7 +255,7 @@ class ScheduleSampler:
     @property
     def label(self) -> str:
         """'ntp', or 'diagd k=2[ d=28][ proxy=above][ full]', then how tokens are drawn where it is not plain
-        sampling at temperature 1 ('greedy', 'T=0.7', 'top_k=50', 'top_p=0.9'): rows, columns, logs."""
+        sampling at temperature 1 ('greedy', 'T=0.7', 'top_k=50', 'top_p=0.9', 'min_p=0.1'): rows, columns, logs."""
         c = self.config
         label = self.name if self.name != "diagd" else (
             f"diagd k={c.k}" + (f" d={c.d}" if c.d is not None else "")
@@ -256,7 +264,8 @@ class ScheduleSampler:
             return label + " greedy"
         drawn = [f"T={self.temperature:g}" if self.temperature != 1 else "",
                  f"top_k={self.top_k}" if self.top_k is not None else "",
-                 f"top_p={self.top_p:g}" if self.top_p is not None else ""]
+                 f"top_p={self.top_p:g}" if self.top_p is not None else "",
+                 f"min_p={self.min_p:g}" if self.min_p else ""]
         return " ".join([label, *filter(None, drawn)])
 
     def schedule(self, prompt_frames: int | None = None) -> Schedule:
@@ -363,7 +372,7 @@ class ScheduleSampler:
         tokens = self.held("tokens", torch.cat([clip, clip[:, :1]], dim=1))  # (B, N+1): column N takes padded outputs
         noise = SlotNoise(self.held("noise keys", noise.keys), self.held("noise codes", noise.codes))
         rule = SamplingRule(self.held("temperature", rule.temperature), rule.top_k, self.held("top_p", rule.top_p),
-                            rule.codebook_size)
+                            rule.codebook_size, self.held("min_p", rule.min_p))
         prefill = next(self._open(model, clip, sched, setup_cache))  # eager
         tokens[:, prefill.out_slots] = _sample_pass(model, tokens, prefill, noise, rule)
         buckets = self.staged_buckets(sched, model, clip.device)  # after _open: the cache's dtype is the model's
@@ -460,12 +469,13 @@ class Rollout:
         self.codes = value_codes(n_values, device)
         temperature = sampler.temperature if temperature is None else temperature
         top_k = sampler.top_k if top_k is None else top_k
-        self.rule = SamplingRule.of(temperature, top_k, sampler.top_p, sampler.codebook_size, device)
+        self.rule = SamplingRule.of(temperature, top_k, sampler.top_p, sampler.codebook_size, device, sampler.min_p)
         if sampler.is_static(device):  # what every rollout of this sampler shares, at one address (held: static)
             r = self.rule
             self.codes = sampler.held("value codes", self.codes)
             self.rule = SamplingRule(sampler.held(f"temperature {temperature}", r.temperature), r.top_k,
-                                     sampler.held(f"top_p {sampler.top_p}", r.top_p), r.codebook_size)
+                                     sampler.held(f"top_p {sampler.top_p}", r.top_p), r.codebook_size,
+                                     sampler.held(f"min_p {sampler.min_p}", r.min_p))
         sampler._open_cache(model, B, plan.cache_slots, setup_cache, device)
         self.kv_splits = model.kv_splits  # this rollout's width's: set again at each advance (play swaps groups in)
         model.reset_cache()  # zeroed now: a fresh cache would otherwise be zeroed at the first forward of anyone
@@ -573,7 +583,7 @@ class Rollout:
 
 
 def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                   codebook_size: int | None = None, compile: bool | str = False, static_widths: int = 3,
+                   min_p: float | None = None, codebook_size: int | None = None, compile: bool | str = False, static_widths: int = 3,
                    kv_splits: int | str = "auto", **_) -> None:
     """A sampler's own settings, each checked (ValueError naming the field): what ScheduleSampler refuses."""
     if temperature < 0:
@@ -582,6 +592,8 @@ def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: fl
         raise ValueError(f"top_k={top_k} is invalid: it must be >= 1 or null (off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} is invalid: it must be in (0, 1] or null (off)")
+    if min_p is not None and not 0 <= min_p < 1:
+        raise ValueError(f"min_p={min_p} is invalid: it must be in [0, 1) or null (off)")
     if codebook_size is not None and codebook_size < 1:
         raise ValueError(f"codebook_size={codebook_size} is invalid: it must be >= 1 or null (whole vocabulary)")
     if compile not in (True, False, "auto"):

@@ -355,14 +355,110 @@ class WandererPolicy:
         return ACTIONS.index(f"place_{name}")
 
 
-POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy, "wanderer": WandererPolicy}
+class SweeperPolicy:
+    """Sweeps the ground like a lawnmower: a long straight run (run tiles, or until something blocks it), one step
+    to the side (always the same side while it can), then the run back the other way. Moves only: no collecting,
+    no crafting, no noops."""
+
+    name = "sweeper"
+
+    def __init__(self, rng: np.random.Generator, run=(6, 13)):
+        self.rng, self.run_range = rng, run
+        self.direction = int(rng.choice(MOVES))
+        self.side = int(rng.choice(PERPENDICULAR[self.direction]))
+        self.left = int(rng.integers(*run))
+
+    def __call__(self, env) -> int:
+        blocked = blocked_moves(env)
+        if self.left > 0 and self.direction not in blocked:
+            self.left -= 1
+            return self.direction
+        if self.side in blocked:  # the wall is on this side: sweep toward the other
+            self.side = BACK[self.side]
+        self.direction, self.left = BACK[self.direction], int(self.rng.integers(*self.run_range))
+        return self.side
+
+
+class HesitantPolicy:
+    """Stops and goes: after a move it often stands still for 1 to max_pause steps (noops), and it turns at random
+    often (p_turn per move) to a free direction. Moves and noops only: the view is held still for longer than any
+    other policy holds it."""
+
+    name = "hesitant"
+
+    def __init__(self, rng: np.random.Generator, p_pause: float = 0.5, max_pause: int = 4, p_turn: float = 0.4):
+        self.rng, self.p_pause, self.max_pause, self.p_turn = rng, p_pause, max_pause, p_turn
+        self.direction, self.pause = int(rng.choice(MOVES)), 0
+
+    def __call__(self, env) -> int:
+        if self.pause > 0:
+            self.pause -= 1
+            return NOOP
+        blocked = blocked_moves(env)
+        if self.direction in blocked or self.rng.random() < self.p_turn:
+            free = [a for a in MOVES if a not in blocked] or MOVES
+            self.direction = int(self.rng.choice(free))
+        if self.rng.random() < self.p_pause:
+            self.pause = int(self.rng.integers(1, self.max_pause + 1))
+        return self.direction
+
+
+FORAGED = ("tree", "water", "cow")  # what the forager goes for: wood, drink, food
+
+
+class ForagerPolicy:
+    """Goes for the nearest tree, water or cow in view (the larger gap first, around what is in the way), faces it
+    and hits it a few times (`do`: wood, a drink, a cow's hits), then looks for the next; with none in view it walks
+    a random straight line."""
+
+    name = "forager"
+
+    def __init__(self, rng: np.random.Generator, reach: int = 4, hits=(2, 6)):
+        self.rng, self.reach, self.hit_range = rng, reach, hits
+        self.direction, self.hits = int(rng.choice(MOVES)), 0
+
+    def target(self, env) -> tuple[int, int] | None:
+        """The nearest foraged tile within `reach` tiles of the player (Manhattan), None when there is none."""
+        x, y = player_pos(env)
+        near = [(abs(dx) + abs(dy), dx, dy) for dx in range(-self.reach, self.reach + 1)
+                for dy in range(-self.reach, self.reach + 1)
+                if (dx or dy) and 0 <= x + dx < env._world.area[0] and 0 <= y + dy < env._world.area[1]
+                and tile_kind(env, x + dx, y + dy) in FORAGED]
+        return min(near)[1:] if near else None
+
+    def __call__(self, env) -> int:
+        if self.hits > 0:
+            self.hits -= 1
+            return DO
+        goal, blocked = self.target(env), blocked_moves(env)
+        if goal is None:
+            if self.direction in blocked or self.rng.random() < 0.15:
+                self.direction = int(self.rng.choice([a for a in MOVES if a not in blocked] or MOVES))
+            return self.direction
+        dx, dy = goal
+        if abs(dx) + abs(dy) == 1:  # next to it: turn to face it (the move is refused), then hit it
+            self.hits = int(self.rng.integers(*self.hit_range))
+            return next(a for a, d in MOVE_DELTA.items() if d == (dx, dy))
+        toward = [a for a, (mx, my) in MOVE_DELTA.items() if mx * dx > 0 or my * dy > 0]
+        toward.sort(key=lambda a: -abs(goal[0] if MOVE_DELTA[a][0] else goal[1]))
+        free = [a for a in toward if a not in blocked]
+        self.direction = free[0] if free else int(self.rng.choice([a for a in MOVES if a not in blocked] or MOVES))
+        return self.direction
+
+
+POLICIES = {"random": RandomPolicy, "explorer": ExplorerPolicy, "wanderer": WandererPolicy,
+            "sweeper": SweeperPolicy, "hesitant": HesitantPolicy, "forager": ForagerPolicy}
+TEST_PLAYERS = ("sweeper", "hesitant", "forager")  # players no shipped model's data or post-training used
 
 
 def make_policy(name: str, rng: np.random.Generator, recall: dict | None = None, placing: dict | None = None):
     """The policy `name`; recall (recall_settings' output, None: today's policies) gives the explorer and the
-    wanderer recall plans; placing (placing_settings' output) makes the wanderer place obstacles."""
-    if name == "random":
-        return RandomPolicy(rng)
+    wanderer recall plans; placing (placing_settings' output) makes the wanderer place obstacles (the other
+    policies take neither)."""
+    if name not in POLICIES:
+        raise ValueError(f"policy {name!r}: one of {sorted(POLICIES)}")
+    if name not in ("explorer", "wanderer"):
+        return POLICIES[name](rng)
     plans = None if recall is None else RecallPlans(rng, recall)
     if name == "explorer":
         return ExplorerPolicy(rng) if plans is None else ExplorerPolicy(rng, plans=plans, p_plan=recall["p_explorer"])
@@ -445,6 +541,26 @@ def map_rows(view) -> int:
     return int(view[1]) - -(-len(constants.items) // int(view[0]))
 
 
+def episode_start(seed: int, index: int, policy_mix: dict[str, float], recall: dict | None = None,
+                  placing: dict | None = None):
+    """-> (the policy playing episode `index` of generator seed `seed`, its Crafter world seed): the one place both
+    are drawn (play_episode plays them; training_world_seeds lists the seeds)."""
+    rng = np.random.default_rng([seed, index])
+    names = sorted(policy_mix)
+    p = np.array([policy_mix[n] for n in names], float)
+    policy = make_policy(names[rng.choice(len(names), p=p / p.sum())], rng, recall_settings(recall),
+                         placing_settings(placing))
+    return policy, int(rng.integers(2**31 - 1))
+
+
+def training_world_seeds(seed: int, episodes: int) -> set[int]:
+    """Every Crafter world seed an episode 0..episodes-1 of generator seed `seed` can be played in, whatever the
+    policy mix, recall plans or placing (each policy draws from the episode's generator before the world seed: one
+    seed per policy and episode): what a test's fresh worlds must never be."""
+    return {episode_start(seed, i, {name: 1.0}, {} if name in ("explorer", "wanderer") else None)[1]
+            for i in range(int(episodes)) for name in POLICIES}
+
+
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],
                  view: tuple[int, int] | None = None, daylight: float | None = None, recall: dict | None = None,
                  placing: dict | None = None):
@@ -455,12 +571,8 @@ def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float
     plans (RECALL_DEFAULTS' keys; {}: those; None: none, today's episodes): a record made by a plan names its kind
     ("plan"). placing: the wanderer's placed obstacles (PLACING_DEFAULTS' keys; None: none); a place action it
     made names its kind ("plan": "place_furnace")."""
-    rng = np.random.default_rng([seed, index])
-    names = sorted(policy_mix)
-    p = np.array([policy_mix[n] for n in names], float)
-    policy = make_policy(names[rng.choice(len(names), p=p / p.sum())], rng, recall_settings(recall),
-                         placing_settings(placing))
-    env, obs = make_env(int(rng.integers(2**31 - 1)), size, view, daylight)
+    policy, world_seed = episode_start(seed, index, policy_mix, recall, placing)
+    env, obs = make_env(world_seed, size, view, daylight)
     out, records = [], []
     for t in range(frames):
         action = policy(env)

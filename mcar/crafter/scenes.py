@@ -1,7 +1,7 @@
-"""Crafter scenes for the world tests (mcar/crafter/world_tests.py): one fresh world each, walked by scripted
-policies with every frame recorded: loops out and back, the shapes (back_n, wait_n_w, L_n_m), a wander that bumps
-into obstacles, and obstacles placed with Crafter's own place action and walked into. The world is read only
-through the simulator (mcar.crafter.gen, mcar.crafter.env).
+"""Crafter scenes for the world tests (mcar/crafter/world_tests.py): one fresh world each, played by a policy
+(any of mcar.crafter.gen.POLICIES) between scripted walks, every frame recorded: loops out and back, the shapes
+(back_n, wait_n_w, L_n_m), the policy's wander, which also bumps into obstacles, and obstacles placed with Crafter's
+own place action and walked into. The world is read only through the simulator (mcar.crafter.gen, mcar.crafter.env).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from mcar.crafter.gen import (
     MOVE_DELTA,
     MOVES,
     PERPENDICULAR,
-    ExplorerPolicy,
     blocked_moves,
+    make_policy,
     material,
     path_offsets,
     path_open,
@@ -95,11 +95,11 @@ KEPT_UP = {"health": 9, "food": 9, "drink": 9, "energy": 9}  # Crafter's maxima,
 class Scene:
     """One fresh Crafter world, stepped by the tests, each step recorded into the open recording."""
 
-    def __init__(self, env_seed: int, size, view, daylight, keep_alive: bool = False):
+    def __init__(self, env_seed: int, size, view, daylight, keep_alive: bool = False, policy: str = "explorer"):
         self.sim = CrafterEnv(size, view, daylight)
         self.obs = self.sim.reset(env_seed)
         self.rng = np.random.default_rng(env_seed)
-        self.explorer = ExplorerPolicy(self.rng)
+        self.player = make_policy(policy, self.rng)  # walks between the scripted walks (mcar.crafter.gen.POLICIES)
         self.keep_alive, self.over = keep_alive, False
 
     @property
@@ -144,7 +144,7 @@ class Scene:
     def place_and_bump(self, name: str, tries: int = 20) -> Recording | None:
         """The obstacle `name` placed with Crafter's own place action and walked into, the frames recorded: the
         player is given what placing uses, steps onto a free tile in a direction whose next tile is free and one
-        the rule allows (explorer steps first while there is none, up to `tries`), places it there (facing it) and
+        the rule allows (the player's steps first while there is none, up to `tries`), places it there (facing it) and
         moves into it. -> a recording whose last action is that refused move, None when no open way was found, a
         creature stepped in, the obstacle is not there after placing, the env let the player through, or the
         episode ended."""
@@ -166,7 +166,7 @@ class Scene:
             a = find()
             if a is not None:
                 break
-            if not self.step(self.explorer(self.env)):
+            if not self.step(self.player(self.env)):
                 return None
         else:
             return None
@@ -209,18 +209,18 @@ class Scene:
         return None
 
     def shape(self, shape: Shape, tries: int = 20) -> Recording | None:
-        """The shape walked from where the player is (explorer steps first until a way is open), the frames recorded;
+        """The shape walked from where the player is (the player's steps first until a way is open), the frames recorded;
         None when no open way was found, the episode ended, or the env did not move the player exactly along it."""
         return self.walk(lambda: self.open_shape(shape), tries)
 
     def walk(self, find, tries: int) -> Recording | None:
-        """The actions `find()` gives (explorer steps first while it finds none, up to `tries`), the frames recorded;
+        """The actions `find()` gives (the player's steps first while it finds none, up to `tries`), the frames recorded;
         None when it found none, the episode ended, or the env did not move the player exactly along them."""
         for _ in range(tries):
             acts = find()
             if acts is not None:
                 break
-            if not self.step(self.explorer(self.env)):
+            if not self.step(self.player(self.env)):
                 return None
         else:
             return None
@@ -233,12 +233,12 @@ class Scene:
         return rec if rec.pos == [(x0 + dx, y0 + dy) for dx, dy in path_offsets(acts)] else None
 
     def wander(self, steps: int, p_bump: float) -> Recording | None:
-        """`steps` actions of the explorer policy, moving into a blocked neighbour tile with probability p_bump when
+        """`steps` actions of the player (the scene's policy), moving into a blocked neighbour tile with probability p_bump when
         there is one (collisions to test); None when the episode ends first."""
         rec = Recording()
         for _ in range(steps):
             blocked = blocked_moves(self.env)
-            act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.explorer(self.env)
+            act = int(self.rng.choice(blocked)) if blocked and self.rng.random() < p_bump else self.player(self.env)
             if not self.step(act, rec):
                 return None
         return self.close(rec)
@@ -253,14 +253,15 @@ class StartRecord:
 
 
 def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, warmup: int, size, view,
-                 daylight, keep_alive: bool = False, shapes=(), placed=()) -> StartRecord | None:
-    """One start: a few explorer steps into a fresh world, a loop of each length, a wander, then each of `shapes`
-    from where the wander ended, then each obstacle of `placed` placed and walked into (Scene.place_and_bump);
+                 daylight, keep_alive: bool = False, shapes=(), placed=(),
+                 policy: str = "explorer") -> StartRecord | None:
+    """One start, played by `policy` between the scripted walks: a few of its steps into a fresh world, a loop of
+    each length, its wander, then each of `shapes` from where the wander ended, then each obstacle of `placed` placed and walked into (Scene.place_and_bump);
     None when the episode ended or a loop could not be made (a shape or an obstacle that could not be made is only
     missing from .shapes / .placed)."""
-    scene = Scene(env_seed, size, view, daylight, keep_alive)
+    scene = Scene(env_seed, size, view, daylight, keep_alive, policy)
     for _ in range(int(scene.rng.integers(1, warmup + 1))):
-        if not scene.step(scene.explorer(scene.env)):
+        if not scene.step(scene.player(scene.env)):
             return None
     loops = {}
     for n in loop_lengths:

@@ -21,8 +21,25 @@ def _memory_cells(v: dict, far: bool = False) -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"World tests: {res['starts']} starts (fresh Crafter worlds), model context {res['context']} frames, "
-             f"sampler {res['sampler']}; 95% bootstrap intervals over starts. inventory: its rows' agreement, every "
+    """world_tests.md: what was checked, then one section per policy (policy_markdown)."""
+    seeds = res.get("seeds", {})
+    checked = [f"the {seeds['training_worlds']} worlds its {seeds['training_episodes']} training episodes can have"] \
+        if "training_worlds" in seeds else []
+    if "posttrain_worlds" in seeds:
+        checked.append("post-training worlds {}..{}".format(*seeds["posttrain_worlds"]))
+    lines = [f"World tests of {len(res['policies'])} policies on fresh Crafter worlds (seeds {seeds['worlds'][0]}.."
+             f"{seeds['worlds'][1]}, none of them {' or '.join(checked) or 'a world the checkpoint names'}), model "
+             f"context {res['context']} frames, sampler {res['sampler']}; 95% bootstrap intervals over starts. A "
+             f"policy the checkpoint's data and post-training never played is `unseen`.", ""]
+    for name, per in res["policies"].items():
+        lines += [f"## {name} ({'seen in training' if per['seen'] else 'unseen'})", "",
+                  policy_markdown({**res, **per})]
+    return "\n".join(lines)
+
+
+def policy_markdown(res: dict) -> str:
+    """One policy's tables: loops, shapes, refused moves, rollouts, what memory buys, creatures, margins."""
+    lines = [f"{res['starts']} starts from {res.get('worlds_tried', res['starts'])} worlds. inventory: its rows' agreement, every "
              f"frame; invented: share of tiles whose type is in neither the real frame nor the prompt.", "",
              "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) | inventory | invented |",
              "|---|---|---|---|---|---|"]
@@ -127,19 +144,25 @@ def log_wandb(cfg: DictConfig, res: dict, columns: list[str], table: list[list],
     log_table(run, "world/rollout_agreement", columns, table,
               curve=("step", "agreement", "row", "token agreement per rollout step"))
     log_media(run, media)
+    for policy, per in res["policies"].items():
+        summarise(run.summary, per, f"{policy}/")
+
+
+def summarise(summary, res: dict, prefix: str) -> None:
+    """One policy's summary numbers into the W&B run summary, each key under `prefix`."""
     for n, rows in res["loops"].items():
         for name, v in rows.items():
-            run.summary[f"loop{n}/{name}/recall"] = v["recall"]["mean"]
+            summary[f"{prefix}loop{n}/{name}/recall"] = v["recall"]["mean"]
     for shape, entry in res["shapes"].items():
         for name, v in entry.get("rows", {}).items():
-            run.summary[f"{shape}/{name}/recall"] = v["recall"]["mean"]
+            summary[f"{prefix}{shape}/{name}/recall"] = v["recall"]["mean"]
             if "recall_far" in v:
-                run.summary[f"{shape}/{name}/recall_far"] = v["recall_far"]["mean"]
+                summary[f"{prefix}{shape}/{name}/recall_far"] = v["recall_far"]["mean"]
     for kind, v in res["blocked"].items():
         for key in ("stayed", "moved"):
             if key in v:
-                run.summary[f"{kind}/{key}"] = v[key]["mean"]
+                summary[f"{prefix}{kind}/{key}"] = v[key]["mean"]
     for name, v in res["blocked"].get("blocked", {}).get("by_type", {}).items():
-        run.summary[f"blocked/{name}/n"] = v["n"]
+        summary[f"{prefix}blocked/{name}/n"] = v["n"]
         if "stayed" in v:
-            run.summary[f"blocked/{name}/stayed"] = v["stayed"]["mean"]
+            summary[f"{prefix}blocked/{name}/stayed"] = v["stayed"]["mean"]

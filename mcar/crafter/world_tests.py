@@ -69,7 +69,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcar.atomic import write_atomic
 from mcar.core.devices import set_threads
-from mcar.crafter.gen import MOVE_DELTA, map_rows, place_rules
+from mcar.crafter.gen import MOVE_DELTA, POLICIES, map_rows, place_rules
 from mcar.crafter.map_tokens import (
     MapGrid,
     creature_events,
@@ -80,6 +80,7 @@ from mcar.crafter.map_tokens import (
     scroll_start,
     stay_or_move,
 )
+from mcar.crafter.seeds import check_fresh_worlds, seen_policies
 from mcar.crafter.scenes import Recording, Shape, StartRecord, fitting_shapes, parse_shape, record_start
 from mcar.crafter.textures import creature_codes, tile_textures
 from mcar.crafter.world_report import log_wandb, markdown
@@ -113,6 +114,7 @@ class WorldTests(ModelRows):
         super().__init__(wm, cfg.get("windows"), OmegaConf.select(cfg, "schedule.prompt_frames", default=1) or 1,
                          cfg.batch_size)
         self.cfg = cfg
+        self.seeds = check_fresh_worlds(int(cfg.seed_base), int(cfg.starts), wm.hp)
         view = cfg.data.get("view")
         if view is None or list(view) != [self.layout.w, self.layout.h]:
             raise ValueError(f"data.view={None if view is None else list(view)}: the world tests need the tile-exact "
@@ -131,14 +133,14 @@ class WorldTests(ModelRows):
         # the obstacles placed and walked into, scored with the refused moves
         self.placed = [str(n) for n in cfg.get("placed") or []] if "blocked" in cfg.tests else []
 
-    def record(self) -> list[StartRecord]:
+    def record(self, policy: str) -> list[StartRecord]:
         cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
         while len(starts) < cfg.starts:
-            if seed - cfg.seed_base > 20 * cfg.starts + 20:
+            if seed - cfg.seed_base >= 20 * cfg.starts + 20:  # the worlds check_fresh_worlds checked
                 raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
-                                   f"{list(cfg.loop_lengths)}: use shorter loop_lengths")
+                                   f"{list(cfg.loop_lengths)} with policy {policy}: use shorter loop_lengths")
             rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
-                               self.view, self.daylight, bool(cfg.keep_alive), self.shapes, self.placed)
+                               self.view, self.daylight, bool(cfg.keep_alive), self.shapes, self.placed, policy)
             seed += 1
             if rec is not None:
                 starts.append(rec)
@@ -146,19 +148,31 @@ class WorldTests(ModelRows):
         return starts
 
     def run(self) -> dict:
-        t0 = time.perf_counter()
-        starts = self.record()
-        t_record = time.perf_counter() - t0
-        log.info("%d starts recorded from %d fresh Crafter worlds in %.0f s", len(starts), self.worlds_tried, t_record)
-        results = {"loops": {}, "shapes": {}, "blocked": {}, "rollout": {}, "context": self.context,
-                   "windows": self.windows, "seed": int(self.cfg.seed),
-                   "starts": len(starts), "worlds_tried": self.worlds_tried, "sampler": self.wm.sampler(2).label}
-        t1 = time.perf_counter()
+        """Every test for each policy of `policies` on the same fresh worlds -> {policies: {name: its results,
+        seen: whether the checkpoint's data or post-training played it}, and what every policy shares}."""
+        seen = seen_policies(self.wm.hp)
+        results = {"policies": {}, "context": self.context, "windows": self.windows, "seed": int(self.cfg.seed),
+                   "sampler": self.wm.sampler(2).label, "seeds": self.seeds, "seconds": {}}
         self.videos, self.curves = {}, {}
+        for policy in self.cfg.policies:
+            t0 = time.perf_counter()
+            results["policies"][str(policy)] = {**self.run_policy(str(policy)), "seen": str(policy) in seen}
+            results["seconds"][str(policy)] = time.perf_counter() - t0
+        return results
+
+    def run_policy(self, policy: str) -> dict:
+        t0 = time.perf_counter()
+        starts = self.record(policy)
+        log.info("%s: %d starts recorded from %d fresh Crafter worlds in %.0f s", policy, len(starts),
+                 self.worlds_tried, time.perf_counter() - t0)
+        results = {"loops": {}, "shapes": {}, "blocked": {}, "rollout": {}, "starts": len(starts),
+                   "worlds_tried": self.worlds_tried}
+        t1 = time.perf_counter()
+        self.video_prefix = f"{policy}/"
         if "loop" in self.cfg.tests:
             for n in self.cfg.loop_lengths:
                 results["loops"][int(n)] = self.loop_test(int(n), [s.loops[int(n)] for s in starts])
-                log.info("loop n=%d scored (%.0f s so far)", n, time.perf_counter() - t1)
+                log.info("%s: loop n=%d scored (%.0f s so far)", policy, n, time.perf_counter() - t1)
         if "shapes" in self.cfg.tests:
             for shape in self.shapes:
                 recs = [s.shapes[shape.name] for s in starts if shape.name in s.shapes]
@@ -167,8 +181,8 @@ class WorldTests(ModelRows):
                 if recs:
                     entry["rows"] = self.shape_test(shape, recs)
                 results["shapes"][shape.name] = entry
-                log.info("shape %s scored on %d of %d starts (%.0f s so far)", shape.name, len(recs), len(starts),
-                         time.perf_counter() - t1)
+                log.info("%s: shape %s scored on %d of %d starts (%.0f s so far)", policy, shape.name, len(recs),
+                         len(starts), time.perf_counter() - t1)
             results["shapes"] |= self.skipped
             if self.skipped:
                 log.info("shapes skipped, longer than the model's context of %d frames "
@@ -176,12 +190,12 @@ class WorldTests(ModelRows):
         if "blocked" in self.cfg.tests:
             results["blocked"] = self.blocked_test([s.wander for s in starts],
                                                    {n: [s.placed.get(n) for s in starts] for n in self.placed})
-            log.info("blocked and free moves scored (%.0f s so far)", time.perf_counter() - t1)
+            log.info("%s: blocked and free moves scored (%.0f s so far)", policy, time.perf_counter() - t1)
         if "rollout" in self.cfg.tests:
-            results["rollout"], self.curves = self.rollout_test([s.wander for s in starts])
+            results["rollout"], curves = self.rollout_test([s.wander for s in starts])
+            self.curves |= {f"{policy} {row}": per for row, per in curves.items()}
             results["creatures"] = {"codes": self.creature_codes.tolist(), "hidden": self.creatures_hidden,
                                     "rows": self.rollout_creatures}
-        results["seconds"] = {"record": t_record, "model": time.perf_counter() - t1}
         return results
 
     def loop_test(self, n: int, recs: list[Recording]) -> dict:
@@ -213,7 +227,7 @@ class WorldTests(ModelRows):
             if far is not None:
                 out[name]["recall_far"] = interval(masked_recall(maps[:, -1], real_maps[:, 0], far), self.cfg.seed)
             if name == f"model context={self.context}":
-                self.videos[video] = {"real": clips[0], name: gen[0]}
+                self.videos[self.video_prefix + video] = {"real": clips[0], name: gen[0]}
         return out
 
     def split_scores(self, images: torch.Tensor, real: torch.Tensor) -> dict:
@@ -315,6 +329,9 @@ def checked_config(cfg: DictConfig) -> Path | None:
     for key in ("starts", "rollout_frames", "max_moves", "batch_size", "warmup"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]}: worldtest needs at least 1 (conf/worldtest.yaml)")
+    policies = [str(p) for p in cfg.get("policies") or []]
+    if not policies or any(p not in POLICIES for p in policies) or len(set(policies)) < len(policies):
+        raise ValueError(f"policies={policies}: some of {sorted(POLICIES)}, each once (conf/worldtest.yaml)")
     unknown = [t for t in cfg.tests if t not in TESTS]
     if unknown or not cfg.tests:
         raise ValueError(f"tests={list(cfg.tests)}: choose some of {list(TESTS)} (conf/worldtest.yaml)")
@@ -356,7 +373,10 @@ def world_tests(cfg: DictConfig) -> dict:
     md = markdown(res)
     if versus is not None:
         path = versus
-        res["versus"] = {"path": str(path), "rows": paired_versus(res, json.loads(path.read_text()), int(cfg.seed))}
+        theirs = json.loads(path.read_text()).get("policies", {})
+        rows = [{**r, "what": f"{name}: {r['what']}"} for name, mine in res["policies"].items() if name in theirs
+                for r in paired_versus(mine, theirs[name], int(cfg.seed))]
+        res["versus"] = {"path": str(path), "rows": rows}
         md += "\n" + versus_markdown(res["versus"]["rows"], str(path))
         write_atomic(out / "world_tests.json", json.dumps({**res, "curves": tests.curves}, indent=1))
     write_atomic(out / "world_tests.md", md)

@@ -114,7 +114,7 @@ class MCARModule(L.LightningModule):
                  peak_flops: float | None = None, model_name: str = "custom", activation_checkpointing: bool = False,
                  lr_schedule: dict | None = None, data: dict | None = None, vq: dict | None = None,
                  stage: str = "train", flex_kernel_options: dict | None = None, residual_dtype: str = "float32",
-                 far_copy_weight: float = 1.0):
+                 far_copy_weight: float = 1.0, context_noise: float = 0.0):
         """Built from the config's `module` node (conf/train.yaml); every argument is a plain value or dict, so a
         checkpoint's hyperparameters rebuild the module with `MCARModule(**hp)` (mcar.eval.evaluate.load_model).
 
@@ -127,7 +127,9 @@ class MCARModule(L.LightningModule):
         flex_kernel_options: flex attention's kernel options on CUDA over mcar.core.model's (e.g. {USE_TMA: true}).
         residual_dtype: float32 | bfloat16, the stream between blocks under autocast (Transformer.residual_dtype).
         far_copy_weight: the training loss's weight on the targets `far_copy_slots` finds (1: the plain mean), under
-        any mask (each input row weighted by the clip slot its target is read from)."""
+        any mask (each input row weighted by the clip slot its target is read from). context_noise: the largest share
+        of image tokens replaced by random image codes in the training input (each clip its own share, uniform in
+        [0, context_noise]; targets stay real): robustness to the wrong tokens of its own rollouts."""
         super().__init__()
         self.save_hyperparameters()
         self.optim_config, self.lr_schedule_config = dict(optim), lr_schedule and dict(lr_schedule)
@@ -135,6 +137,9 @@ class MCARModule(L.LightningModule):
         if residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype={residual_dtype!r}: one of {sorted(RESIDUAL_DTYPES)} (conf/train.yaml)")
         self.model.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
+        if context_noise and not (data or {}).get("codebook_size"):
+            raise ValueError(f"context_noise={context_noise}: needs the data's codebook_size (data.codebook_size) to "
+                             f"draw image codes from")
         self.layout = Layout(**layout)
         mask = dict(mask)
         set_flex_kernel_options(flex_kernel_options)  # CUDA flex only; null: the defaults
@@ -176,18 +181,30 @@ class MCARModule(L.LightningModule):
 
     # --- steps -------------------------------------------------------------------------------------------
 
-    def forward_loss(self, tokens: torch.Tensor, factory=None, far_copy_weight: float = 1.0) -> torch.Tensor:
+    def forward_loss(self, tokens: torch.Tensor, factory=None, far_copy_weight: float = 1.0,
+                     context_noise: float = 0.0) -> torch.Tensor:
         factory = factory or self.mask_factory
         batch = factory(tokens)
-        logits = self.model(batch.tokens, batch.coords, batch.mask)  # (B, S, V)
+        inputs = factory(self.noisy(tokens, context_noise)).tokens if context_noise > 0 else batch.tokens
+        logits = self.model(inputs, batch.coords, batch.mask)  # (B, S, V)
         if far_copy_weight == 1.0:
             return masked_loss(logits, batch.targets)
         far = far_copy_slots(tokens, self.layout, tokens.shape[1] // self.layout.frame_len)
         # each input row weighted by the slot it predicts (DiagD: proxy rows included)
         return weighted_loss(logits, batch.targets, factory.target_weights(1.0 + (far_copy_weight - 1.0) * far))
 
+    def noisy(self, tokens: torch.Tensor, max_share: float) -> torch.Tensor:
+        """(B, N) clips with a share of their image tokens (each clip's drawn uniformly in [0, max_share]) replaced
+        by uniformly drawn image codes; action tokens untouched."""
+        image = self.layout.is_image(tokens.shape[1] // self.layout.frame_len).to(tokens.device)
+        share = torch.rand(len(tokens), 1, device=tokens.device) * max_share
+        hit = (torch.rand(tokens.shape, device=tokens.device) < share) & image
+        codes = torch.randint(0, int(self.hparams.data["codebook_size"]), tokens.shape, device=tokens.device)
+        return torch.where(hit, codes, tokens)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.forward_loss(batch["tokens"], far_copy_weight=float(self.hparams.get("far_copy_weight", 1.0)))
+        loss = self.forward_loss(batch["tokens"], far_copy_weight=float(self.hparams.get("far_copy_weight", 1.0)),
+                                 context_noise=float(self.hparams.get("context_noise", 0.0)))
         if self._loss_watch is None:
             self._loss_watch = LossWatch(deferred=loss.is_cuda)
         self._loss_watch.push(loss, self.global_step)

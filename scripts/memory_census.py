@@ -1,0 +1,146 @@
+"""Why memory fades with the wait: what the training clips teach, and what the model looks at when the view comes back.
+
+    python scripts/memory_census.py data <train/finetune overrides>    # e.g. data=crafter_tiles_all_world vq=tiles_all 'data.recall={...}'
+    python scripts/memory_census.py attention ckpt=<checkpoint> [waits=1,2,3,4] [starts=48] [seed_base=100000] [policy=explorer]
+
+`data`: every training clip of the data config, the far-copy targets (mcar.core.masks.far_copy_slots: image tokens
+that differ from the same place in each of the 2 frames before but equal it earlier in the clip, what
+far_copy_weight weights), counted by how many frames back their nearest equal frame is. After n=1 out, w noops, 1
+back, the tiles come back from w + 2 frames back: 3 frames back is a wait of 1, 6 frames back a wait of 4.
+
+`attention`: fresh Crafter worlds (the world tests' scenes and seeds), the walk out, w noops and back for each w,
+one causal pass of the real frames (teacher-forced, as the world tests' teacher-forced rows); for the queries that
+predict the tiles a copy from the last two frames cannot give (the world tests' recall_far tiles), the attention each
+layer puts on each frame of the clip (mean over heads, walks and those queries), and the teacher-forced recall of
+those tiles. The start frame's share is what memory must read.
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import torch
+
+
+def data_census(overrides: list[str]) -> None:
+    import hydra
+    from hydra import compose, initialize_config_module
+
+    from mcar.core.layout import Layout
+    from mcar.core.masks import far_copy_slots
+
+    with initialize_config_module("mcar.conf", version_base=None):
+        cfg = compose("finetune", overrides)
+    dm = hydra.utils.instantiate(cfg.data, _convert_="all")
+    dm.prepare_data()
+    dm.setup("fit")
+    layout, frames = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a), int(cfg.data.clip_frames)
+    train = dm.train_source if hasattr(dm, "train_source") else dm.make_sources()[0]
+    back, clips_with, images = Counter(), Counter(), 0
+    for start in range(0, len(train), 256):
+        clip = torch.stack([train.clip(i) for i in range(start, min(start + 256, len(train)))])
+        far = far_copy_slots(clip, layout, frames).view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
+        img = clip.view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
+        images += img.numel()
+        for t in range(3, frames):
+            for d in range(3, t + 1):  # nearest equal frame first: d frames back, the ones nearer not equal
+                nearer = torch.stack([img[:, t] == img[:, t - j] for j in range(3, d)]).any(0) if d > 3 else None
+                hit = far[:, t] & (img[:, t] == img[:, t - d])
+                if nearer is not None:
+                    hit &= ~nearer
+                back[d] += int(hit.sum())
+                clips_with[d] += int(hit.any(1).sum())
+    total = sum(back.values())
+    print(f"{len(train)} training clips of {frames} frames, {images} image tokens, {total} far-copy targets "
+          f"({total / images:.2%})\n")
+    print("| frames back (wait, n=1) | far-copy targets | share of them | clips with one |")
+    print("|---|---|---|---|")
+    for d in range(3, frames):
+        print(f"| {d} (wait {d - 2}) | {back[d]} | {back[d] / max(total, 1):.1%} | {clips_with[d]} |")
+
+
+class AttentionRecorder:
+    """Replaces mcar.core.model's SDPA in an uncached causal pass: each layer's (B, H, S, S) probabilities kept."""
+
+    def __init__(self):
+        import mcar.core.model as model
+
+        self.model, self.sdpa, self.probs = model, model.F.scaled_dot_product_attention, []
+
+    def __enter__(self):
+        def recording(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+            keys = k.repeat_interleave(q.shape[1] // k.shape[1], 1) if enable_gqa else k
+            scores = (q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5
+            S = q.shape[-2]
+            scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+            self.probs.append(scores.softmax(-1))
+            return self.sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+        self.model.F.scaled_dot_product_attention = recording
+        return self
+
+    def __exit__(self, *exc):
+        self.model.F.scaled_dot_product_attention = self.sdpa
+
+
+def attention_census(args: dict) -> None:
+    from mcar.crafter.gen import map_rows
+    from mcar.crafter.map_tokens import MapGrid, far_mask
+    from mcar.crafter.scenes import Scene, parse_shape
+    from mcar.eval.world_tests import Tokens
+    from mcar.sampling.world_model import WorldModel
+    from mcar.tokenizer.vq_model import frame_size
+
+    wm = WorldModel.load(args["ckpt"], device="cpu")
+    layout, fl, ft = wm.layout, wm.layout.frame_len, wm.layout.frame_tokens
+    view = tuple(int(v) for v in wm.cfg.data.view)
+    grid, tokens = MapGrid(map_rows(view), layout.w), Tokens(wm.vq, layout, wm.codebook_size)
+    size = frame_size(wm.vq, layout.h, layout.w)
+    waits = [int(w) for w in str(args.get("waits", "1,2,3,4")).split(",")]
+    print(f"{args['ckpt']}: context {wm.context} frames; {args.get('policy', 'explorer')} plays between the walks\n")
+    print("| wait | frames | walks | recall of the far tiles, teacher-forced | attention on the start frame, per "
+          "layer | on the frame before the last | on the last frame's own tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for w in waits:
+        shape = parse_shape(f"wait_n1_w{w}")
+        if shape.frames > wm.context:
+            print(f"| {w} | {shape.frames} | beyond the {wm.context}-frame context | | | | |")
+            continue
+        recs, seed = [], int(args.get("seed_base", 100000))
+        while len(recs) < int(args.get("starts", 48)) and seed < int(args.get("seed_base", 100000)) + 400:
+            scene = Scene(seed, size, view, wm.cfg.data.get("daylight"), policy=args.get("policy", "explorer"))
+            seed += 1
+            for _ in range(int(scene.rng.integers(1, 25))):
+                scene.step(scene.player(scene.env))
+            rec = scene.shape(shape)
+            if rec is not None:
+                recs.append(rec)
+        clips = torch.stack([tokens.clip(r) for r in recs])
+        masks = torch.stack([far_mask(grid, [(x - r.pos[0][0], y - r.pos[0][1]) for x, y in r.pos]) for r in recs])
+        T = shape.frames
+        with torch.no_grad(), AttentionRecorder() as rec:
+            logits = wm.model(clips, layout.coords(T))
+        last = (T - 1) * fl
+        guess = logits[:, last - 1:last - 1 + ft, :wm.codebook_size].argmax(-1)
+        real = clips[:, last:last + ft]
+        hidden = torch.zeros(len(recs), layout.h, layout.w, dtype=torch.bool)
+        hidden[:, :grid.map_h] = masks
+        hidden = hidden.flatten(1)
+        recall = ((guess == real) & hidden).sum() / hidden.sum()
+        per_layer = []
+        for probs in rec.probs:  # (B, H, S, S): the queries at last - 1 + i predict the last frame's token i
+            q = probs[:, :, last - 1:last - 1 + ft].mean(1)  # (B, ft, S)
+            by_frame = torch.stack([q[..., f * fl:(f + 1) * fl].sum(-1) for f in range(T)], -1)  # (B, ft, T)
+            per_layer.append(by_frame[hidden].mean(0))  # (T,)
+        cell = lambda f: " / ".join(f"{p[f]:.2f}" for p in per_layer)
+        print(f"| {w} | {T} | {len(recs)} | {recall:.3f} | {cell(0)} | {cell(T - 2)} | {cell(T - 1)} |")
+
+
+if __name__ == "__main__":
+    what, rest = sys.argv[1], sys.argv[2:]
+    if what == "data":
+        data_census(rest)
+    elif what == "attention":
+        attention_census(dict(a.split("=", 1) for a in rest))
+    else:
+        raise SystemExit("usage: memory_census.py data <overrides> | attention ckpt=<checkpoint> [waits=1,2,3,4]")
