@@ -24,13 +24,12 @@ import torch
 
 def data_census(overrides: list[str]) -> None:
     import hydra
-    from hydra import compose, initialize_config_module
 
     from mcar.core.layout import Layout
     from mcar.core.masks import far_copy_slots
+    from mcar.hydra_app import compose_tool
 
-    with initialize_config_module("mcar.conf", version_base=None):
-        cfg = compose("finetune", overrides)
+    cfg = compose_tool("finetune", overrides)
     dm = hydra.utils.instantiate(cfg.data, _convert_="all")
     dm.prepare_data()
     dm.setup("fit")
@@ -53,7 +52,7 @@ def data_census(overrides: list[str]) -> None:
     total = sum(back.values())
     print(f"{len(train)} training clips of {frames} frames, {images} image tokens, {total} far-copy targets "
           f"({total / images:.2%})\n")
-    print("| frames back (wait, n=1) | far-copy targets | share of them | clips with one |")
+    print("| frames back (wait, n=1) | far-copy targets | share of them | clip frames with one |")
     print("|---|---|---|---|")
     for d in range(3, frames):
         print(f"| {d} (wait {d - 2}) | {back[d]} | {back[d] / max(total, 1):.1%} | {clips_with[d]} |")
@@ -98,13 +97,13 @@ def attention_census(args: dict) -> None:
     size = frame_size(wm.vq, layout.h, layout.w)
     waits = [int(w) for w in str(args.get("waits", "1,2,3,4")).split(",")]
     print(f"{args['ckpt']}: context {wm.context} frames; {args.get('policy', 'explorer')} plays between the walks\n")
-    print("| wait | frames | walks | recall of the far tiles, teacher-forced | attention on the start frame, per "
-          "layer | on the frame before the last | on the last frame's own tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print("| wait | frames | walks | recall of the far tiles, teacher-forced | with 2 frames | attention on the start "
+          "frame, per layer | on the frame before the last | on the last frame's own tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for w in waits:
         shape = parse_shape(f"wait_n1_w{w}")
         if shape.frames > wm.context:
-            print(f"| {w} | {shape.frames} | beyond the {wm.context}-frame context | | | | |")
+            print(f"| {w} | {shape.frames} | beyond the {wm.context}-frame context | | | | | |")
             continue
         recs, seed = [], int(args.get("seed_base", 100000))
         while len(recs) < int(args.get("starts", 48)) and seed < int(args.get("seed_base", 100000)) + 400:
@@ -127,13 +126,17 @@ def attention_census(args: dict) -> None:
         hidden[:, :grid.map_h] = masks
         hidden = hidden.flatten(1)
         recall = ((guess == real) & hidden).sum() / hidden.sum()
+        with torch.no_grad():  # the same guess from the last 2 frames alone: what no memory gives
+            short = wm.model(clips[:, last - fl:], layout.coords(2))[:, fl - 1:fl - 1 + ft, :wm.codebook_size]
+        recall_2 = ((short.argmax(-1) == real) & hidden).sum() / hidden.sum()
         per_layer = []
         for probs in rec.probs:  # (B, H, S, S): the queries at last - 1 + i predict the last frame's token i
             q = probs[:, :, last - 1:last - 1 + ft].mean(1)  # (B, ft, S)
             by_frame = torch.stack([q[..., f * fl:(f + 1) * fl].sum(-1) for f in range(T)], -1)  # (B, ft, T)
             per_layer.append(by_frame[hidden].mean(0))  # (T,)
         cell = lambda f: " / ".join(f"{p[f]:.2f}" for p in per_layer)
-        print(f"| {w} | {T} | {len(recs)} | {recall:.3f} | {cell(0)} | {cell(T - 2)} | {cell(T - 1)} |")
+        print(f"| {w} | {T} | {len(recs)} | {recall:.3f} | {recall_2:.3f} | {cell(0)} | {cell(T - 2)} | "
+              f"{cell(T - 1)} |")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,9 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     assert every["seeds"]["worlds"] == [100000, 100039] and every["seeds"]["training_worlds"] > 0
     md_all = (tmp_path / "world_tests.md").read_text()
     assert "## explorer (seen in training)" in md_all and "## hesitant (unseen)" in md_all
+    summary = [line for line in md_all.split("## explorer")[0].splitlines() if line.startswith("| ")]
+    assert summary[0].startswith("| policy | rollout minus nothing moves | refused moves kept | loop n=1")
+    assert [line.split(" | ")[0] for line in summary[1:]] == ["| explorer", "| hesitant (unseen)"]
     assert {row.split(" ", 1)[0] for row in every["curves"]} == {"explorer", "hesitant"}
     res = every["policies"]["explorer"]
     rows = {"model context=3", "model context=2", "model context=3 teacher-forced", "model context=2 teacher-forced",

@@ -31,10 +31,38 @@ def markdown(res: dict) -> str:
              f"{seeds['worlds'][1]}, none of them {' or '.join(checked) or 'a world the checkpoint names'}), model "
              f"context {res['context']} frames, sampler {res['sampler']}; 95% bootstrap intervals over starts. A "
              f"policy the checkpoint's data and post-training never played is `unseen`.", ""]
+    lines += summary_lines(res)
     for name, per in res["policies"].items():
-        lines += [f"## {name} ({'seen in training' if per['seen'] else 'unseen'})", "",
+        lines += ["", f"## {name} ({'seen in training' if per['seen'] else 'unseen'})", "",
                   policy_markdown({**res, **per})]
     return "\n".join(lines)
+
+
+def summary_lines(res: dict) -> list[str]:
+    """One row per policy: the model on its context against nothing moves (rollouts), the share of refused moves
+    kept, what memory buys over the 2-frame window on each walk, creatures drawn against the real frames'."""
+    row, seed = f"model context={res['context']}", int(res.get("seed", 0))
+    cell = lambda d: f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d and d.get("lo") is not None else ""
+    def gains_of(per: dict) -> dict:  # walk (teacher-forced apart) -> the model's gain over the 2-frame window
+        return {g["walk"] + (" teacher-forced" if g["row"].endswith("teacher-forced") else ""): g
+                for g in window_gains({**res, **per}, seed) if g["row"] in (row, row + " teacher-forced")}
+
+    walks = list(dict.fromkeys(w for per in res["policies"].values() for w in gains_of(per)))
+    lines = ["| policy | rollout minus nothing moves | refused moves kept | " +
+             " | ".join(f"{w}: recall minus the 2-frame window" for w in walks) + " | creatures per frame (real) |",
+             "|---" * (4 + len(walks)) + "|"]
+    for name, per in res["policies"].items():
+        margin = next((m.get("mean") for m in baseline_margins(per.get("rollout", {}), seed)
+                       if m["row"] == row and m["baseline"] == "copy_last"), None)
+        refused = per.get("blocked", {}).get("blocked", {})
+        gains = gains_of(per)
+        creatures = per.get("creatures", {}).get("rows", {})
+        drawn = f"{creatures[row]['creatures']['mean']:.3f} ({creatures['real']['creatures']['mean']:.3f})" \
+            if row in creatures else ""
+        lines.append(f"| {name}{'' if per['seen'] else ' (unseen)'} | {cell(margin)} | "
+                     f"{ci_cell(refused.get('stayed')) if refused.get('n') else ''} | " +
+                     " | ".join(cell(gains.get(w)) for w in walks) + f" | {drawn} |")
+    return lines
 
 
 def policy_markdown(res: dict) -> str:
