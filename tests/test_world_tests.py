@@ -546,3 +546,20 @@ def test_refused_moves_split_by_type_sum_up_and_a_perfect_model_keeps_every_type
     assert len(rows) == len(by_type) and ns[:len(wandered)] == sorted(ns[:len(wandered)], reverse=True)
     assert rows[-2:] == [f"| {name} (placed) | 1 | 1 of 1 worlds | 1.000 (one start) | 1.000 (one start) | "
                          f"1.000 (one start) |" for name in ("furnace", "table")]  # after the wander's, by name
+
+
+def test_each_shape_is_walked_from_where_the_wander_ended_whatever_the_others():
+    """A shape's walk (and a placed obstacle's) does not depend on which shapes come before it in the list: each
+    starts from the scene as the wander left it."""
+    from mcar.crafter.scenes import record_start
+
+    wait, L = parse_shape("wait_n1_w2"), parse_shape("L_n1_m1")
+    common = dict(loop_lengths=[1], wander_steps=8, p_bump=0.3, warmup=4, size=SIZE, view=VIEW, daylight=1.0,
+                  policy="hesitant")
+    both = record_start(100001, **common, shapes=[wait, L], placed=["table"])
+    alone = record_start(100001, **common, shapes=[L])
+    assert both is not None and alone is not None and "L_n1_m1" in both.shapes
+    assert both.shapes["L_n1_m1"].actions == alone.shapes["L_n1_m1"].actions
+    assert both.shapes["L_n1_m1"].pos == alone.shapes["L_n1_m1"].pos
+    assert all((a == b).all() for a, b in zip(both.shapes["L_n1_m1"].frames, alone.shapes["L_n1_m1"].frames))
+    assert both.shapes["L_n1_m1"].pos[0] == both.shapes["wait_n1_w2"].pos[0] == both.wander.pos[-1]

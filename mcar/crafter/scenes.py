@@ -5,6 +5,7 @@ own place action and walked into. The world is read only through the simulator (
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 
@@ -131,6 +132,15 @@ class Scene:
         rec.pos.append(self.pos)
         return rec
 
+    def snapshot(self):
+        """What the scene is now (the world, its random state, the player policy's state): restore() goes back."""
+        return self.sim.save_state(), copy.deepcopy((self.rng, self.player)), self.obs, self.over
+
+    def restore(self, snapshot) -> None:
+        state, (rng, player), self.obs, self.over = snapshot
+        self.sim.restore_state(state)
+        self.rng, self.player = copy.deepcopy((rng, player))  # one copy: the policy keeps drawing from this rng
+
     def free(self, x: int, y: int) -> bool:
         return walkable(self.env, x, y)
 
@@ -256,7 +266,8 @@ def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, 
                  daylight, keep_alive: bool = False, shapes=(), placed=(),
                  policy: str = "explorer") -> StartRecord | None:
     """One start, played by `policy` between the scripted walks: a few of its steps into a fresh world, a loop of
-    each length, its wander, then each of `shapes` from where the wander ended, then each obstacle of `placed` placed and walked into (Scene.place_and_bump);
+    each length, its wander, then each of `shapes` and each obstacle of `placed` (placed and walked into:
+    Scene.place_and_bump) from where the wander ended, each on its own (the scene restored before it);
     None when the episode ended or a loop could not be made (a shape or an obstacle that could not be made is only
     missing from .shapes / .placed)."""
     scene = Scene(env_seed, size, view, daylight, keep_alive, policy)
@@ -272,16 +283,16 @@ def record_start(env_seed: int, loop_lengths, wander_steps: int, p_bump: float, 
     wander = scene.wander(wander_steps, p_bump)
     if wander is None:
         return None
-    made = {}
+    after_wander = scene.snapshot()  # each shape and each placed obstacle from here: none depends on the others
+    made, bumped = {}, {}
     for shape in shapes:
-        if scene.over:
-            break
+        scene.restore(after_wander)
         rec = scene.shape(shape)
         if rec is not None:
             made[shape.name] = rec
-    bumped = {}
     for name in placed:
-        rec = None if scene.over else scene.place_and_bump(str(name))
+        scene.restore(after_wander)
+        rec = scene.place_and_bump(str(name))
         if rec is not None:
             bumped[str(name)] = rec
     return StartRecord(loops, wander, made, bumped)
