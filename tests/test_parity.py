@@ -321,3 +321,16 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest(
     assert (drawn >= 0.5 * probs.max(-1).values * (1 - 1e-5)).all()
     with pytest.raises(ValueError, match="min_p=1.5 is invalid"):
         ScheduleSampler(layout, T, min_p=1.5)
+
+
+def test_play_starts_greedy_and_samples_under_min_p_above_it():
+    """mcar play's page: greedy at start; above temperature 0 its games draw under min-p 0.1 (the rule that won at
+    temperature 1 on every world-test player)."""
+    from mcar.hydra_app import compose_tool
+
+    cfg = compose_tool("play", [])
+    assert cfg.sampler.temperature == 0 and cfg.sampler.min_p == 0.1
+    layout = Layout(3, 4, 2)
+    rule = ScheduleSampler(layout, T, 1, k=2, **{k: cfg.sampler[k] for k in ("min_p", "top_p", "top_k")},
+                           temperature=1.0).sampling_rule("cpu")
+    assert rule.min_p is not None and float(rule.min_p) == pytest.approx(0.1)
