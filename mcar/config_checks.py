@@ -17,7 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 
 MAX_FRAMES = 100_000  # longer rollouts run for days and their tokens and decoded frames outgrow memory: split them
-POLICIES = ("explorer", "forager", "hesitant", "random", "sweeper", "wanderer")  # mcar.crafter.gen.POLICIES (a test keeps the two equal)
+# mcar.crafter.gen.POLICIES (a test keeps the two equal)
+POLICIES = ("explorer", "forager", "hesitant", "random", "sweeper", "wanderer")
 # the reward classes, by module: the generic terms and the Crafter wing's (a test keeps them equal)
 REWARDS = {"mcar.train.rewards": ("ActionMatch", "NoInventedTiles", "TileAgreement", "TileMix"),
            "mcar.crafter.rewards": ("CreatureCount", "RevisitedTiles")}
@@ -101,7 +102,8 @@ RULES: dict[str, dict[str, Rule]] = {
         "trainer.max_steps": count(-1, note="-1: max_epochs decides"), "trainer.accumulate_grad_batches": count(1),
         "model.arch.dim": count(1), "model.arch.n_layers": count(1), "model.arch.n_heads": count(1),
         "model.arch.mlp_dim": count(1), "far_copy_weight": real(ge=0), "retoken": flag(),
-        "context_noise": PROBABILITY, "sampler.temperature": real(ge=0), "sampler.min_p": real(ge=0, le=1, optional=True),
+        "context_noise": PROBABILITY, "sampler.temperature": real(ge=0),
+        "sampler.min_p": real(ge=0, le=1, optional=True),
         "posttrain.objective": choice("grpo", "supervised"), "posttrain.group": count(1),
         "posttrain.starts": count(1), "posttrain.rollout_frames": count(2, MAX_FRAMES),
         "posttrain.clip_eps": real(gt=0), "posttrain.kl_coef": real(ge=0), "posttrain.updates_per_batch": count(1),

@@ -1,7 +1,8 @@
 """Why memory fades with the wait: what the training clips teach, and what the model looks at when the view comes back.
 
-    python scripts/memory_census.py data <train/finetune overrides>    # e.g. data=crafter_tiles_all_world vq=tiles_all 'data.recall={...}'
-    python scripts/memory_census.py attention ckpt=<checkpoint> [waits=1,2,3,4] [starts=48] [seed_base=100000] [policy=explorer]
+    python scripts/memory_census.py data <finetune overrides>   # e.g. data=crafter_tiles_all_world 'data.recall={...}'
+    python scripts/memory_census.py attention ckpt=<checkpoint> [waits=1,2,3,4] [starts=48] [seed_base=100000] \
+        [policy=explorer]
 
 `data`: every training clip of the data config, the far-copy targets (mcar.core.masks.far_copy_slots: image tokens
 that differ from the same place in each of the 2 frames before but equal it earlier in the clip, what
@@ -134,7 +135,9 @@ def attention_census(args: dict) -> None:
             q = probs[:, :, last - 1:last - 1 + ft].mean(1)  # (B, ft, S)
             by_frame = torch.stack([q[..., f * fl:(f + 1) * fl].sum(-1) for f in range(T)], -1)  # (B, ft, T)
             per_layer.append(by_frame[hidden].mean(0))  # (T,)
-        cell = lambda f: " / ".join(f"{p[f]:.2f}" for p in per_layer)
+        def cell(f: int, per_layer=per_layer) -> str:
+            return " / ".join(f"{p[f]:.2f}" for p in per_layer)
+
         print(f"| {w} | {T} | {len(recs)} | {recall:.3f} | {recall_2:.3f} | {cell(0)} | {cell(T - 2)} | "
               f"{cell(T - 1)} |")
 

@@ -235,7 +235,7 @@ def test_the_world_model_stops_at_what_the_player_placed(tmp_path, obstacle):
     for seed in range(210, 260):
         scene = Scene(seed, WORLD_SIZE, WORLD_VIEW, 1.0)
         for _ in range(30):  # into the world, away from the start's clearing
-            scene.step(scene.explorer(scene.env))
+            scene.step(scene.player(scene.env))
         rec = None if scene.over else scene.place_and_bump(obstacle)
         if rec is None:
             continue
@@ -264,7 +264,8 @@ def test_the_world_model_remembers_what_a_wait_hid(tmp_path):
 
     run_in_process(main, f"ckpt={WORLD}", "starts=12", "tests=[shapes]", "shapes=[wait_n1_w2]", "teacher_forced=true",
                    "policies=[explorer]", "logger=none", f"hydra.run.dir={tmp_path}")
-    rows = json.loads((tmp_path / "world_tests.json").read_text())["policies"]["explorer"]["shapes"]["wait_n1_w2"]["rows"]
+    res = json.loads((tmp_path / "world_tests.json").read_text())
+    rows = res["policies"]["explorer"]["shapes"]["wait_n1_w2"]["rows"]
     gain = [a - b for a, b in zip(rows["model context=6 teacher-forced"]["recall"]["per_start"],
                                   rows["model context=2 teacher-forced"]["recall"]["per_start"])]
     assert np.mean(gain) > 0.06 and min(gain) >= -0.25, np.round(gain, 3)

@@ -583,7 +583,8 @@ class Rollout:
 
 
 def check_settings(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                   min_p: float | None = None, codebook_size: int | None = None, compile: bool | str = False, static_widths: int = 3,
+                   min_p: float | None = None, codebook_size: int | None = None, compile: bool | str = False,
+                   static_widths: int = 3,
                    kv_splits: int | str = "auto", **_) -> None:
     """A sampler's own settings, each checked (ValueError naming the field): what ScheduleSampler refuses."""
     if temperature < 0:

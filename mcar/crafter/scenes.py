@@ -219,12 +219,14 @@ class Scene:
         return None
 
     def shape(self, shape: Shape, tries: int = 20) -> Recording | None:
-        """The shape walked from where the player is (the player's steps first until a way is open), the frames recorded;
+        """The shape walked from where the player is (the player's steps first until a way is open), the frames
+        recorded;
         None when no open way was found, the episode ended, or the env did not move the player exactly along it."""
         return self.walk(lambda: self.open_shape(shape), tries)
 
     def walk(self, find, tries: int) -> Recording | None:
-        """The actions `find()` gives (the player's steps first while it finds none, up to `tries`), the frames recorded;
+        """The actions `find()` gives (the player's steps first while it finds none, up to `tries`), the frames
+        recorded;
         None when it found none, the episode ended, or the env did not move the player exactly along them."""
         for _ in range(tries):
             acts = find()
@@ -243,7 +245,8 @@ class Scene:
         return rec if rec.pos == [(x0 + dx, y0 + dy) for dx, dy in path_offsets(acts)] else None
 
     def wander(self, steps: int, p_bump: float) -> Recording | None:
-        """`steps` actions of the player (the scene's policy), moving into a blocked neighbour tile with probability p_bump when
+        """`steps` actions of the player (the scene's policy), moving into a blocked neighbour tile with probability
+        p_bump when
         there is one (collisions to test); None when the episode ends first."""
         rec = Recording()
         for _ in range(steps):

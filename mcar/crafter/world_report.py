@@ -67,7 +67,8 @@ def summary_lines(res: dict) -> list[str]:
 
 def policy_markdown(res: dict) -> str:
     """One policy's tables: loops, shapes, refused moves, rollouts, what memory buys, creatures, margins."""
-    lines = [f"{res['starts']} starts from {res.get('worlds_tried', res['starts'])} worlds. inventory: its rows' agreement, every "
+    tried = res.get("worlds_tried", res["starts"])
+    lines = [f"{res['starts']} starts from {tried} worlds. inventory: its rows' agreement, every "
              f"frame; invented: share of tiles whose type is in neither the real frame nor the prompt.", "",
              "| loop n | row | recall (re-revealed tiles) | loop_acc (map, every frame) | inventory | invented |",
              "|---|---|---|---|---|---|"]

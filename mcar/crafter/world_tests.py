@@ -80,8 +80,8 @@ from mcar.crafter.map_tokens import (
     scroll_start,
     stay_or_move,
 )
-from mcar.crafter.seeds import check_fresh_worlds, seen_policies
 from mcar.crafter.scenes import Recording, Shape, StartRecord, fitting_shapes, parse_shape, record_start
+from mcar.crafter.seeds import check_fresh_worlds, seen_policies
 from mcar.crafter.textures import creature_codes, tile_textures
 from mcar.crafter.world_report import log_wandb, markdown
 from mcar.eval.stats import interval, pooled_interval

@@ -84,6 +84,7 @@ class Games:
     def __init__(self, base: PlaySession, refuse=RuntimeError):
         self.base, self.refuse, self._lock = base, refuse, threading.Lock()
         self._held: set[int] = set()  # ids of the games sessions hold
+        self._leaving: set[int] = set()  # ids of those giving their place back now
         self._of_session: dict[str, PlaySession] = {}  # session id -> its game
 
     def of(self, game: PlaySession | None, session: str | None = None) -> PlaySession:
@@ -119,11 +120,14 @@ class Games:
 
     def _leave(self, game: PlaySession | None, what: str) -> None:
         with self._lock:
-            if game is None or id(game) not in self._held:
+            if game is None or id(game) not in self._held or id(game) in self._leaving:
                 return
-            self._held.discard(id(game))
+            self._leaving.add(id(game))  # a second callback for it waits for nothing and leaves nothing
             self._of_session = {k: g for k, g in self._of_session.items() if g is not game}
-        game.server.leave(game)
+        game.server.leave(game)  # its place is free (the server's count) before `live` says so
+        with self._lock:
+            self._held.discard(id(game))
+            self._leaving.discard(id(game))
         log.info("mcar.play: %s was dropped after %d step(s); %d live", what, game.steps, self.live)
 
 
