@@ -23,11 +23,29 @@ from collections import Counter
 import torch
 
 
+def far_copy_by_distance(clip: torch.Tensor, layout, frames: int) -> tuple[Counter, Counter]:
+    """(B, N) clips -> ({d: far-copy targets whose nearest equal frame is d frames back}, {d: clip frames with
+    one})."""
+    from mcar.core.masks import far_copy_slots
+
+    far = far_copy_slots(clip, layout, frames).view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
+    img = clip.view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
+    targets, with_one = Counter(), Counter()
+    for t in range(3, frames):
+        nearer = torch.zeros_like(far[:, t])  # equal in a frame nearer than d (3 or more back)
+        for d in range(3, t + 1):
+            same = img[:, t] == img[:, t - d]
+            hit = far[:, t] & same & ~nearer
+            targets[d] += int(hit.sum())
+            with_one[d] += int(hit.any(1).sum())
+            nearer |= same
+    return targets, with_one
+
+
 def data_census(overrides: list[str]) -> None:
     import hydra
 
     from mcar.core.layout import Layout
-    from mcar.core.masks import far_copy_slots
     from mcar.hydra_app import compose_tool
 
     cfg = compose_tool("finetune", overrides)
@@ -35,21 +53,13 @@ def data_census(overrides: list[str]) -> None:
     dm.prepare_data()
     dm.setup("fit")
     layout, frames = Layout(cfg.data.h, cfg.data.w, cfg.data.n_a), int(cfg.data.clip_frames)
-    train = dm.train_source if hasattr(dm, "train_source") else dm.make_sources()[0]
+    train = dm.train_source
     back, clips_with, images = Counter(), Counter(), 0
     for start in range(0, len(train), 256):
         clip = torch.stack([train.clip(i) for i in range(start, min(start + 256, len(train)))])
-        far = far_copy_slots(clip, layout, frames).view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
-        img = clip.view(len(clip), frames, layout.frame_len)[..., :layout.frame_tokens]
-        images += img.numel()
-        for t in range(3, frames):
-            for d in range(3, t + 1):  # nearest equal frame first: d frames back, the ones nearer not equal
-                nearer = torch.stack([img[:, t] == img[:, t - j] for j in range(3, d)]).any(0) if d > 3 else None
-                hit = far[:, t] & (img[:, t] == img[:, t - d])
-                if nearer is not None:
-                    hit &= ~nearer
-                back[d] += int(hit.sum())
-                clips_with[d] += int(hit.any(1).sum())
+        targets, with_one = far_copy_by_distance(clip, layout, frames)
+        back, clips_with = back + targets, clips_with + with_one
+        images += len(clip) * frames * layout.frame_tokens
     total = sum(back.values())
     print(f"{len(train)} training clips of {frames} frames, {images} image tokens, {total} far-copy targets "
           f"({total / images:.2%})\n")
@@ -86,7 +96,7 @@ class AttentionRecorder:
 def attention_census(args: dict) -> None:
     from mcar.crafter.gen import map_rows
     from mcar.crafter.map_tokens import MapGrid, far_mask
-    from mcar.crafter.scenes import Scene, parse_shape
+    from mcar.crafter.scenes import parse_shape, record_start
     from mcar.eval.world_tests import Tokens
     from mcar.sampling.world_model import WorldModel
     from mcar.tokenizer.vq_model import frame_size
@@ -108,13 +118,11 @@ def attention_census(args: dict) -> None:
             continue
         recs, seed = [], int(args.get("seed_base", 100000))
         while len(recs) < int(args.get("starts", 48)) and seed < int(args.get("seed_base", 100000)) + 400:
-            scene = Scene(seed, size, view, wm.cfg.data.get("daylight"), policy=args.get("policy", "explorer"))
+            start = record_start(seed, [], 0, 0.0, 24, size, view, wm.cfg.data.get("daylight"), shapes=[shape],
+                                 policy=args.get("policy", "explorer"))  # the world tests' walk, no loops
             seed += 1
-            for _ in range(int(scene.rng.integers(1, 25))):
-                scene.step(scene.player(scene.env))
-            rec = scene.shape(shape)
-            if rec is not None:
-                recs.append(rec)
+            if start is not None and shape.name in start.shapes:
+                recs.append(start.shapes[shape.name])
         clips = torch.stack([tokens.clip(r) for r in recs])
         masks = torch.stack([far_mask(grid, [(x - r.pos[0][0], y - r.pos[0][1]) for x, y in r.pos]) for r in recs])
         T = shape.frames

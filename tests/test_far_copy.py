@@ -110,3 +110,22 @@ def test_context_noise_corrupts_the_input_image_tokens_and_keeps_the_targets():
                                                                  batch.targets))
     with pytest.raises(ValueError, match="context_noise=0.1: needs the data's codebook_size"):
         MCARModule(**(kw | {"data": None}), context_noise=0.1)
+
+
+@pytest.mark.parametrize("walk,back", [("R0L", [3]), ("R00L", [4]), ("R000L", [5]), ("R0000L", [6]),
+                                       ("RR0LL", [3, 5])])
+def test_the_memory_census_counts_each_far_copy_target_at_its_wait(walk, back):
+    """scripts/memory_census.py's count: after a wait the returned views' far-copy targets come from the frames the
+    walk left, `back` frames before each return (2 out, a noop, 2 back: 3 frames back, then 5)."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("memory_census", REPO / "scripts" / "memory_census.py")
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    clip, offs = walk_clip(walk)
+    targets, with_one = census.far_copy_by_distance(clip, LAYOUT, len(offs))
+    far = int(far_copy_slots(clip, LAYOUT, len(offs)).sum())
+    assert far > 0 and sum(targets[d] for d in back) == sum(targets.values()) == far
+    assert all(targets[d] > 0 and with_one[d] == 1 for d in back)

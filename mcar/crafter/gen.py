@@ -557,8 +557,7 @@ def training_world_seeds(seed: int, episodes: int) -> set[int]:
     """Every Crafter world seed an episode 0..episodes-1 of generator seed `seed` can be played in, whatever the
     policy mix, recall plans or placing (each policy draws from the episode's generator before the world seed: one
     seed per policy and episode): what a test's fresh worlds must never be."""
-    return {episode_start(seed, i, {name: 1.0}, {} if name in ("explorer", "wanderer") else None)[1]
-            for i in range(int(episodes)) for name in POLICIES}
+    return {episode_start(seed, i, {name: 1.0})[1] for i in range(int(episodes)) for name in POLICIES}
 
 
 def play_episode(seed: int, index: int, frames: int, policy_mix: dict[str, float], size: tuple[int, int],

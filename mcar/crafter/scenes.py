@@ -220,14 +220,14 @@ class Scene:
 
     def shape(self, shape: Shape, tries: int = 20) -> Recording | None:
         """The shape walked from where the player is (the player's steps first until a way is open), the frames
-        recorded;
-        None when no open way was found, the episode ended, or the env did not move the player exactly along it."""
+        recorded; None when no open way was found, the episode ended, or the env did not move the player exactly
+        along it."""
         return self.walk(lambda: self.open_shape(shape), tries)
 
     def walk(self, find, tries: int) -> Recording | None:
         """The actions `find()` gives (the player's steps first while it finds none, up to `tries`), the frames
-        recorded;
-        None when it found none, the episode ended, or the env did not move the player exactly along them."""
+        recorded; None when it found none, the episode ended, or the env did not move the player exactly along
+        them."""
         for _ in range(tries):
             acts = find()
             if acts is not None:
@@ -246,8 +246,7 @@ class Scene:
 
     def wander(self, steps: int, p_bump: float) -> Recording | None:
         """`steps` actions of the player (the scene's policy), moving into a blocked neighbour tile with probability
-        p_bump when
-        there is one (collisions to test); None when the episode ends first."""
+        p_bump when there is one (collisions to test); None when the episode ends first."""
         rec = Recording()
         for _ in range(steps):
             blocked = blocked_moves(self.env)

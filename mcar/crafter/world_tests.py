@@ -81,7 +81,7 @@ from mcar.crafter.map_tokens import (
     stay_or_move,
 )
 from mcar.crafter.scenes import Recording, Shape, StartRecord, fitting_shapes, parse_shape, record_start
-from mcar.crafter.seeds import check_fresh_worlds, seen_policies
+from mcar.crafter.seeds import check_fresh_worlds, seen_policies, worlds_a_test_plays
 from mcar.crafter.textures import creature_codes, tile_textures
 from mcar.crafter.world_report import log_wandb, markdown
 from mcar.eval.stats import interval, pooled_interval
@@ -135,8 +135,9 @@ class WorldTests(ModelRows):
 
     def record(self, policy: str) -> list[StartRecord]:
         cfg, starts, seed = self.cfg, [], int(self.cfg.seed_base)
+        worlds = worlds_a_test_plays(cfg.seed_base, cfg.starts)  # those check_fresh_worlds checked
         while len(starts) < cfg.starts:
-            if seed - cfg.seed_base >= 20 * cfg.starts + 20:  # the worlds check_fresh_worlds checked
+            if seed not in worlds:
                 raise RuntimeError(f"only {len(starts)} of starts={cfg.starts} Crafter starts could make every loop "
                                    f"{list(cfg.loop_lengths)} with policy {policy}: use shorter loop_lengths")
             rec = record_start(seed, cfg.loop_lengths, cfg.rollout_frames, cfg.p_bump, cfg.warmup, self.size,
