@@ -68,7 +68,7 @@ def test_bench_serve_plays_the_page_itself_with_simulated_players(crafter_files,
 
     out = tmp_path / "serve.json"
     run_in_process(bench.main, "serve", f"ckpt={crafter_files}/tiny.ckpt", "bench.serve.players=[2]",
-                   "bench.serve.seconds=1", "bench.serve.rate=4",
+                   "bench.serve.seconds=3", "bench.serve.rate=4",
                    f"bench.serve.play_overrides=['prompt_image={crafter_files}/start.png','idle_minutes=1']",
                    f"bench.out={out}", f"hydra.run.dir={tmp_path}/run")
     said = capsys.readouterr().out

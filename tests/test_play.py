@@ -916,3 +916,29 @@ def test_play_serves_when_gradios_own_check_of_its_page_gives_up(crafter_files, 
                                            r"30 s: .*start it again") as e:
         play_tool.serve(demo, "127.0.0.1", free_port(), block=False, answer_s=30)
     assert "\n" not in str(e.value) and not demo.is_running
+
+
+def test_two_events_of_a_new_page_at_once_make_one_game():
+    """A page's first events can reach the server together, its State still empty: they get one game, not one
+    each (the second would hold a place until it idled out)."""
+    import threading
+
+    from mcar.tools.play import Games
+
+    class SlowBase:
+        forks = 0
+
+        def fork(self):
+            SlowBase.forks += 1
+            time.sleep(0.2)
+            return object()
+
+    games = Games(SlowBase())
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(games.of(None, "page-1"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert SlowBase.forks == 1 and len({id(g) for g in got}) == 1 and games.live == 1
+    assert games.of(None, "page-2") is not got[0] and games.live == 2

@@ -92,12 +92,14 @@ class Games:
         dropped; `refuse` (the page's error, a message to the player) when the server holds max_games games."""
         if game is not None and id(game) in self._held:
             return game
-        try:
-            game = self.base.fork()
-        except GamesFull as e:
-            log.info("mcar.play: a new player was turned away: %s", e)
-            raise self.refuse(str(e)) from None
-        with self._lock:
+        with self._lock:  # two events of a new page at once (its State still empty) make one game, not two
+            if session is not None and session in self._of_session:
+                return self._of_session[session]
+            try:
+                game = self.base.fork()
+            except GamesFull as e:
+                log.info("mcar.play: a new player was turned away: %s", e)
+                raise self.refuse(str(e)) from None
             self._held.add(id(game))
             if session is not None:
                 self._of_session[session] = game
