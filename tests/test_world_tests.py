@@ -138,6 +138,7 @@ def test_worldtest_runs_on_the_shipped_model(tmp_path):
     summary = [line for line in md_all.split("## explorer")[0].splitlines() if line.startswith("| ")]
     assert summary[0].startswith("| policy | rollout minus nothing moves | refused moves kept | loop n=1")
     assert [line.split(" | ")[0] for line in summary[1:]] == ["| explorer", "| hesitant (unseen)"]
+    assert len({line.count("|") for line in summary}) == 1  # every row as many cells as the header
     assert {row.split(" ", 1)[0] for row in every["curves"]} == {"explorer", "hesitant"}
     res = every["policies"]["explorer"]
     rows = {"model context=3", "model context=2", "model context=3 teacher-forced", "model context=2 teacher-forced",
@@ -563,3 +564,14 @@ def test_each_shape_is_walked_from_where_the_wander_ended_whatever_the_others():
     assert both.shapes["L_n1_m1"].pos == alone.shapes["L_n1_m1"].pos
     assert all((a == b).all() for a, b in zip(both.shapes["L_n1_m1"].frames, alone.shapes["L_n1_m1"].frames))
     assert both.shapes["L_n1_m1"].pos[0] == both.shapes["wait_n1_w2"].pos[0] == both.wander.pos[-1]
+
+
+def test_the_summary_table_has_a_column_per_header_cell_whatever_tests_ran():
+    """A rollout-only run has no recall columns: each summary row still has as many cells as the header."""
+    from mcar.crafter.world_report import summary_lines
+
+    res = {"context": 2, "seed": 0,
+           "policies": {"sweeper": {"seen": False, "loops": {}, "shapes": {}, "rollout": {}, "blocked": {}}}}
+    header, rule, row = summary_lines(res)
+    assert header.count("|") == rule.count("|") == row.count("|") == 5
+    assert row.startswith("| sweeper (unseen) |")

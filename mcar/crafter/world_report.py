@@ -48,9 +48,9 @@ def summary_lines(res: dict) -> list[str]:
                 for g in window_gains({**res, **per}, seed) if g["row"] in (row, row + " teacher-forced")}
 
     walks = list(dict.fromkeys(w for per in res["policies"].values() for w in gains_of(per)))
-    lines = ["| policy | rollout minus nothing moves | refused moves kept | " +
-             " | ".join(f"{w}: recall minus the 2-frame window" for w in walks) + " | creatures per frame (real) |",
-             "|---" * (4 + len(walks)) + "|"]
+    header = ["policy", "rollout minus nothing moves", "refused moves kept",
+              *(f"{w}: recall minus the 2-frame window" for w in walks), "creatures per frame (real)"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, per in res["policies"].items():
         margin = next((m.get("mean") for m in baseline_margins(per.get("rollout", {}), seed)
                        if m["row"] == row and m["baseline"] == "copy_last"), None)
@@ -59,9 +59,9 @@ def summary_lines(res: dict) -> list[str]:
         creatures = per.get("creatures", {}).get("rows", {})
         drawn = f"{creatures[row]['creatures']['mean']:.3f} ({creatures['real']['creatures']['mean']:.3f})" \
             if row in creatures else ""
-        lines.append(f"| {name}{'' if per['seen'] else ' (unseen)'} | {cell(margin)} | "
-                     f"{ci_cell(refused.get('stayed')) if refused.get('n') else ''} | " +
-                     " | ".join(cell(gains.get(w)) for w in walks) + f" | {drawn} |")
+        cells = [f"{name}{'' if per['seen'] else ' (unseen)'}", cell(margin),
+                 ci_cell(refused.get("stayed")) if refused.get("n") else "", *(cell(gains.get(w)) for w in walks), drawn]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
