@@ -418,12 +418,13 @@ def test_memory_gains_are_paired_against_the_2_frame_window():
         "model context=2": row(short, None if far is None else short), "copy_last": row(short)}
     res = {"starts": 32, "context": 6, "sampler": "diagd", "seed": 0, "blocked": {}, "rollout": {},
            "loops": {"1": rows(0.3)},
-           "shapes": {"wait_n1_w2": {"frames": 5, "made": 32, "starts": 32, "rows": rows(0.0)},
+           "shapes": {"wait_n1_w2": {"frames": 5, "made": 32, "starts": 32, "rows": rows(0.0, far=0.0)},
                       "L_n1_m1": {"frames": 5, "made": 32, "starts": 32, "rows": {
                           **rows(0.2, far=0.1), "model context=6 teacher-forced": row(short + 0.05),
                           "model context=2 teacher-forced": row(short + 0.02)}},
                       "back_n3": {"frames": 7, "skipped": "beyond context"}}}
     gains = {g["walk"]: g for g in window_gains(res, 0)}
+    # a wait's far tiles are all it hid: one row, not the same numbers twice
     assert set(gains) == {"loop n=1", "shape wait_n1_w2", "shape L_n1_m1", "shape L_n1_m1 (far tiles)"}
     assert gains["loop n=1"]["row"] == "model context=6"
     assert gains["loop n=1"]["mean"] == pytest.approx(0.3) and gains["loop n=1"]["lo"] == pytest.approx(0.3)

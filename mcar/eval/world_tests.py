@@ -229,6 +229,11 @@ def baseline_margins(rollout: dict, seed: int, keys=("mean", "map_mean", "invent
     return out
 
 
+def _far_is_all(*rows: dict) -> bool:
+    """Whether each row's far-tile recall is its whole recall, start by start (every tile the walk hid was far)."""
+    return all((r.get("recall") or {}).get("per_start") == (r.get("recall_far") or {}).get("per_start") for r in rows)
+
+
 def window_gains(res: dict, seed: int) -> list[dict]:
     """What memory buys: each loop's and shape's recall for every model row with a longer window minus the 2-frame
     window's (which cannot see the start frame at the end), paired start by start, with a 95% bootstrap interval
@@ -243,6 +248,8 @@ def window_gains(res: dict, seed: int) -> list[dict]:
             if not row.startswith("model") or row == f"model context=2{forced}" or "per_start" not in mine \
                     or "per_start" not in short:
                 continue
+            if key == "recall_far" and _far_is_all(r, rows.get(f"model context=2{forced}", {})):
+                continue  # a wait hides only far tiles: the same numbers as the walk's own row
             out.append({"walk": walk + (" (far tiles)" if key == "recall_far" else ""), "row": row,
                         **paired_interval(mine["per_start"], short["per_start"], seed)})
     return out
