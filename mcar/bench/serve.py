@@ -73,8 +73,8 @@ def stop_server(server: subprocess.Popen) -> None:
             server.wait()
 
 
-def player(url: str, seconds: float, rate: float, index: int, stall_s: float, results: list, ready: threading.Barrier
-           ) -> None:
+def player(url: str, seconds: float, rate: float, index: int, stall_s: float, results: list, ready: threading.Barrier,
+           timeout_s: float = 120.0) -> None:
     """One simulated player: its own session (a gradio_client Client), a move every 1/rate s (or as soon as the
     last frame came, when slower), for `seconds` -> appends {"first_s", "latencies", "errors", "stalls", "frames",
     "played_s"}."""
@@ -82,7 +82,8 @@ def player(url: str, seconds: float, rate: float, index: int, stall_s: float, re
 
     got = {"first_s": None, "latencies": [], "errors": [], "stalls": 0, "frames": 0, "played_s": 0.0}
     try:
-        client = Client(url, verbose=False)
+        # httpx's 5 s default would fail a join or a first frame on a busy machine
+        client = Client(url, verbose=False, httpx_kwargs={"timeout": timeout_s})
     except Exception as e:  # noqa: BLE001  a player that cannot connect is an error seen, not a crash
         got["errors"].append(f"connect: {type(e).__name__}: {e}")
         client = None
@@ -116,7 +117,7 @@ def players_round(url: str, n: int, cfg: DictConfig, server: subprocess.Popen) -
     results: list = []
     ready = threading.Barrier(n)
     threads = [threading.Thread(target=player, args=(url, float(s.seconds), rate, i, float(s.stall_s), results,
-                                                     ready), daemon=True) for i in range(n)]
+                                                     ready, float(s.request_timeout_s)), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:

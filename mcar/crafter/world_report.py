@@ -59,8 +59,9 @@ def summary_lines(res: dict) -> list[str]:
         creatures = per.get("creatures", {}).get("rows", {})
         drawn = f"{creatures[row]['creatures']['mean']:.3f} ({creatures['real']['creatures']['mean']:.3f})" \
             if row in creatures else ""
-        cells = [f"{name}{'' if per['seen'] else ' (unseen)'}", cell(margin),
-                 ci_cell(refused.get("stayed")) if refused.get("n") else "", *(cell(gains.get(w)) for w in walks), drawn]
+        kept = ci_cell(refused.get("stayed")) if refused.get("n") else ""
+        cells = [f"{name}{'' if per['seen'] else ' (unseen)'}", cell(margin), kept,
+                 *(cell(gains.get(w)) for w in walks), drawn]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
