@@ -10,7 +10,7 @@ from mcar.core.layout import Layout
 from mcar.core.model import ModelConfig, Transformer
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, ScheduleSampler
-from mcar.crafter.rewards import CreatureCount
+from mcar.crafter.rewards import CreatureCount, CreatureTolerantAgreement
 from mcar.data.starts import StepStarts
 from mcar.idm.model import InverseDynamics, save_idm
 from mcar.train.posttrain import reward_terms
@@ -118,6 +118,35 @@ def test_creature_count_pays_for_creatures_drawn_in_number_wherever_they_are():
     score = lambda g: term(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
     assert score(real) == score(off) == 1.0
     assert score(left_out) == score(extra) == 0.5  # one frame of two wrong by one creature
+
+
+def test_creature_tolerant_agreement_forgives_a_creature_a_tile_off_and_nothing_else():
+    """Plain agreement charges a creature drawn a tile off two tiles and one left out one; this term charges the
+    first nothing, the second and a made-up one a tile each, a second drawn beside the first one tile, and a
+    creature of another code or two tiles off both tiles, as agreement does."""
+    term = CreatureTolerantAgreement(str(REPO / "mcar" / "assets" / "vq_crafter_tiles_all"))
+    cow, other = int(term.counter.codes[0]), int(term.counter.codes[-1])
+    at = lambda row, col: LAYOUT.frame_len * 2 + row * LAYOUT.w + col  # a tile of the last frame
+    real = clips_of([[1, 2, 2]])
+    real[0, at(1, 1)] = cow
+
+    def drawn(*tiles, code=cow, keep=False):
+        g = real.clone()
+        g[0, at(1, 1)] = cow if keep else 2
+        for row, col in tiles:
+            g[0, at(row, col)] = code
+        return g
+
+    n = 2 * LAYOUT.frame_tokens
+    score = lambda g: term(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
+    plain = lambda g: TileAgreement()(Rollouts(g, real, LAYOUT, CB, prompt_frames=1)).item()
+    assert score(real) == 1.0 and score(drawn((1, 2))) == score(drawn((2, 2))) == 1.0  # a tile off, diagonal too
+    assert plain(drawn((1, 2))) == pytest.approx((n - 2) / n)
+    assert score(drawn()) == pytest.approx((n - 1) / n)  # left out
+    assert score(drawn((1, 2), keep=True)) == pytest.approx((n - 1) / n)  # drawn right, and one more beside it
+    assert score(drawn((1, 0), (1, 2))) == pytest.approx((n - 1) / n)  # two for one: only one is paired
+    assert score(drawn((1, 3))) == plain(drawn((1, 3))) == pytest.approx((n - 2) / n)  # two tiles off
+    assert other != cow and score(drawn((1, 2), code=other)) == pytest.approx((n - 2) / n)  # another's code
 
 
 def test_action_match_reads_the_idm_and_names_a_missing_file(tmp_path):

@@ -5,6 +5,9 @@ centre) or its textures (the creatures' codes).
 - `CreatureCount`: per frame, how near the number of creatures drawn is to the true frame's (the creatures' codes
   from the game's textures and the run's VQ), wherever they are: agreement alone pays a model to leave out
   creatures it cannot place (RESULTS.md, "Creatures").
+- `CreatureTolerantAgreement`: tile agreement where a creature drawn within `reach` tiles of the true one (the same
+  code, each paired once) counts as right on both tiles: a creature a tile off then costs nothing, one left out or
+  made up one tile, so leaving out what cannot be placed no longer pays.
 - `RevisitedTiles` (memory, verifiable): agreement on the tiles that come back into view having left it while an
   earlier frame of the model's window still showed them (waits, L-shapes, returns): the few tiles only memory can
   get right, weighted apart from the whole frame's agreement, where they are a percent of the tokens.
@@ -77,3 +80,40 @@ class CreatureCount:
         P, codes = r.prompt_frames, self.codes.to(gen.device)
         n_gen, n_real = (torch.isin(x[:, P:], codes).flatten(2).sum(-1).float() for x in (gen, real))
         return (1 - (n_gen - n_real).abs() / (n_gen + n_real).clamp(min=1)).mean(1)
+
+
+class CreatureTolerantAgreement:
+    """The share of generated image tokens equal to the simulator's (frames >= prompt_frames), where a creature
+    drawn off its true tile still counts: each drawn creature the true frame lacks there is paired with at most one
+    true creature of the same code the generated frame lacks, within `reach` tiles (Chebyshev), nearest first, and
+    both tiles of a pair count as right. A creature's code as in CreatureCount (`vq: ${vq.path}`)."""
+
+    def __init__(self, vq: str, reach: int = 1):
+        self.counter = CreatureCount(vq)
+        self.reach = int(reach)
+
+    def __call__(self, r: Rollouts) -> torch.Tensor:
+        gen, real = r.images()
+        gen, real = gen[:, r.prompt_frames:], real[:, r.prompt_frames:]
+        right = gen == real
+        codes = self.counter.codes.to(gen.device)
+        drawn, true = torch.isin(gen, codes) & ~right, torch.isin(real, codes) & ~right
+        for b, t in torch.nonzero((drawn.flatten(2).any(-1) & true.flatten(2).any(-1))).tolist():
+            for g, q in paired_creatures(drawn[b, t], true[b, t], gen[b, t], real[b, t], self.reach):
+                right[b, t][g] = right[b, t][q] = True
+        return right.float().flatten(1).mean(1)
+
+
+def paired_creatures(drawn: torch.Tensor, true: torch.Tensor, gen: torch.Tensor, real: torch.Tensor, reach: int
+                     ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(h, w) masks of one frame's unmatched drawn and true creatures and its codes -> pairs ((row, col) drawn,
+    (row, col) true) of the same code within reach, nearest first, each tile in at most one pair."""
+    ds, ts = [tuple(x) for x in torch.nonzero(drawn).tolist()], [tuple(x) for x in torch.nonzero(true).tolist()]
+    near = sorted((max(abs(a[0] - c[0]), abs(a[1] - c[1])), a, c) for a in ds for c in ts
+                  if int(gen[a]) == int(real[c]))
+    pairs, used = [], set()
+    for dist, a, c in near:
+        if dist <= reach and a not in used and c not in used:
+            pairs.append((a, c))
+            used.update((a, c))
+    return pairs
