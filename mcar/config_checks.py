@@ -21,7 +21,7 @@ MAX_FRAMES = 100_000  # longer rollouts run for days and their tokens and decode
 POLICIES = ("explorer", "forager", "hesitant", "random", "sweeper", "wanderer")
 # the reward classes, by module: the generic terms and the Crafter wing's (a test keeps them equal)
 REWARDS = {"mcar.train.rewards": ("ActionMatch", "NoInventedTiles", "TileAgreement", "TileMix"),
-           "mcar.crafter.rewards": ("CreatureCount", "RevisitedTiles")}
+           "mcar.crafter.rewards": ("CreatureCount", "CreatureTolerantAgreement", "RevisitedTiles")}
 
 
 @dataclass(frozen=True)
