@@ -270,6 +270,23 @@ def test_the_supervised_control_is_the_samplers_loss_on_the_true_clips():
         PostTrainModule(post | {"objective": "ppo"}, **kw)
 
 
+def test_the_runs_seed_picks_the_rollouts_noise_and_a_step_redraws_the_same():
+    """posttrain.seed: another seed draws other rollouts from the same weights and worlds; the same seed and step
+    draw the same (a resumed run)."""
+    from mcar.train.posttrain import PostTrainModule
+
+    clips = clips_of([[1, 2, 3, 4], [5, 6, 7, 8]])
+    torch.manual_seed(0)
+    module = PostTrainModule(TINY_POST, **TINY_MODULE)
+
+    def drawn(seed: int) -> torch.Tensor:
+        module.post["seed"] = seed
+        return module.rollouts(clips, 3)["tokens"]
+
+    first = drawn(0)
+    assert not torch.equal(first, drawn(1)) and torch.equal(first, drawn(0))
+
+
 def test_the_supervised_term_adds_the_true_clips_loss_to_grpos():
     """posttrain.supervised_coef: the GRPO loss plus that weight times the true clips' teacher-forced loss (the
     same rollouts: the noise keys are the step's); a negative weight is refused."""

@@ -25,6 +25,7 @@ import torch
 from mcar.checkpoint.io import load_checkpoint
 from mcar.checkpoint.load import transformer_of
 from mcar.core.model import Transformer
+from mcar.core.keyed_rng import seed_key
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, build_sampler
 from mcar.tokenizer.pictures import comparison_frames, write_video
@@ -104,9 +105,12 @@ class PostTrainModule(MCARModule):
     def rollouts(self, real: torch.Tensor, step: int, positions: torch.Tensor | None = None) -> dict:
         """`group` rollouts of each true clip (B, N) -> the generated clips, their log-probabilities as drawn, the
         rewards and advantages; positions (B, T, 2): the player's, for rewards that need them. Noise keys are (step,
-        row): a fresh draw every step, the same on a resumed run."""
+        row) and the run's seed (`posttrain.seed`): a fresh draw every step, the same on a resumed run."""
         clips = real.repeat_interleave(self.group, 0)
         keys = torch.arange(len(clips), device=clips.device) + (step + 1) * 1_000_003
+        seed = int(self.post.get("seed") or 0)
+        if seed:  # seed 0 adds nothing, so the shipped models' recipes draw what they drew
+            keys = keys ^ seed_key(seed)
         was_training = self.model.training
         self.model.eval()
         try:
