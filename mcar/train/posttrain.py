@@ -24,8 +24,8 @@ import torch
 
 from mcar.checkpoint.io import load_checkpoint
 from mcar.checkpoint.load import transformer_of
-from mcar.core.model import Transformer
 from mcar.core.keyed_rng import seed_key
+from mcar.core.model import Transformer
 from mcar.core.policy import RolloutScorer, group_advantages, grpo_loss
 from mcar.core.sampler import SamplingRule, build_sampler
 from mcar.tokenizer.pictures import comparison_frames, write_video
