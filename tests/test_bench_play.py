@@ -58,6 +58,28 @@ def test_bench_play_prints_a_table_and_keeps_the_json_in_its_file(crafter_files,
     assert np.isfinite(result["steps"]["ks"]["1"]["latency"]["p50_s"])
 
 
+def test_a_simulated_players_requests_wait_the_configured_timeout(monkeypatch):
+    """bench.serve.request_timeout_s reaches the player's HTTP client (httpx's own 5 s fails a loaded machine); a
+    client that cannot connect is an error the round counts, not a crash."""
+    import threading
+
+    import gradio_client
+
+    from mcar.bench.serve import player
+
+    seen = {}
+
+    def refusing_client(url, **kwargs):
+        seen.update(kwargs)
+        raise ConnectionError("refused")
+
+    monkeypatch.setattr(gradio_client, "Client", refusing_client)
+    results: list = []
+    player("http://127.0.0.1:1", 0.1, 4.0, 0, 1.0, results, threading.Barrier(1), timeout_s=7.0)
+    assert seen["httpx_kwargs"] == {"timeout": 7.0}
+    assert results[0]["frames"] == 0 and results[0]["errors"] == ["connect: ConnectionError: refused"]
+
+
 def test_bench_serve_plays_the_page_itself_with_simulated_players(crafter_files, tmp_path, capsys):  # noqa: F811
     """mcar bench serve: `mcar play` in its own process, two players at once on its HTTP API (gradio_client), each
     in its own session; what they saw, the server's memory, a table; the server is stopped at the end."""

@@ -125,7 +125,7 @@ def test_creature_tolerant_agreement_forgives_a_creature_a_tile_off_and_nothing_
     first nothing, the second and a made-up one a tile each, a second drawn beside the first one tile, and a
     creature of another code or two tiles off both tiles, as agreement does."""
     term = CreatureTolerantAgreement(str(REPO / "mcar" / "assets" / "vq_crafter_tiles_all"))
-    cow, other = int(term.counter.codes[0]), int(term.counter.codes[-1])
+    cow, other = int(term.codes[0]), int(term.codes[-1])
     at = lambda row, col: LAYOUT.frame_len * 2 + row * LAYOUT.w + col  # a tile of the last frame
     real = clips_of([[1, 2, 2]])
     real[0, at(1, 1)] = cow
@@ -147,6 +147,8 @@ def test_creature_tolerant_agreement_forgives_a_creature_a_tile_off_and_nothing_
     assert score(drawn((1, 0), (1, 2))) == pytest.approx((n - 1) / n)  # two for one: only one is paired
     assert score(drawn((1, 3))) == plain(drawn((1, 3))) == pytest.approx((n - 2) / n)  # two tiles off
     assert other != cow and score(drawn((1, 2), code=other)) == pytest.approx((n - 2) / n)  # another's code
+    with pytest.raises(ValueError, match="reach=-1"):
+        CreatureTolerantAgreement(str(REPO / "mcar" / "assets" / "vq_crafter_tiles_all"), reach=-1)
 
 
 def test_action_match_reads_the_idm_and_names_a_missing_file(tmp_path):

@@ -89,14 +89,16 @@ class CreatureTolerantAgreement:
     both tiles of a pair count as right. A creature's code as in CreatureCount (`vq: ${vq.path}`)."""
 
     def __init__(self, vq: str, reach: int = 1):
-        self.counter = CreatureCount(vq)
-        self.reach = int(reach)
+        if int(reach) < 0:
+            raise ValueError(f"posttrain.rewards: CreatureTolerantAgreement reach={reach}: tiles, >= 0 (0: plain "
+                             f"agreement)")
+        self.codes, self.reach = CreatureCount(vq).codes, int(reach)
 
     def __call__(self, r: Rollouts) -> torch.Tensor:
         gen, real = r.images()
         gen, real = gen[:, r.prompt_frames:], real[:, r.prompt_frames:]
         right = gen == real
-        codes = self.counter.codes.to(gen.device)
+        codes = self.codes.to(gen.device)
         drawn, true = torch.isin(gen, codes) & ~right, torch.isin(real, codes) & ~right
         for b, t in torch.nonzero((drawn.flatten(2).any(-1) & true.flatten(2).any(-1))).tolist():
             for g, q in paired_creatures(drawn[b, t], true[b, t], gen[b, t], real[b, t], self.reach):
