@@ -3,9 +3,11 @@ import logging
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from mcar.train.curves import TimeProgress, slow_step_hint
+from tests.conftest import compose
 
 
 def steps(progress: TimeProgress, trainer, n: int, seconds: float = 0.0) -> None:
@@ -29,6 +31,13 @@ def test_slow_cpu_steps_get_the_fixes_that_apply():
     assert quick.hint is None
     said = slow_step_hint(2.0, 60, threads=1, model="tiny")
     assert "threads=1" not in said and "model=tiny" not in said and "~2 min" in said
+
+
+@pytest.mark.parametrize("job", ["train", "finetune", "posttrain"])
+def test_the_slow_step_hint_offers_a_model_only_where_model_is_chosen(job):
+    """Fine-tuning and post-training keep init_from's model (model= is refused there): their hint names none."""
+    model = compose(job, ["model=small"]).callbacks.time_progress.model
+    assert model == ("small" if job == "train" else None)
 
 
 def test_a_long_first_step_is_said_by_time(caplog):

@@ -120,14 +120,28 @@ def prepare_finetune(cfg: DictConfig) -> str:
         raise ValueError(f"{asked[-1]}: fine-tuning keeps the model of init_from ({path}: "
                          f"{hp.get('model_name', 'its own config')}); drop {asked[-1]}, or pass init_from= a "
                          f"checkpoint of that model")
+    layers = grown_layers(cfg, hp, path)
     with open_dict(cfg):
         if "data" in cfg and not any(o.split("=")[0].lstrip("+~") == "data.seed" for o in command_line_overrides()):
             cfg.data.seed = cfg.seed  # the batch order follows this run's seed=, not the pre-training run's
         cfg.init_from = str(path)
-        cfg.model.arch = dict(hp["arch"], vocab_size=int(data.vocab_size))
+        cfg.model.arch = dict(hp["arch"], vocab_size=int(data.vocab_size), n_layers=layers)
         cfg.model.name = hp.get("model_name", cfg.model.name)
+        if layers != hp["arch"]["n_layers"]:
+            cfg.model.name = f"{cfg.model.name}_{layers}layers"
     log.info("fine-tuning %s (model %s)", path, cfg.model.name)
     return str(path)
+
+
+def grown_layers(cfg: DictConfig, hp: dict, source) -> int:
+    """The fine-tuned model's depth: init_from's, or grow_layers (more blocks, see grown_state)."""
+    old, new = int(hp["arch"]["n_layers"]), cfg.get("grow_layers")
+    if new is None:
+        return old
+    if new <= old:
+        raise ValueError(f"grow_layers={new}: {source} already has {old} layers; pass more than {old}, or drop "
+                         f"grow_layers")
+    return int(new)
 
 
 def source_vq_path(hp: dict, source) -> str:
@@ -169,11 +183,33 @@ def retoken_state(state: dict, codes: torch.Tensor, exact: torch.Tensor, old_cod
     return out
 
 
+def grown_state(state: dict, old_layers: int, new_layers: int) -> dict:
+    """A model state dict of `old_layers` blocks -> one of `new_layers` computing the same function (LLaMA Pro's
+    block expansion, Wu et al. 2024): the new blocks are spread evenly, each a copy of the block before it with its
+    residual outputs (attention.wo, feed_forward.w2) zeroed, so it adds nothing until training moves them."""
+    prefix = "model.layers."
+    extra = new_layers - old_layers
+    order = []  # (the old block each new position copies, whether it is a new block)
+    for i in range(old_layers):
+        order += [(i, False)] + [(i, True)] * ((i + 1) * extra // old_layers - i * extra // old_layers)
+    out = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    for pos, (src, new) in enumerate(order):
+        for key, value in state.items():
+            if key.startswith(f"{prefix}{src}."):
+                name = key[len(f"{prefix}{src}."):]
+                zero = new and name in ("attention.wo.weight", "feed_forward.w2.weight")
+                out[f"{prefix}{pos}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    return out
+
+
 def initial_state(cfg: DictConfig, init_from: str) -> dict:
     """The weights a run starts from: init_from's, its image codes mapped onto this run's VQ when retoken=true."""
     ckpt = load_checkpoint(init_from)
+    state = ckpt["state_dict"]
+    if cfg.get("grow_layers"):
+        state = grown_state(state, int(ckpt["hyper_parameters"]["arch"]["n_layers"]), int(cfg.grow_layers))
     if not cfg.get("retoken"):
-        return ckpt["state_dict"]
+        return state
     from mcar.tokenizer.patch_vq import code_map  # diffusers: imported by retoken only (GPU images lack it)
     from mcar.tokenizer.vq_model import load_vq
 
@@ -186,5 +222,5 @@ def initial_state(cfg: DictConfig, init_from: str) -> dict:
     log.info("retoken: %d of %d codes of %s start from the code of %s with their pixels; %d (new textures, pads) "
              "read as their nearest code and start at the mean output row", int(exact.sum()), len(codes),
              cfg.vq.path, hp["vq"]["path"], int((~exact).sum()))
-    return retoken_state(ckpt["state_dict"], codes, exact, int(hp["data"]["codebook_size"]),
+    return retoken_state(state, codes, exact, int(hp["data"]["codebook_size"]),
                          int(cfg.data.codebook_size))
