@@ -455,6 +455,33 @@ def test_versus_compares_two_runs_start_by_start():
     assert "| rollout model context=6: mean |" in versus_markdown(list(rows.values()), "x.json")
 
 
+def test_versus_pairs_each_runs_memory_gain_start_by_start():
+    """A shape's gain (a model row minus its own 2-frame window's) of one run minus the other's, start by start: a
+    run that gains 0.06 more at every start, wherever its 2-frame window sits, differs by exactly 0.06; a wait's
+    far tiles (all of its recall) get no second row."""
+    from mcar.eval.stats import interval
+    from mcar.eval.world_tests import paired_versus
+
+    g = torch.Generator().manual_seed(1)
+    short, far = (torch.rand(40, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    forced = " teacher-forced"
+
+    def run(gain: float, window: torch.Tensor) -> dict:
+        rows = {f"model context={n}{forced}": {"recall": interval(window + g, 0), "recall_far": interval(far + g, 0)}
+                for n, g in ((8, gain), (2, 0.0))}
+        wait = {f"model context=8{forced}": {k: interval(window + gain, 0) for k in ("recall", "recall_far")},
+                f"model context=2{forced}": {k: interval(window, 0) for k in ("recall", "recall_far")}}
+        return {"shapes": {"L_n1_m1": {"rows": rows}, "wait_n1_w2": {"rows": wait}}}
+
+    mine, theirs = run(0.10, short), json.loads(json.dumps(run(0.04, short.flip(0))))
+    rows = {r["what"]: r for r in paired_versus(mine, theirs, 0)}
+    for what in (f"shape L_n1_m1 model context=8{forced}: recall_far minus the 2-frame window's",
+                 f"shape wait_n1_w2 model context=8{forced}: recall minus the 2-frame window's"):
+        assert rows[what]["difference"] == pytest.approx(0.06) and rows[what]["lo"] == pytest.approx(0.06), what
+    assert f"shape wait_n1_w2 model context=8{forced}: recall_far minus the 2-frame window's" not in rows
+    assert not any("context=2" in w and "minus the 2-frame" in w for w in rows)
+
+
 # ------------------------------------------------------------------------------------------------ refused moves by type
 VIEW, SIZE, TILE = (9, 9), (144, 144), 16  # Crafter's 9x9 view at 16 pixels a tile
 

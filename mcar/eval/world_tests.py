@@ -258,8 +258,8 @@ def window_gains(res: dict, seed: int) -> list[dict]:
 def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
     """This run's rows minus another run's (`versus`: its world_tests.json), start by start (the same seed_base and
     starts: the same worlds and actions), each with a 95% bootstrap interval over starts: the rollout's agreement
-    (mean, last step), map, inventory and invented tiles, each event of `creatures` rows but the real frames', and
-    each loop's and shape's recall."""
+    (mean, last step), map, inventory and invented tiles, each event of `creatures` rows but the real frames', each
+    loop's and shape's recall, and each shape's memory gain (memory_gain_pairs)."""
     pairs = []
     for name, row in mine.get("rollout", {}).items():
         for key in ("mean", "last", "map_mean", "inventory_mean", "invented_mean", "tv_mean"):
@@ -273,10 +273,11 @@ def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
             pairs.append((f"loop {n} {name}: recall", r.get("recall"),
                           theirs.get("loops", {}).get(str(n), {}).get(name, {}).get("recall")))
     for shape, v in mine.get("shapes", {}).items():
+        their_rows = theirs.get("shapes", {}).get(shape, {}).get("rows", {})
         for name, r in v.get("rows", {}).items():
             for key in ("recall", "recall_far"):
-                pairs.append((f"shape {shape} {name}: {key}", r.get(key),
-                              theirs.get("shapes", {}).get(shape, {}).get("rows", {}).get(name, {}).get(key)))
+                pairs.append((f"shape {shape} {name}: {key}", r.get(key), their_rows.get(name, {}).get(key)))
+        pairs += memory_gain_pairs(f"shape {shape}", v.get("rows", {}), their_rows)
     out = []
     for what, a, b in pairs:
         if not a or not b or "per_start" not in a or "per_start" not in b or len(a["per_start"]) != len(b["per_start"]):
@@ -284,6 +285,29 @@ def paired_versus(mine: dict, theirs: dict, seed: int) -> list[dict]:
         d = paired_interval(a["per_start"], b["per_start"], seed)
         out.append({"what": what, "mine": a["mean"], "theirs": b["mean"], "difference": d["mean"], "lo": d["lo"],
                     "hi": d["hi"], "n": d["n"]})
+    return out
+
+
+def memory_gain_pairs(walk: str, mine: dict, theirs: dict) -> list[tuple]:
+    """What memory buys in each run (a model row's recall minus its 2-frame window's, start by start), to pair one
+    run's against the other's: a far-tile gain only where it is not the whole recall (as window_gains)."""
+    def gain(rows: dict, row: str, short: str, key: str) -> dict | None:
+        a, b = (rows.get(row) or {}).get(key) or {}, (rows.get(short) or {}).get(key) or {}
+        if not a.get("per_start") or len(a["per_start"]) != len(b.get("per_start") or []):
+            return None
+        per_start = [x - y for x, y in zip(a["per_start"], b["per_start"])]
+        return {"mean": sum(per_start) / len(per_start), "per_start": per_start}
+
+    out = []
+    for row in mine:
+        short = f"model context=2{' teacher-forced' if row.endswith(' teacher-forced') else ''}"
+        if not row.startswith("model") or row == short:
+            continue
+        for key in ("recall", "recall_far"):
+            if key == "recall_far" and _far_is_all(mine.get(row, {}), mine.get(short, {})):
+                continue
+            out.append((f"{walk} {row}: {key} minus the 2-frame window's", gain(mine, row, short, key),
+                        gain(theirs, row, short, key)))
     return out
 
 
