@@ -234,6 +234,11 @@ def _far_is_all(*rows: dict) -> bool:
     return all((r.get("recall") or {}).get("per_start") == (r.get("recall_far") or {}).get("per_start") for r in rows)
 
 
+def window_row(row: str) -> str:
+    """The 2-frame window's row a model row's memory is measured against: of its own kind (teacher-forced or not)."""
+    return "model context=2" + (" teacher-forced" if row.endswith(" teacher-forced") else "")
+
+
 def window_gains(res: dict, seed: int) -> list[dict]:
     """What memory buys: each loop's and shape's recall for every model row with a longer window minus the 2-frame
     window's (which cannot see the start frame at the end), paired start by start, with a 95% bootstrap interval
@@ -243,12 +248,11 @@ def window_gains(res: dict, seed: int) -> list[dict]:
     out = []
     for (walk, rows), key in itertools.product(walks, ("recall", "recall_far")):
         for row, r in rows.items():
-            forced = " teacher-forced" if row.endswith(" teacher-forced") else ""  # against the window's own kind
-            short, mine = rows.get(f"model context=2{forced}", {}).get(key) or {}, r.get(key) or {}
-            if not row.startswith("model") or row == f"model context=2{forced}" or "per_start" not in mine \
+            short, mine = rows.get(window_row(row), {}).get(key) or {}, r.get(key) or {}
+            if not row.startswith("model") or row == window_row(row) or "per_start" not in mine \
                     or "per_start" not in short:
                 continue
-            if key == "recall_far" and _far_is_all(r, rows.get(f"model context=2{forced}", {})):
+            if key == "recall_far" and _far_is_all(r, rows.get(window_row(row), {})):
                 continue  # a wait hides only far tiles: the same numbers as the walk's own row
             out.append({"walk": walk + (" (far tiles)" if key == "recall_far" else ""), "row": row,
                         **paired_interval(mine["per_start"], short["per_start"], seed)})
@@ -300,7 +304,7 @@ def memory_gain_pairs(walk: str, mine: dict, theirs: dict) -> list[tuple]:
 
     out = []
     for row in mine:
-        short = f"model context=2{' teacher-forced' if row.endswith(' teacher-forced') else ''}"
+        short = window_row(row)
         if not row.startswith("model") or row == short:
             continue
         for key in ("recall", "recall_far"):
