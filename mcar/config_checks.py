@@ -103,6 +103,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "model.arch.dim": count(1), "model.arch.n_layers": count(1), "model.arch.n_heads": count(1),
         "model.arch.mlp_dim": count(1), "far_copy_weight": real(ge=0), "retoken": flag(),
         "grow_layers": count(1, optional=True),
+        "rope_base": real(gt=1, optional=True),
         "context_noise": PROBABILITY, "sampler.temperature": real(ge=0),
         "sampler.min_p": real(ge=0, le=1, optional=True),
         "posttrain.objective": choice("grpo", "supervised"), "posttrain.group": count(1),

@@ -23,7 +23,7 @@ REFUSED = [
     ("posttrain", [], "starts.policy_mix={explorer:0,random:0,wanderer:0}"), ("posttrain", [], "starts.warmup=-1"),
     ("train", [], "far_copy_weight=-1"), ("train", [], "far_copy_weight=nan"), ("train", [], "far_copy_weight=inf"),
     ("train", [], "far_copy_weight=[1,2]"), ("train", [], "far_copy_weight=abc"), ("finetune", [], "retoken=abc"),
-    ("finetune", [], "grow_layers=0"), ("finetune", [], "grow_layers=abc"),
+    ("finetune", [], "grow_layers=0"), ("finetune", [], "grow_layers=abc"), ("finetune", [], "rope_base=1"),
     ("worldtest", ["ckpt=x"], "rollout_frames=100000000"), ("worldtest", ["ckpt=x"], "windows=[]"),
     ("worldtest", ["ckpt=x"], "windows=[1]"), ("train", [], "optim.lr=-1"),
     ("worldtest", ["ckpt=x"], "loop_lengths=abc"), ("train", [], "trainer.max_steps=abc"),

@@ -41,7 +41,9 @@ def test_a_grown_model_predicts_as_the_one_it_grew_from(new_layers):
 
 def test_finetune_grows_the_model_and_trains_its_new_blocks(tmp_path, tiny_checkpoint):
     """grow_layers=N fine-tunes an N-layer model from a shallower checkpoint and saves it with N layers, its new
-    blocks' outputs moved off zero; N not above the checkpoint's depth is refused naming both."""
+    blocks' outputs moved off zero; N not above the checkpoint's depth is refused naming both. rope_base (here in
+    the same run) is the saved model's, and the loaded model rotates with it."""
+    from mcar.sampling.world_model import WorldModel
     from mcar.tools.finetune import main as finetune
 
     depth = torch.load(tiny_checkpoint, weights_only=False)["hyper_parameters"]["arch"]["n_layers"]
@@ -49,8 +51,13 @@ def test_finetune_grows_the_model_and_trains_its_new_blocks(tmp_path, tiny_check
             "trainer.val_check_interval=2"]
     with pytest.raises(ValueError, match=f"grow_layers={depth}: .* already has {depth} layers"):
         run_in_process(finetune, *args, f"grow_layers={depth}", *job_overrides(tmp_path, "a"))
-    run_in_process(finetune, *args, f"grow_layers={2 * depth}", "run_name=grown", *job_overrides(tmp_path, "b"))
+    run_in_process(finetune, *args, f"grow_layers={2 * depth}", "rope_base=100", "run_name=grown",
+                   *job_overrides(tmp_path, "b"))
     ckpt = torch.load(tmp_path / "ckpt" / "grown" / "last.ckpt", weights_only=False)
+    assert ckpt["hyper_parameters"]["arch"]["rope_base"] == 100
+    rope = WorldModel.load(str(tmp_path / "ckpt" / "grown" / "last.ckpt"), device="cpu").model.rope
+    time_pairs = rope.sections[0]
+    assert rope.inv_freq[1].item() == pytest.approx(100 ** (-1 / time_pairs))  # 10000's would be 10000 ** (-1/n)
     assert ckpt["hyper_parameters"]["arch"]["n_layers"] == 2 * depth
     assert ckpt["hyper_parameters"]["model_name"].endswith(f"_{2 * depth}layers")
     assert ckpt["state_dict"]["model.layers.1.attention.wo.weight"].abs().sum() > 0

@@ -126,6 +126,8 @@ def prepare_finetune(cfg: DictConfig) -> str:
             cfg.data.seed = cfg.seed  # the batch order follows this run's seed=, not the pre-training run's
         cfg.init_from = str(path)
         cfg.model.arch = dict(hp["arch"], vocab_size=int(data.vocab_size), n_layers=layers)
+        if cfg.get("rope_base") is not None:  # the same weights, another RoPE frequency ladder
+            cfg.model.arch["rope_base"] = float(cfg.rope_base)
         cfg.model.name = hp.get("model_name", cfg.model.name)
         if layers != hp["arch"]["n_layers"]:
             cfg.model.name = f"{cfg.model.name}_{layers}layers"
