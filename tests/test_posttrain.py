@@ -272,6 +272,17 @@ def test_the_supervised_control_is_the_samplers_loss_on_the_true_clips():
         PostTrainModule(post | {"objective": "ppo"}, **kw)
 
 
+@pytest.mark.parametrize("cut", [{"min_p": 0.1}, {"top_p": 0.9}, {"top_k": 5}])
+def test_post_training_refuses_a_rule_that_cuts_the_distribution(cut):
+    """Under min_p / top_p / top_k a token drawn by the sampler can be cut by the updated model or the anchor: its
+    log-probability is -inf and the loss NaN (seen at step 5 of a real run), so the rule is refused by name."""
+    from mcar.train.posttrain import PostTrainModule
+
+    sampler = TINY_MODULE["sampler"] | cut
+    with pytest.raises(ValueError, match=f"sampler.{next(iter(cut))}=.*drop it here"):
+        PostTrainModule(TINY_POST, **(TINY_MODULE | {"sampler": sampler}))
+
+
 def test_the_runs_seed_picks_the_rollouts_noise_and_a_step_redraws_the_same():
     """posttrain.seed: another seed draws other rollouts from the same weights and worlds; the same seed and step
     draw the same (a resumed run)."""
