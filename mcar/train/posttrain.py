@@ -79,7 +79,7 @@ class PostTrainModule(MCARModule):
         if float(sampler.get("temperature", 1.0)) <= 0 or sampler.get("top_k") == 1:
             raise ValueError("sampler.temperature=0 / top_k=1 (greedy) has no distribution to improve: post-training "
                              "samples at temperature > 0")
-        cut = [f"sampler.{k}={sampler[k]}" for k in ("top_k", "top_p", "min_p") if sampler.get(k) is not None]
+        cut = [f"sampler.{k}={sampler[k]}" for k in ("top_k", "top_p", "min_p") if sampler.get(k)]
         if cut:  # a drawn token the updated model or the anchor cuts has log-probability -inf: a NaN loss
             raise ValueError(f"{cut[0]}: post-training samples from the whole distribution (a cut rule gives tokens "
                              f"the updated model or the KL anchor cuts no probability); drop it here, sample under "
